@@ -1,0 +1,64 @@
+"""The JSON API (django-ninja): bearer-token auth and errors as `{error, detail}` JSON."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest
+from ninja import NinjaAPI, Schema
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import HttpBearer
+
+from console.models import ApiToken
+
+
+class BearerToken(HttpBearer):
+    def authenticate(self, request: HttpRequest, token: str):
+        user = ApiToken.authenticate(token)
+        if user is not None:
+            request.user = user
+        return user
+
+
+api = NinjaAPI(title="HITL approval console", version="1", auth=BearerToken(), urls_namespace="api")
+
+
+def error(request, status: int, error_code: str, detail) -> object:
+    return api.create_response(request, {"error": error_code, "detail": detail}, status=status)
+
+
+@api.exception_handler(AuthenticationError)
+def _unauthorized(request, exc):
+    response = error(
+        request, 401, "unauthorized", "A valid 'Authorization: Bearer <token>' header is required."
+    )
+    response["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@api.exception_handler(ValidationError)
+def _invalid(request, exc):
+    return error(request, 422, "invalid", exc.errors)
+
+
+@api.exception_handler(HttpError)
+def _http_error(request, exc):
+    return error(request, exc.status_code, _ERROR_CODES.get(exc.status_code, "error"), str(exc))
+
+
+_ERROR_CODES = {
+    400: "bad_request",
+    403: "forbidden",
+    404: "not_found",
+    409: "conflict",
+    413: "too_large",
+    429: "too_many_requests",
+}
+
+
+class Me(Schema):
+    username: str
+    groups: list[str]
+
+
+@api.get("/me", response=Me, summary="Who the token belongs to")
+def me(request):
+    return {"username": request.user.username, "groups": sorted(g.name for g in request.user.groups.all())}

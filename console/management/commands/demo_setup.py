@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth.models import Group, User
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+from guardian.shortcuts import assign_perm
+
+from console.models import Channel, Role
+
+DEMO_CHANNELS = {
+    "payments": "Refunds and payouts (fake payment system)",
+    "email": "Messages to customers (fake mail system)",
+    "crm": "Customer records (fake CRM)",
+}
+
+# username -> (groups, superuser, channel permission)
+DEMO_USERS = {
+    "admin": ([Role.ADMIN], True, None),
+    "reviewer": ([Role.REVIEWER], False, "approve_channel"),
+    "ops": ([Role.OPS], False, "operate_channel"),
+    "outsider": ([], False, None),
+    "agent": ([], False, None),
+}
+
+
+class Command(BaseCommand):
+    help = "Create the demo channels and users (idempotent; development only)."
+
+    def handle(self, *args, **options):
+        if not settings.DEVELOPMENT:
+            raise CommandError("demo_setup creates users with a known password: it runs only in development.")
+        with transaction.atomic():
+            channels = [
+                Channel.objects.get_or_create(name=name, defaults={"description": description})[0]
+                for name, description in DEMO_CHANNELS.items()
+            ]
+            for username, (roles, superuser, channel_perm) in DEMO_USERS.items():
+                self._ensure_user(username, roles, superuser, channel_perm, channels)
+        if options["verbosity"] > 0:
+            self.stdout.write("Demo channels: " + ", ".join(DEMO_CHANNELS))
+            self.stdout.write("Demo users: " + ", ".join(DEMO_USERS) + " (password: $DEMO_PASSWORD)")
+
+    def _ensure_user(self, username, roles, superuser, channel_perm, channels) -> None:
+        user, _ = User.objects.get_or_create(username=username)
+        # Only write what differs, so a second run leaves every row as it was.
+        if not user.check_password(settings.DEMO_PASSWORD) or (user.is_superuser, user.is_staff) != (
+            superuser,
+            superuser,
+        ):
+            user.set_password(settings.DEMO_PASSWORD)
+            user.is_superuser = user.is_staff = superuser
+            user.save()
+        user.groups.add(*Group.objects.filter(name__in=roles))
+        if channel_perm:
+            for channel in channels:
+                assign_perm(f"console.{channel_perm}", user, channel)

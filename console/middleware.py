@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import structlog
+
+log = structlog.get_logger("console.request")
+
+# A caller's request id is kept only when it looks like one; anything else is replaced.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the caller's X-Request-ID or a new one), binds it to every log line written
+    while the request is handled, echoes it in the response, and logs one line per request."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        incoming = request.headers.get("X-Request-ID", "")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request.request_id = request_id
+        started = time.perf_counter()
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            response = self.get_response(request)
+            log.info(
+                "request",
+                method=request.method,
+                path=request.path,
+                status=response.status_code,
+                latency_ms=round((time.perf_counter() - started) * 1000, 1),
+            )
+        response["X-Request-ID"] = request_id
+        return response

@@ -1,0 +1,128 @@
+"""Settings, all read from the environment (see the configuration table in README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from console import logs
+from console.env import database_from_url, env_bool, env_int, env_secret, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+CONSOLE_ENV = env_str("CONSOLE_ENV", "development")
+DEVELOPMENT = CONSOLE_ENV == "development"
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_secret(
+    "SECRET_KEY", development_default="development-only-not-a-secret", development=DEVELOPMENT
+)
+ALLOWED_HOSTS = [h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()]
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+
+# The database: DATABASE_URL when set, otherwise the checkout's own embedded PostgreSQL.
+DATABASE_URL = env_str("DATABASE_URL")
+EMBEDDED_PGDATA = Path(env_str("EMBEDDED_PGDATA", str(BASE_DIR / ".pgdata")))
+if not DATABASE_URL:
+    from console import embedded_db
+
+    DATABASE_URL = embedded_db.start(EMBEDDED_PGDATA)
+    DATABASE_IS_EMBEDDED = True
+else:
+    DATABASE_IS_EMBEDDED = False
+DATABASES = {"default": database_from_url(DATABASE_URL)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "guardian",
+    "procrastinate.contrib.django",
+    "console",
+    "jobs",
+    "runs",
+    "approvals",
+]
+
+MIDDLEWARE = [
+    "console.middleware.RequestIdMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "console.urls"
+ASGI_APPLICATION = "console.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "guardian.backends.ObjectPermissionBackend",
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEVELOPMENT)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("vendor/htmx", BASE_DIR / "node_modules" / "htmx.org" / "dist"),
+]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}
+
+# Procrastinate: tasks live in each app's tasks.py.
+PROCRASTINATE_WORKER_DEFAULTS = {
+    "shutdown_graceful_timeout": env_int("WORKER_SHUTDOWN_GRACEFUL_TIMEOUT", 20),
+    "update_heartbeat_interval": env_int("WORKER_HEARTBEAT_INTERVAL", 10),
+}
+
+# /readyz reports not ready when no worker heartbeat is newer than this many seconds.
+READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
+
+# Demo logins (development only: demo_setup refuses to run outside development).
+DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")
+
+LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
+LOGGING = logs.django_logging(LOG_LEVEL)
+logs.configure_structlog()

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+
+from console import views
+from console.api import api
+
+
+def _login_not_required(patterns):
+    """The API authenticates with its own bearer tokens and answers 401 in JSON, never a login redirect."""
+    for pattern in patterns:
+        if hasattr(pattern, "url_patterns"):
+            _login_not_required(pattern.url_patterns)
+        else:
+            pattern.callback.login_required = False
+    return patterns
+
+
+api_patterns, api_app_name, api_namespace = api.urls
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("healthz", views.healthz, name="healthz"),
+    path("readyz", views.readyz, name="readyz"),
+    path("accounts/", include("django.contrib.auth.urls")),
+    path("admin/", admin.site.urls),
+    path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),
+]

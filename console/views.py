@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_not_required
+from django.db import DatabaseError, connection
+from django.http import JsonResponse
+from django.shortcuts import render
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+from procrastinate.contrib.django.models import ProcrastinateWorker
+
+from console.models import Role
+
+
+def home(request):
+    groups = set(request.user.groups.values_list("name", flat=True))
+    roles = [role for role in Role if role.value in groups]
+    if request.user.is_superuser and Role.ADMIN not in roles:
+        roles.append(Role.ADMIN)
+    return render(request, "console/home.html", {"roles": roles})
+
+
+@login_not_required
+@never_cache
+@require_GET
+def healthz(request):
+    """Liveness: the process answers. Touches nothing else, so a database outage does not restart it."""
+    return JsonResponse({"status": "ok"})
+
+
+@login_not_required
+@never_cache
+@require_GET
+def readyz(request):
+    """Readiness: the database answers and a worker has sent a heartbeat recently."""
+    problems = []
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError as exc:
+        problems.append(f"database unreachable: {exc.__class__.__name__}")
+    else:
+        max_age = settings.READY_HEARTBEAT_MAX_AGE
+        since = timezone.now() - timedelta(seconds=max_age)
+        if not ProcrastinateWorker.objects.filter(last_heartbeat__gte=since).exists():
+            problems.append(f"no worker heartbeat in the last {max_age} s")
+    if problems:
+        return JsonResponse({"status": "unavailable", "problems": problems}, status=503)
+    return JsonResponse({"status": "ok"})

@@ -1,0 +1,33 @@
+"""The production web server: uvicorn serving the ASGI app, logging through Django's JSON LOGGING.
+
+`python -m console.webserver --host 127.0.0.1 --port 8000 [--workers N]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import uvicorn
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+    uvicorn.run(
+        "console.asgi:application",
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_config=None,  # Django's LOGGING (set up when the app loads) renders uvicorn's records as JSON too
+        access_log=False,  # console.middleware logs one line per request, with its request id
+        lifespan="off",
+    )
+
+
+if __name__ == "__main__":
+    main()

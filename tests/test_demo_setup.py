@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.core.management import CommandError, call_command
+from guardian.models import UserObjectPermission
+
+from console.models import Channel
+
+
+def _state():
+    return {
+        "users": sorted(
+            User.objects.values_list("username", "password", "is_superuser", "is_staff", "is_active")
+        ),
+        "memberships": sorted(User.groups.through.objects.values_list("user__username", "group__name")),
+        "groups": sorted(Group.objects.values_list("name", flat=True)),
+        "channels": sorted(Channel.objects.values_list("name", "required_approvals", "kill_switch_engaged")),
+        "object_perms": sorted(
+            UserObjectPermission.objects.values_list("user__username", "permission__codename", "object_pk")
+        ),
+    }
+
+
+def test_it_creates_the_demo_users_and_channels(db):
+    call_command("demo_setup", verbosity=0)
+    assert set(Channel.objects.values_list("name", flat=True)) == {"payments", "email", "crm"}
+    reviewer, ops, admin, outsider = (
+        User.objects.get(username=n) for n in ("reviewer", "ops", "admin", "outsider")
+    )
+    for channel in Channel.objects.all():
+        assert reviewer.has_perm("console.approve_channel", channel)
+        assert not reviewer.has_perm("console.operate_channel", channel)
+        assert ops.has_perm("console.operate_channel", channel)
+        assert not ops.has_perm("console.approve_channel", channel)
+        assert not outsider.has_perm("console.approve_channel", channel)
+    assert admin.is_superuser and admin.groups.filter(name="admin").exists()
+    assert reviewer.check_password("demo")
+    assert User.objects.filter(username="agent").exists()
+
+
+def test_running_it_twice_gives_the_same_state(db):
+    call_command("demo_setup", verbosity=0)
+    first = _state()
+    call_command("demo_setup", verbosity=0)
+    assert _state() == first
+
+
+def test_it_restores_a_changed_demo_password(db, settings):
+    call_command("demo_setup", verbosity=0)
+    settings.DEMO_PASSWORD = "another"
+    call_command("demo_setup", verbosity=0)
+    assert User.objects.get(username="reviewer").check_password("another")
+
+
+def test_it_refuses_to_run_outside_development(db, settings):
+    settings.DEVELOPMENT = False
+    with pytest.raises(CommandError, match="only in development"):
+        call_command("demo_setup", verbosity=0)
+    assert not User.objects.filter(username="reviewer").exists()

@@ -1,9 +1,18 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from urllib.parse import quote
 
 import pytest
+from django.conf import settings as django_settings
+from django.contrib.auth.hashers import PBKDF2PasswordHasher, make_password
 from django.contrib.auth.models import Group, User
+from django.db import connection, connections
 
 from console.models import Channel, Role
 
@@ -23,7 +32,7 @@ def _fast_tests(settings):
 
 def _user(username: str, *roles: Role, superuser: bool = False) -> User:
     user = User.objects.create_user(username, password="password", is_superuser=superuser, is_staff=superuser)
-    user.groups.add(*Group.objects.filter(name__in=roles))
+    user.groups.add(*(Group.objects.get_or_create(name=role)[0] for role in roles))
     return user
 
 
@@ -72,10 +81,22 @@ def browser():
     """Debian's Chromium driven by Playwright (Playwright's own browser download cannot work here)."""
     from playwright.sync_api import sync_playwright
 
+    # Django keeps a connection per context, and Playwright's sync API switches contexts (greenlets) on
+    # entry and exit: close the connections of each side, or one stays open and the test database cannot be
+    # dropped.
+    connections.close_all()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+        connections.close_all()
+
+
+def set_production_password(user, password: str = "password") -> None:
+    """Tests hash with MD5 for speed; the console server runs with the production hashers, so a user who logs
+    in through its login page needs a password hashed the production way."""
+    user.password = make_password(password, hasher=PBKDF2PasswordHasher())
+    user.save(update_fields=["password"])
 
 
 @pytest.fixture
@@ -85,3 +106,66 @@ def page(browser):
     page.set_default_timeout(10_000)
     yield page
     context.close()
+
+
+def _database_url(db: dict) -> str:
+    credentials = quote(db["USER"]) + (":" + quote(db["PASSWORD"]) if db["PASSWORD"] else "")
+    if db["HOST"].startswith("/"):  # a unix socket
+        return f"postgresql://{credentials}@/{quote(db['NAME'])}?host={quote(db['HOST'])}"
+    return f"postgresql://{credentials}@{db['HOST']}:{db['PORT'] or 5432}/{quote(db['NAME'])}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ConsoleServer:
+    """The production web server (uvicorn, `python -m console.webserver`) in its own process, on the test
+    database. Tests that use it see each other's writes only when committed: they use `transactional_db`."""
+
+    def __init__(self, env: dict):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "console.webserver", "--port", str(self.port)],
+            cwd=django_settings.BASE_DIR,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, "the console server exited at start-up"
+                assert time.monotonic() < deadline, "the console server did not answer within 30 s"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def _console_server(django_db_setup, django_db_blocker):
+    with django_db_blocker.unblock():
+        env = {**os.environ, "DATABASE_URL": _database_url(connection.settings_dict)}
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    subprocess.run(
+        [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
+        cwd=django_settings.BASE_DIR,
+        env=env,
+        check=True,
+    )
+    server = ConsoleServer(env)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def console_server(_console_server, transactional_db):
+    return _console_server

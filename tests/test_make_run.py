@@ -85,7 +85,9 @@ def test_make_run_serves_and_ctrl_c_stops_everything(tmp_path):
     finally:
         output = run.ctrl_c()
     assert "Stopped." in output, output
-    assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # The web server, the worker, the database guard and PostgreSQL itself all end.
+    gone, alive = psutil.wait_procs(processes, timeout=10)
+    assert not alive, f"left running after Ctrl-C: {[p.cmdline() for p in alive]}"
     deadline = time.monotonic() + 10
     while embedded_db.postgres_pids(pgdata):
         assert time.monotonic() < deadline, "the embedded postgres outlived make run"

@@ -20,6 +20,12 @@ from console.models import Channel, Role
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "1")
 
 
+def pytest_configure(config):
+    # WhiteNoise warns (an error under filterwarnings) when STATIC_ROOT does not exist, as on a fresh clone
+    # before any collectstatic. Tests that need the collected files run collectstatic themselves.
+    django_settings.STATIC_ROOT.mkdir(exist_ok=True)
+
+
 @pytest.fixture(autouse=True)
 def _fast_tests(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import Group
-from django.db import models
+from django.db import connection, models
 from django.utils import timezone
 
 
@@ -67,6 +67,22 @@ class Channel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @classmethod
+    def killed_for_effects(cls, name: str) -> str | None:
+        """Inside the transaction that writes an effect's receipt: the kill switch reason if `name` is
+        stopped, else None. FOR SHARE makes engaging the switch (an UPDATE of this row) wait until effects
+        already past this point have committed, and every effect after it see the switch."""
+        assert connection.in_atomic_block
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT kill_switch_engaged, kill_switch_reason FROM console_channel WHERE name = %s FOR SHARE",
+                [name],
+            )
+            row = cursor.fetchone()
+        if row is not None and row[0]:
+            return row[1] or "no reason given"
+        return None
 
 
 def _digest(raw: str) -> str:

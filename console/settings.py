@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from console import logs
-from console.env import database_from_url, env_bool, env_int, env_secret, env_str
+from console.env import database_from_url, env_bool, env_float, env_int, env_list, env_secret, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -15,8 +15,8 @@ DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = env_secret(
     "SECRET_KEY", development_default="development-only-not-a-secret", development=DEVELOPMENT
 )
-ALLOWED_HOSTS = [h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()]
-CSRF_TRUSTED_ORIGINS = [o.strip() for o in env_str("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
 # The database: DATABASE_URL when set, otherwise the checkout's own embedded PostgreSQL.
 DATABASE_URL = env_str("DATABASE_URL")
@@ -113,9 +113,35 @@ STORAGES = {
 
 # Procrastinate: tasks live in each app's tasks.py.
 PROCRASTINATE_WORKER_DEFAULTS = {
-    "shutdown_graceful_timeout": env_int("WORKER_SHUTDOWN_GRACEFUL_TIMEOUT", 20),
-    "update_heartbeat_interval": env_int("WORKER_HEARTBEAT_INTERVAL", 10),
+    "concurrency": env_int("WORKER_CONCURRENCY", 4),
+    "shutdown_graceful_timeout": env_float("WORKER_SHUTDOWN_GRACEFUL_TIMEOUT", 20),
+    "update_heartbeat_interval": env_float("WORKER_HEARTBEAT_INTERVAL", 10),
+    "stalled_worker_timeout": env_float("STALLED_AFTER_SECONDS", 30),
+    "fetch_job_polling_interval": env_float("WORKER_POLL_INTERVAL", 1),
 }
+# A job whose worker has sent no heartbeat for this long is requeued by the sweep (runs.tasks).
+STALLED_AFTER_SECONDS = env_float("STALLED_AFTER_SECONDS", 30)
+STALLED_SWEEP_CRON = env_str("STALLED_SWEEP_CRON", "*/10 * * * * *")  # sixth field: seconds
+
+# The engine.
+RUN_MAX_ATTEMPTS = env_int("RUN_MAX_ATTEMPTS", 3)
+RETRY_BASE_SECONDS = env_float("RETRY_BASE_SECONDS", 1.0)
+RETRY_CAP_SECONDS = env_float("RETRY_CAP_SECONDS", 60.0)
+TENANT_MAX_RUNNING = env_int("TENANT_MAX_RUNNING", 8)
+TENANT_WAIT_SECONDS = env_float("TENANT_WAIT_SECONDS", 1.0)
+AGENT_MODEL = env_str("AGENT_MODEL", "runs.llm.model_for_run")
+AGENT_TOOLS = env_str("AGENT_TOOLS", "runs.sandbox.Tools")
+# Modules that register workflows, imported at start-up besides runs.demo.
+WORKFLOW_MODULES = ["runs.demo", *env_list("WORKFLOW_MODULES")]
+# An OpenAI-compatible endpoint for the model; unset, the demo's scripted fake model answers.
+MODEL_BASE_URL = env_str("MODEL_BASE_URL")
+MODEL_API_KEY = env_str("MODEL_API_KEY")
+MODEL_NAME = env_str("MODEL_NAME", "gpt-4o-mini")
+# The demo's refund gate approves by itself below this amount.
+AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
+
+# The JSON API refuses bodies larger than this with 413.
+API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
 
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)

@@ -1,0 +1,68 @@
+"""The approvals app's side of runs.gates: parked requests become cards, decisions come back to the engine."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+
+from approvals.models import Approval
+from console.models import Channel
+from runs.gates import ApprovalRequest, Decision
+from runs.workflow import Fatal
+
+
+class CardBackend:
+    def open(self, run, seq: int, request: ApprovalRequest) -> None:
+        channel = Channel.objects.filter(name=request.channel).first()
+        if channel is None:
+            raise Fatal(
+                f"the workflow asks for a decision on channel {request.channel!r}, which does not exist"
+            )
+        args_hash = request.args_hash()
+        open_card = Approval.objects.filter(run=run, step_seq=seq, status__in=Approval.OPEN).first()
+        if open_card is not None:
+            if open_card.args_hash == args_hash:
+                return  # parked again on the same question (a resumed job): keep the card
+            open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
+            open_card.save(update_fields=["status", "decided_at"])
+        Approval.objects.create(
+            run=run,
+            step_seq=seq,
+            kind=request.kind,
+            channel=channel,
+            proposed=request.proposed,
+            current=request.current,
+            summary=request.summary,
+            rule_id=request.rule_id,
+            confidence=request.confidence,
+            citations=request.citations,
+            risk=request.risk,
+            args_hash=args_hash,
+            due_at=timezone.now() + channel.sla,
+        )
+
+    def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
+        card = (
+            Approval.objects.filter(
+                run=run, step_seq=seq, args_hash=request.args_hash(), status__in=Approval.DECIDED
+            )
+            .order_by("-decided_at")
+            .first()
+        )
+        if card is None:
+            return None
+        last = card.decisions.select_related("actor").order_by("-created_at").first()
+        payload = {Approval.Status.APPROVED: card.proposed, Approval.Status.EDITED: last.payload}.get(
+            card.status
+        )
+        return Decision(
+            decision=card.status,
+            payload=payload,
+            comment=last.comment,
+            reason=last.reason,
+            by=last.actor.username if last.actor else "system",
+        )
+
+    def close_pending(self, run, status: str) -> None:
+        Approval.objects.filter(run=run, status__in=Approval.OPEN).update(
+            status=status, decided_at=timezone.now()
+        )

@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from console.models import Channel
+from runs.gates import Kind
+from runs.models import Run
+
+
+class DecisionError(Exception):
+    """A decision that cannot be taken; `status` is the HTTP status it maps to."""
+
+    status = 400
+
+
+class InvalidDecision(DecisionError):
+    status = 422
+
+
+class AlreadyDecided(DecisionError):
+    status = 409
+
+    def __init__(self, card: Approval):
+        last = card.decisions.order_by("-created_at").first()
+        by = last.actor.username if last and last.actor else "system"
+        when = (card.decided_at or timezone.now()).isoformat()
+        super().__init__(f"this card was already {card.status} by {by} at {when}")
+        self.card, self.by, self.at = card, by, when
+
+
+class StaleVersion(DecisionError):
+    status = 409
+
+    def __init__(self, card: Approval, version: int):
+        super().__init__(f"the card changed (version {card.version}, you sent {version}): reload it")
+        self.card = card
+
+
+class ApprovalStatus(models.TextChoices):
+    PENDING = "pending"
+    APPROVED = "approved"
+    EDITED = "edited"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    ESCALATED = "escalated"
+    CANCELLED = "cancelled"
+
+
+class Risk(models.TextChoices):
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+
+
+class Approval(models.Model):
+    """The card: what the agent wants to do on a channel, against the current state, and why."""
+
+    Status = ApprovalStatus
+    Risk = Risk
+
+    OPEN = (Status.PENDING, Status.ESCALATED)
+    DECIDED = (Status.APPROVED, Status.EDITED, Status.REJECTED)
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
+    step_seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16, default=Kind.ACTION)
+    channel = models.ForeignKey(Channel, on_delete=models.PROTECT, related_name="approvals")
+    proposed = models.JSONField(encoder=DjangoJSONEncoder)
+    current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    summary = models.TextField(blank=True)
+    rule_id = models.CharField(max_length=100, blank=True)
+    confidence = models.FloatField(null=True, blank=True)
+    citations = models.JSONField(default=list, blank=True)
+    risk = models.CharField(max_length=8, choices=Risk.choices, default=Risk.MEDIUM)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    args_hash = models.CharField(max_length=64)
+    version = models.PositiveIntegerField(default=1)
+    due_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["due_at"]
+        indexes = [models.Index(fields=["status", "channel", "due_at"], name="approvals_open_by_channel")]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "step_seq"],
+                condition=Q(status__in=["pending", "escalated"]),
+                name="approvals_approval_one_open_per_step",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=ApprovalStatus.values), name="approvals_approval_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(kind__in=[Kind.ACTION, Kind.RECONCILE, Kind.BUDGET]),
+                name="approvals_approval_kind_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=["pending", "escalated"], decided_at__isnull=True)
+                | (~Q(status__in=["pending", "escalated"]) & Q(decided_at__isnull=False)),
+                name="approvals_approval_decided_iff_decided_at",
+            ),
+            models.CheckConstraint(
+                condition=Q(confidence__isnull=True) | Q(confidence__gte=0, confidence__lte=1),
+                name="approvals_approval_confidence_0_1",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} card on {self.channel} for {self.run_id}#{self.step_seq} ({self.status})"
+
+    def decide(
+        self,
+        actor,
+        decision: str,
+        *,
+        comment: str = "",
+        reason: str = "",
+        payload: dict | None = None,
+        version: int | None = None,
+    ) -> Approval:
+        """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
+        decision, updates the card and re-queues the run with its job, all in one transaction."""
+        status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
+        if decision not in status:
+            raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
+        comment = (comment or "").strip()
+        if decision == "reject" and not comment:
+            raise InvalidDecision("a rejection needs a comment saying why")
+        if decision == "edit" and not isinstance(payload, dict):
+            raise InvalidDecision("an edit needs the new payload (an object)")
+        with transaction.atomic():
+            card = Approval.objects.select_for_update().get(pk=self.pk)
+            if card.status not in self.OPEN:
+                raise AlreadyDecided(card)
+            if version is not None and version != card.version:
+                raise StaleVersion(card, version)
+            Decision.objects.create(
+                approval=card,
+                actor=actor,
+                decision=decision,
+                comment=comment,
+                reason=reason or "",
+                payload=payload if decision == "edit" else None,
+            )
+            card.status = status[decision]
+            card.decided_at = timezone.now()
+            card.version += 1
+            card.save(update_fields=["status", "decided_at", "version"])
+            run = Run.objects.select_for_update().get(pk=card.run_id)
+            if run.status in Run.PARKED:
+                run.status = Run.Status.QUEUED
+                run.pause_reason = ""
+                run.save(update_fields=["status", "pause_reason", "updated_at"])
+                run.enqueue()
+        return card
+
+
+class Decision(models.Model):
+    """One person's (or the system's) decision on a card."""
+
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="decisions")
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT)
+    decision = models.CharField(max_length=8)
+    comment = models.TextField(blank=True)
+    reason = models.CharField(max_length=32, blank=True)
+    payload = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(decision__in=["approve", "edit", "reject"]), name="approvals_decision_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(decision="reject") | ~Q(comment=""), name="approvals_decision_reject_has_comment"
+            ),
+        ]

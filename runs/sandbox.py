@@ -1,0 +1,157 @@
+"""The demo's fake external systems (payments, email, crm), deliberately NOT idempotent: every call they
+receive is a `SandboxCall` row, so a duplicate side effect that the engine let through is visible in
+`manage.py sandbox_stats`. Faults are injected on request through the run input:
+
+    {"faults": {"issue_refund": ["429", "hang"], "classify": ["latency:300"]}}
+
+The n-th call a step makes to a system gets the n-th fault of its list:
+`429` / `5xx` (refused, not applied: Retryable), `fatal` (refused: Fatal), `timeout` (applied, then the
+answer is lost), `hang` (applied, then the call blocks, as if the worker died before the answer: the crash
+tests kill it there), `latency:MS` (slow, then fine), `ok`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+
+from django.db.models import Count, Q
+
+from runs.models import Run, SandboxCall
+from runs.workflow import Fatal, Retryable
+
+HANG_SECONDS = 120  # a hang ends (as a timeout) if nobody kills the worker, so no test can block forever
+
+
+def next_fault(run: Run, system: str, operation: str) -> str:
+    faults = (run.input.get("faults") or {}).get(operation, []) if isinstance(run.input, dict) else []
+    made = SandboxCall.objects.filter(run_id=run.id, system=system, operation=operation).count()
+    return faults[made] if made < len(faults) else "ok"
+
+
+def refuse_or_delay(fault: str, what: str) -> None:
+    """Faults that happen before the call is applied."""
+    if fault.startswith("latency:"):
+        time.sleep(int(fault.split(":", 1)[1]) / 1000)
+    elif fault == "429":
+        raise Retryable(f"{what}: 429 Too Many Requests")
+    elif fault == "5xx":
+        raise Retryable(f"{what}: 503 Service Unavailable")
+    elif fault == "fatal":
+        raise Fatal(f"{what}: 400 Bad Request (refused)")
+
+
+def lose_the_answer(fault: str, what: str) -> None:
+    """Faults that happen after the call was applied: the caller cannot know it was."""
+    if fault == "hang":
+        time.sleep(HANG_SECONDS)
+        raise TimeoutError(f"{what}: no answer after {HANG_SECONDS} s")
+    if fault == "timeout":
+        raise TimeoutError(f"{what}: timed out")
+
+
+class _System:
+    system = ""
+
+    def __init__(self, run: Run, operation: str):
+        self.run = run
+        self.operation = operation
+
+    def _call(self, payload: dict, key: str = "") -> SandboxCall:
+        fault = next_fault(self.run, self.system, self.operation)
+        what = f"{self.system}.{self.operation}"
+        try:
+            refuse_or_delay(fault, what)
+        except (Retryable, Fatal):
+            SandboxCall.objects.create(
+                system=self.system,
+                operation=self.operation,
+                idempotency_key=key,
+                run_id=self.run.id,
+                payload=payload,
+                applied=False,
+            )
+            raise
+        call = SandboxCall.objects.create(
+            system=self.system,
+            operation=self.operation,
+            idempotency_key=key,
+            run_id=self.run.id,
+            payload=payload,
+            external_id=f"{self.system[:2]}_{uuid.uuid4().hex[:12]}",
+        )
+        lose_the_answer(fault, what)
+        return call
+
+
+class Payments(_System):
+    system = "payments"
+
+    def refund(self, *, customer_id: str, amount_cents: int, currency: str, idempotency_key: str) -> dict:
+        payload = {"customer_id": customer_id, "amount_cents": amount_cents, "currency": currency}
+        call = self._call(payload, idempotency_key)
+        return {"id": call.external_id, "status": "refunded", **payload}
+
+    @staticmethod
+    def lookup(idempotency_key: str) -> dict | None:
+        """The payment system can say whether a refund with this key exists (reconciles ambiguous writes)."""
+        call = SandboxCall.objects.filter(
+            system="payments", idempotency_key=idempotency_key, applied=True
+        ).first()
+        if call is None:
+            return None
+        return {"id": call.external_id, "status": "refunded", **call.payload}
+
+
+class Email(_System):
+    system = "email"
+
+    def send(self, *, to: str, subject: str, body: str, idempotency_key: str) -> dict:
+        call = self._call({"to": to, "subject": subject, "body": body}, idempotency_key)
+        return {"id": call.external_id, "status": "sent", "to": to}
+
+
+class Crm(_System):
+    system = "crm"
+
+    def get_customer(self, customer_id: str) -> dict:
+        self._call({"customer_id": customer_id})
+        seed = int(hashlib.sha256(customer_id.encode()).hexdigest(), 16)
+        first = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken"][seed % 8]
+        return {
+            "id": customer_id,
+            "name": f"{first} {customer_id[-4:].upper()}",
+            "email": f"{customer_id}@example.com",
+            "lifetime_value_cents": 5_000 + seed % 200_000,
+            "refunds_last_90d": seed % 3,
+            "balance_cents": seed % 10_000,
+        }
+
+
+class Tools:
+    """The tool clients a step sees as `ctx.tools` (settings.AGENT_TOOLS), bound to the run and the step."""
+
+    def __init__(self, run: Run, step: str):
+        self.payments = Payments(run, step)
+        self.email = Email(run, step)
+        self.crm = Crm(run, step)
+
+
+def stats() -> dict:
+    """Side effects received per system, and duplicates: calls beyond the first for one idempotency key."""
+    applied = SandboxCall.objects.filter(applied=True)
+    per_system = dict(applied.values_list("system").annotate(n=Count("id")))
+    duplicates = sum(
+        n - 1
+        for n in applied.exclude(idempotency_key="")
+        .filter(~Q(system="model"))
+        .values("system", "idempotency_key")
+        .annotate(n=Count("id"))
+        .filter(n__gt=1)
+        .values_list("n", flat=True)
+    )
+    return {
+        "channels": {name: per_system.get(name, 0) for name in ("payments", "email", "crm")},
+        "duplicates": duplicates,
+    }

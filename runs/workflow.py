@@ -1,0 +1,238 @@
+"""The workflow definition API: a workflow is Python code, registered by name and version, whose steps are
+plain functions of a `Context`. See docs/workflows.md for a worked example (the `refund` demo)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from runs import gates
+from runs.gates import ApprovalRequest, Decision
+
+if TYPE_CHECKING:
+    from runs.models import Run
+
+
+# Errors a step may raise. Anything else is treated as Retryable (bounded), because an unknown error from a
+# model or a network library is more often transient than not.
+class Retryable(Exception):
+    """Transport errors, 429/5xx, timeouts: retried with exponential backoff and jitter."""
+
+
+class Fatal(Exception):
+    """Validation, 4xx, refusals: never retried; the run goes to the dead-letter queue."""
+
+
+class Ambiguous(Exception):
+    """A write that may or may not have happened: never retried blindly."""
+
+
+class Park(Exception):
+    """Raised inside a step to park the run: for a person's decision (with `request`) or a kill switch."""
+
+    def __init__(self, reason: str, request: ApprovalRequest | None = None, paused: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.request = request
+        self.paused = paused
+
+
+StepFn = Callable[["Context"], Any]
+
+
+@dataclass(frozen=True)
+class StepDef:
+    name: str
+    kind: str  # compute | read | effect | gate
+    fn: StepFn
+    channel: str | None = None
+
+
+@dataclass
+class Workflow:
+    """Ordered steps, declared with the decorators below in the order they run.
+
+    `on_reject`: how a rejected gate ends the run, "succeed" (default: the run succeeded, its result says it
+    was rejected) or "fail".
+    """
+
+    name: str
+    version: int = 1
+    on_reject: str = "succeed"
+    description: str = ""
+    steps: list[StepDef] = field(default_factory=list)
+
+    def _add(self, kind: str, channel: str | None = None, name: str | None = None):
+        def decorator(fn: StepFn) -> StepFn:
+            step_name = name or fn.__name__
+            if any(s.name == step_name for s in self.steps):
+                raise ValueError(f"{self.name}: two steps are named {step_name!r}")
+            self.steps.append(StepDef(step_name, kind, fn, channel))
+            return fn
+
+        return decorator
+
+    def compute(self, fn: StepFn | None = None, *, name: str | None = None):
+        """A model call or any computation: its output is recorded and replayed, never recomputed."""
+        return self._add("compute", name=name)(fn) if fn else self._add("compute", name=name)
+
+    def read(self, fn: StepFn | None = None, *, name: str | None = None):
+        """A tool read (no side effect): retried freely."""
+        return self._add("read", name=name)(fn) if fn else self._add("read", name=name)
+
+    def effect(self, channel: str, *, name: str | None = None):
+        """A side effect on `channel`: the step must go through `ctx.effect(...)`."""
+        return self._add("effect", channel=channel, name=name)
+
+    def gate(self, channel: str, *, name: str | None = None):
+        """A person's sign-off on `channel`: the step returns `ctx.gate(...)` (or decides by itself)."""
+        return self._add("gate", channel=channel, name=name)
+
+
+class UnknownWorkflow(LookupError):
+    pass
+
+
+_registry: dict[str, dict[int, Workflow]] = {}
+
+
+def register(workflow: Workflow) -> Workflow:
+    versions = _registry.setdefault(workflow.name, {})
+    if workflow.version in versions and versions[workflow.version] is not workflow:
+        raise ValueError(f"workflow {workflow.name} v{workflow.version} is registered twice")
+    versions[workflow.version] = workflow
+    return workflow
+
+
+def get(name: str, version: int | None = None) -> Workflow:
+    """The workflow `name` at `version` (the latest when None)."""
+    versions = _registry.get(name)
+    if not versions:
+        raise UnknownWorkflow(f"unknown workflow {name!r}; known: {', '.join(sorted(_registry)) or 'none'}")
+    if version is None:
+        return versions[max(versions)]
+    if version not in versions:
+        raise UnknownWorkflow(
+            f"workflow {name!r} has no version {version} in this deployment (it has "
+            f"{', '.join(map(str, sorted(versions)))}); the run is kept and can be requeued once it is deployed"
+        )
+    return versions[version]
+
+
+def names() -> list[str]:
+    return sorted(_registry)
+
+
+@dataclass
+class Usage:
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost: Decimal = Decimal(0)
+
+    def add(self, tokens_in: int, tokens_out: int, cost: Decimal) -> None:
+        self.tokens_in += tokens_in
+        self.tokens_out += tokens_out
+        self.cost += cost
+
+
+class Context:
+    """What a step sees: the run input, earlier steps' outputs, the model and tools, effects and gates."""
+
+    def __init__(self, run: Run, step: StepDef, seq: int, outputs: dict[str, Any], model, tools):
+        self.run = run
+        self.step = step
+        self.seq = seq
+        self.input: dict = run.input
+        self.outputs = outputs
+        self.model = model
+        self.tools = tools
+        self.usage: Usage = getattr(model, "usage", None) or Usage()
+        self.last_effect_key: str | None = None
+
+    def effect(
+        self,
+        call: Callable[[str], dict],
+        *,
+        key: str | None = None,
+        lookup: Callable[[str], dict | None] | None = None,
+        action: str | None = None,
+    ) -> dict:
+        """Do a side effect on this step's channel at most once.
+
+        `call(idempotency_key)` performs it and returns the external system's answer (a dict, with `id` when
+        it has one). The receipt is written first; a done receipt makes this a no-op that returns the stored
+        answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
+        tool has one, otherwise the run parks for a person to reconcile.
+        """
+        from runs.models import Receipt
+
+        channel = self.step.channel
+        key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}"
+        self.last_effect_key = key
+        receipt = _open_receipt(self.run, self.seq, channel, key)
+        if receipt.status == Receipt.Status.DONE:
+            return receipt.response
+        if not receipt.fresh:
+            found = lookup(key) if lookup else self._reconciled_by_a_person(receipt)
+            if found is not None:
+                return receipt.complete(found, reconciled=True)
+            # The lookup is authoritative: the write did not happen, so it is safe to do it now.
+        try:
+            response = call(key)
+        except (Retryable, Fatal):
+            receipt.delete()  # the tool says the call was not applied
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever else happened, the write may have been applied
+            raise Ambiguous(f"{channel} call {key} ended with {exc.__class__.__name__}: {exc}") from exc
+        return receipt.complete(response)
+
+    def _reconciled_by_a_person(self, receipt) -> dict | None:
+        request = ApprovalRequest(
+            channel=receipt.channel,
+            kind=gates.Kind.RECONCILE,
+            proposed={"receipt": receipt.key, "receipt_created_at": receipt.created_at.isoformat()},
+            summary=(
+                f"An earlier attempt of '{self.step.name}' may have reached {receipt.channel} (the worker "
+                f"stopped between the call and its receipt). Approve if it happened; reject if it did not, "
+                f"and it will be done now."
+            ),
+            rule_id="ambiguous-write",
+            risk="high",
+        )
+        decision = gates.backend().decision(self.run, self.seq, request)
+        if decision is None:
+            raise Park(f"did this {receipt.channel} write happen? ({receipt.key})", request)
+        if decision.rejected:
+            receipt.delete()
+            return None
+        return {"reconciled_by": decision.by, "comment": decision.comment}
+
+    def gate(self, request: ApprovalRequest | None = None, **fields) -> dict:
+        """Ask a person. Returns the decision (`decision`, `payload` to act on, `comment`, `reason`, `by`)
+        once it is taken; until then the run parks in `waiting_human`."""
+        if request is None:
+            request = ApprovalRequest(channel=self.step.channel, **fields)
+        decision: Decision | None = gates.backend().decision(self.run, self.seq, request)
+        if decision is None:
+            raise Park(f"waiting for a decision on {request.channel}", request)
+        return decision.as_output()
+
+
+def _open_receipt(run: Run, seq: int, channel: str, key: str):
+    """Insert the receipt (or find the one an earlier attempt wrote), checking the channel's kill switch in
+    the same transaction: an engaged switch that has committed stops every effect not already past here."""
+    from console.models import Channel
+    from runs.models import Receipt
+
+    with transaction.atomic():
+        if (reason := Channel.killed_for_effects(channel)) is not None:
+            raise Park(f"kill switch engaged on {channel}: {reason}", paused=True)
+        receipt, created = Receipt.objects.get_or_create(
+            key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
+        )
+    receipt.fresh = created
+    return receipt

@@ -14,9 +14,7 @@ class CardBackend:
     def open(self, run, seq: int, request: ApprovalRequest) -> None:
         channel = Channel.objects.filter(name=request.channel).first()
         if channel is None:
-            raise Fatal(
-                f"the workflow asks for a decision on channel {request.channel!r}, which does not exist"
-            )
+            raise Fatal(f"the workflow asks for a decision on channel {request.channel!r}, which does not exist")
         args_hash = request.args_hash()
         open_card = Approval.objects.filter(run=run, step_seq=seq, status__in=Approval.OPEN).first()
         if open_card is not None:
@@ -42,18 +40,14 @@ class CardBackend:
 
     def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
         card = (
-            Approval.objects.filter(
-                run=run, step_seq=seq, args_hash=request.args_hash(), status__in=Approval.DECIDED
-            )
+            Approval.objects.filter(run=run, step_seq=seq, args_hash=request.args_hash(), status__in=Approval.DECIDED)
             .order_by("-decided_at")
             .first()
         )
         if card is None:
             return None
         last = card.decisions.select_related("actor").order_by("-created_at").first()
-        payload = {Approval.Status.APPROVED: card.proposed, Approval.Status.EDITED: last.payload}.get(
-            card.status
-        )
+        payload = {Approval.Status.APPROVED: card.proposed, Approval.Status.EDITED: last.payload}.get(card.status)
         return Decision(
             decision=card.status,
             payload=payload,
@@ -63,6 +57,4 @@ class CardBackend:
         )
 
     def close_pending(self, run, status: str) -> None:
-        Approval.objects.filter(run=run, status__in=Approval.OPEN).update(
-            status=status, decided_at=timezone.now()
-        )
+        Approval.objects.filter(run=run, status__in=Approval.OPEN).update(status=status, decided_at=timezone.now())

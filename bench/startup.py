@@ -95,10 +95,7 @@ def main() -> None:
         ("make run, warm", warm),
         ("baseline: postgres", baseline),
     ):
-        print(
-            f"{name:20s} median {statistics.median(values):6.2f} s   all: "
-            + ", ".join(f"{v:.2f}" for v in values)
-        )
+        print(f"{name:20s} median {statistics.median(values):6.2f} s   all: " + ", ".join(f"{v:.2f}" for v in values))
     print(f"warm / baseline ratio: {statistics.median(warm) / statistics.median(baseline):.1f}x")
 
 

@@ -27,9 +27,7 @@ def error(request, status: int, error_code: str, detail) -> object:
 
 @api.exception_handler(AuthenticationError)
 def _unauthorized(request, exc):
-    response = error(
-        request, 401, "unauthorized", "A valid 'Authorization: Bearer <token>' header is required."
-    )
+    response = error(request, 401, "unauthorized", "A valid 'Authorization: Bearer <token>' header is required.")
     response["WWW-Authenticate"] = "Bearer"
     return response
 
@@ -54,6 +52,14 @@ _ERROR_CODES = {
 }
 
 
+def _mount_app_routers() -> None:
+    from approvals.api import router as approvals_router
+    from runs.api import router as runs_router
+
+    api.add_router("/", runs_router)
+    api.add_router("/", approvals_router)
+
+
 class Me(Schema):
     username: str
     groups: list[str]
@@ -62,3 +68,6 @@ class Me(Schema):
 @api.get("/me", response=Me, summary="Who the token belongs to")
 def me(request):
     return {"username": request.user.username, "groups": sorted(g.name for g in request.user.groups.all())}
+
+
+_mount_app_routers()

@@ -72,9 +72,7 @@ def database_from_url(url: str) -> dict:
     except ValueError as exc:
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid URL ({exc}): {_redact(url)}") from None
     if parts.scheme not in ("postgres", "postgresql"):
-        raise ImproperlyConfigured(
-            f"DATABASE_URL must start with postgres:// or postgresql://, got {_redact(url)}"
-        )
+        raise ImproperlyConfigured(f"DATABASE_URL must start with postgres:// or postgresql://, got {_redact(url)}")
     name = unquote(parts.path.lstrip("/"))
     if not name:
         raise ImproperlyConfigured(f"DATABASE_URL names no database: {_redact(url)}")

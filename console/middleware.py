@@ -5,6 +5,8 @@ import time
 import uuid
 
 import structlog
+from django.conf import settings
+from django.http import JsonResponse
 
 log = structlog.get_logger("console.request")
 
@@ -35,3 +37,24 @@ class RequestIdMiddleware:
             )
         response["X-Request-ID"] = request_id
         return response
+
+
+class ApiBodyLimitMiddleware:
+    """Refuses API requests whose declared body is larger than API_MAX_BODY_BYTES with 413, before anything
+    reads the body. (A body without a Content-Length is held to the same limit by DATA_UPLOAD_MAX_MEMORY_SIZE.)"""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        if request.path.startswith("/api/"):
+            try:
+                length = int(request.META.get("CONTENT_LENGTH") or 0)
+            except ValueError:
+                return JsonResponse({"error": "bad_request", "detail": "Content-Length is not a number."}, status=400)
+            limit = settings.API_MAX_BODY_BYTES
+            if length > limit:
+                return JsonResponse(
+                    {"error": "too_large", "detail": f"The body is larger than {limit} bytes."}, status=413
+                )
+        return self.get_response(request)

@@ -27,9 +27,7 @@ class Channel(models.Model):
 
     name = models.SlugField(max_length=64, unique=True)
     description = models.CharField(max_length=200, blank=True)
-    sla = models.DurationField(
-        default=timedelta(hours=1), help_text="How long a card may wait for a decision."
-    )
+    sla = models.DurationField(default=timedelta(hours=1), help_text="How long a card may wait for a decision.")
     escalation_policy = models.CharField(
         max_length=16, choices=EscalationPolicy.choices, default=EscalationPolicy.ESCALATE
     )

@@ -12,9 +12,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 CONSOLE_ENV = env_str("CONSOLE_ENV", "development")
 DEVELOPMENT = CONSOLE_ENV == "development"
 DEBUG = env_bool("DEBUG", False)
-SECRET_KEY = env_secret(
-    "SECRET_KEY", development_default="development-only-not-a-secret", development=DEVELOPMENT
-)
+SECRET_KEY = env_secret("SECRET_KEY", development_default="development-only-not-a-secret", development=DEVELOPMENT)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
@@ -50,6 +48,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
+    "console.middleware.ApiBodyLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -142,6 +141,7 @@ AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
 
 # The JSON API refuses bodies larger than this with 413.
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, 2_621_440)  # Django's default for forms
 
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)

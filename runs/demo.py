@@ -101,7 +101,5 @@ def notify_customer(ctx):
     email = ctx.tools.email
     # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person.
     return ctx.effect(
-        lambda key: email.send(
-            to=message["to"], subject=message["subject"], body=message["body"], idempotency_key=key
-        )
+        lambda key: email.send(to=message["to"], subject=message["subject"], body=message["body"], idempotency_key=key)
     )

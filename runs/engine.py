@@ -46,9 +46,7 @@ def advance(run_id, job: JobInfo | None = None) -> None:
     run = _claim(run_id)
     if run is None:
         return
-    with structlog.contextvars.bound_contextvars(
-        run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id
-    ):
+    with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
         try:
             _drive(run, workflows.get(run.workflow, run.workflow_version), job)
         except (Fatal, UnknownWorkflow) as exc:
@@ -109,9 +107,7 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
 
 
 def _outputs(run: Run) -> dict:
-    return dict(
-        Step.objects.filter(run=run, status=Step.Status.DONE).order_by("seq").values_list("name", "output")
-    )
+    return dict(Step.objects.filter(run=run, status=Step.Status.DONE).order_by("seq").values_list("name", "output"))
 
 
 def _run_step(run: Run, workflow: Workflow, step_def: StepDef) -> bool:
@@ -238,9 +234,7 @@ def _park(run: Run, seq: int, park: Park) -> None:
         if park.request is not None:
             gates.backend().open(run, seq, park.request)
         status = Run.Status.PAUSED if park.paused else Run.Status.WAITING_HUMAN
-        Run.objects.filter(pk=run.pk).update(
-            status=status, pause_reason=park.reason, updated_at=timezone.now()
-        )
+        Run.objects.filter(pk=run.pk).update(status=status, pause_reason=park.reason, updated_at=timezone.now())
 
 
 def _finish(run: Run, status: str, result) -> None:

@@ -52,14 +52,10 @@ class ScriptedModel(Model):
         )
         refuse_or_delay(fault, f"model {task}")
         lose_the_answer(fault, f"model {task}")
-        seed = int(
-            hashlib.sha256(json.dumps([task, payload], sort_keys=True, default=str).encode()).hexdigest(), 16
-        )
+        seed = int(hashlib.sha256(json.dumps([task, payload], sort_keys=True, default=str).encode()).hexdigest(), 16)
         answer = getattr(self, f"_{task}")(random.Random(seed), **payload)
         # A scripted model has no tokenizer: about four characters a token, like English text.
-        self._account(
-            len(json.dumps([task, payload], default=str)) // 4 + 20, len(json.dumps(answer)) // 4 + 5
-        )
+        self._account(len(json.dumps([task, payload], default=str)) // 4 + 20, len(json.dumps(answer)) // 4 + 5)
         return answer
 
     def _classify(self, rng: random.Random, *, reason: str, amount_cents: int, **_) -> dict:
@@ -89,9 +85,7 @@ class ScriptedModel(Model):
         category: str,
         **_,
     ) -> dict:
-        rule = {"damaged_item": "RF-2", "late_delivery": "RF-3", "double_charge": "RF-1"}.get(
-            category, "RF-9"
-        )
+        rule = {"damaged_item": "RF-2", "late_delivery": "RF-3", "double_charge": "RF-1"}.get(category, "RF-9")
         amount = f"{amount_cents / 100:.2f} {currency}"
         return {
             "refund": {

@@ -239,20 +239,15 @@ class Receipt(models.Model):
     status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
     external_id = models.CharField(max_length=200, blank=True)
     response = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
-    reconciled = models.BooleanField(
-        default=False, help_text="Completed by a lookup or a person, not the call."
-    )
+    reconciled = models.BooleanField(default=False, help_text="Completed by a lookup or a person, not the call.")
     created_at = models.DateTimeField(auto_now_add=True)
     completed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
+            models.CheckConstraint(condition=Q(status__in=["pending", "done"]), name="runs_receipt_status_valid"),
             models.CheckConstraint(
-                condition=Q(status__in=["pending", "done"]), name="runs_receipt_status_valid"
-            ),
-            models.CheckConstraint(
-                condition=Q(status="pending", completed_at__isnull=True)
-                | Q(status="done", completed_at__isnull=False),
+                condition=Q(status="pending", completed_at__isnull=True) | Q(status="done", completed_at__isnull=False),
                 name="runs_receipt_done_iff_completed_at",
             ),
         ]

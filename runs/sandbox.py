@@ -96,9 +96,7 @@ class Payments(_System):
     @staticmethod
     def lookup(idempotency_key: str) -> dict | None:
         """The payment system can say whether a refund with this key exists (reconciles ambiguous writes)."""
-        call = SandboxCall.objects.filter(
-            system="payments", idempotency_key=idempotency_key, applied=True
-        ).first()
+        call = SandboxCall.objects.filter(system="payments", idempotency_key=idempotency_key, applied=True).first()
         if call is None:
             return None
         return {"id": call.external_id, "status": "refunded", **call.payload}

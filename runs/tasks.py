@@ -49,9 +49,7 @@ def advance_run(context, run_id: str) -> None:
 
 
 @app.periodic(cron=settings.STALLED_SWEEP_CRON)
-@app.task(
-    name="requeue_stalled_jobs", queue="maintenance", queueing_lock="requeue_stalled_jobs", pass_context=True
-)
+@app.task(name="requeue_stalled_jobs", queue="maintenance", queueing_lock="requeue_stalled_jobs", pass_context=True)
 async def requeue_stalled_jobs(context, timestamp: int) -> None:
     """Jobs whose worker stopped sending heartbeats (killed, or its machine died) go back to the queue; the
     run then resumes from its last checkpoint."""

@@ -10,9 +10,7 @@ from console.models import Channel
 
 def _state():
     return {
-        "users": sorted(
-            User.objects.values_list("username", "password", "is_superuser", "is_staff", "is_active")
-        ),
+        "users": sorted(User.objects.values_list("username", "password", "is_superuser", "is_staff", "is_active")),
         "memberships": sorted(User.groups.through.objects.values_list("user__username", "group__name")),
         "groups": sorted(Group.objects.values_list("name", flat=True)),
         "channels": sorted(Channel.objects.values_list("name", "required_approvals", "kill_switch_engaged")),
@@ -25,9 +23,7 @@ def _state():
 def test_it_creates_the_demo_users_and_channels(db):
     call_command("demo_setup", verbosity=0)
     assert set(Channel.objects.values_list("name", flat=True)) == {"payments", "email", "crm"}
-    reviewer, ops, admin, outsider = (
-        User.objects.get(username=n) for n in ("reviewer", "ops", "admin", "outsider")
-    )
+    reviewer, ops, admin, outsider = (User.objects.get(username=n) for n in ("reviewer", "ops", "admin", "outsider"))
     for channel in Channel.objects.all():
         assert reviewer.has_perm("console.approve_channel", channel)
         assert not reviewer.has_perm("console.operate_channel", channel)

@@ -15,9 +15,7 @@ from django.utils import timezone
 def _heartbeat(age: timedelta) -> None:
     # procrastinate's Django models are read-only; the worker writes this table with SQL, and so do we.
     with connection.cursor() as cursor:
-        cursor.execute(
-            "INSERT INTO procrastinate_workers (last_heartbeat) VALUES (%s)", [timezone.now() - age]
-        )
+        cursor.execute("INSERT INTO procrastinate_workers (last_heartbeat) VALUES (%s)", [timezone.now() - age])
 
 
 def test_healthz_answers_without_login(client, db):

@@ -21,18 +21,14 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("step_seq", models.PositiveIntegerField()),
                 ("kind", models.CharField(default="action", max_length=16)),
                 ("proposed", models.JSONField(encoder=django.core.serializers.json.DjangoJSONEncoder)),
                 (
                     "current",
-                    models.JSONField(
-                        blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True
-                    ),
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
                 ),
                 ("summary", models.TextField(blank=True)),
                 ("rule_id", models.CharField(blank=True, max_length=100)),
@@ -91,18 +87,14 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("decision", models.CharField(max_length=8)),
                 ("comment", models.TextField(blank=True)),
                 ("reason", models.CharField(blank=True, max_length=32)),
                 (
                     "payload",
-                    models.JSONField(
-                        blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True
-                    ),
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
                 ),
                 ("created_at", models.DateTimeField(auto_now_add=True)),
                 (

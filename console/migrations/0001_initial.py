@@ -22,16 +22,12 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("digest", models.CharField(max_length=64, unique=True)),
                 (
                     "prefix",
-                    models.CharField(
-                        help_text="The token's first characters, to tell tokens apart.", max_length=8
-                    ),
+                    models.CharField(help_text="The token's first characters, to tell tokens apart.", max_length=8),
                 ),
                 ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
                 ("last_used_at", models.DateTimeField(blank=True, null=True)),
@@ -51,9 +47,7 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("name", models.SlugField(max_length=64, unique=True)),
                 ("description", models.CharField(blank=True, max_length=200)),

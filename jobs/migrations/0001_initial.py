@@ -19,9 +19,7 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("run_id", models.UUIDField(db_index=True)),
                 ("workflow", models.CharField(max_length=100)),
@@ -54,9 +52,7 @@ class Migration(migrations.Migration):
                     models.CheckConstraint(
                         condition=models.Q(
                             models.Q(("resolution", ""), ("resolved_at__isnull", True)),
-                            models.Q(
-                                ("resolution__in", ["requeued", "resolved"]), ("resolved_at__isnull", False)
-                            ),
+                            models.Q(("resolution__in", ["requeued", "resolved"]), ("resolved_at__isnull", False)),
                             _connector="OR",
                         ),
                         name="jobs_deadletter_resolved_iff_resolution",

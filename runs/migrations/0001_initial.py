@@ -57,9 +57,7 @@ class Migration(migrations.Migration):
                 ),
                 (
                     "result",
-                    models.JSONField(
-                        blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True
-                    ),
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
                 ),
                 ("error", models.TextField(blank=True)),
                 ("pause_reason", models.TextField(blank=True)),
@@ -95,9 +93,7 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("key", models.CharField(max_length=300, unique=True)),
                 ("step_seq", models.PositiveIntegerField()),
@@ -111,15 +107,11 @@ class Migration(migrations.Migration):
                 ("external_id", models.CharField(blank=True, max_length=200)),
                 (
                     "response",
-                    models.JSONField(
-                        blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True
-                    ),
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
                 ),
                 (
                     "reconciled",
-                    models.BooleanField(
-                        default=False, help_text="Completed by a lookup or a person, not the call."
-                    ),
+                    models.BooleanField(default=False, help_text="Completed by a lookup or a person, not the call."),
                 ),
                 ("created_at", models.DateTimeField(auto_now_add=True)),
                 ("completed_at", models.DateTimeField(blank=True, null=True)),
@@ -136,9 +128,7 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("system", models.CharField(max_length=16)),
                 ("operation", models.CharField(max_length=64)),
@@ -150,9 +140,7 @@ class Migration(migrations.Migration):
                 ),
                 (
                     "applied",
-                    models.BooleanField(
-                        default=True, help_text="False: received but refused (an injected fault)."
-                    ),
+                    models.BooleanField(default=True, help_text="False: received but refused (an injected fault)."),
                 ),
                 ("external_id", models.CharField(blank=True, max_length=64)),
                 ("created_at", models.DateTimeField(auto_now_add=True)),
@@ -169,9 +157,7 @@ class Migration(migrations.Migration):
             fields=[
                 (
                     "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
+                    models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID"),
                 ),
                 ("seq", models.PositiveIntegerField()),
                 ("name", models.CharField(max_length=100)),
@@ -194,9 +180,7 @@ class Migration(migrations.Migration):
                 ("input_hash", models.CharField(max_length=64)),
                 (
                     "output",
-                    models.JSONField(
-                        blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True
-                    ),
+                    models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
                 ),
                 (
                     "status",
@@ -221,9 +205,7 @@ class Migration(migrations.Migration):
                 ("ended_at", models.DateTimeField(blank=True, null=True)),
                 (
                     "run",
-                    models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE, related_name="steps", to="runs.run"
-                    ),
+                    models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name="steps", to="runs.run"),
                 ),
             ],
             options={
@@ -254,9 +236,7 @@ class Migration(migrations.Migration):
             model_name="run",
             constraint=models.CheckConstraint(
                 condition=models.Q(
-                    models.Q(
-                        ("finished_at__isnull", False), ("status__in", ["succeeded", "failed", "cancelled"])
-                    ),
+                    models.Q(("finished_at__isnull", False), ("status__in", ["succeeded", "failed", "cancelled"])),
                     models.Q(
                         models.Q(("status__in", ["succeeded", "failed", "cancelled"]), _negated=True),
                         ("finished_at__isnull", True),

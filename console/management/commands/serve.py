@@ -20,6 +20,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from console.env import env_bool, env_int
+from runs.models import Run
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_SECONDS = 30
@@ -43,6 +44,8 @@ class Command(BaseCommand):
         call_command("collectstatic", interactive=False, verbosity=0)
         if settings.DEVELOPMENT:
             call_command("demo_setup", verbosity=0)
+            if env_bool("DEMO_TRAFFIC", True) and not Run.objects.exists():  # a new database: show some cards
+                call_command("demo_traffic", runs=6, seed=1, verbosity=0)
 
         env = {**os.environ, "DATABASE_URL": settings.DATABASE_URL}
         children = {
@@ -67,13 +70,9 @@ class Command(BaseCommand):
         url = f"http://{host}:{port}/"
         self.stdout.write(self.style.SUCCESS(f"Console: {url}"))
         if settings.DEVELOPMENT:
-            self.stdout.write(
-                f"Demo logins: admin, reviewer, ops, outsider / password {settings.DEMO_PASSWORD!r}"
-            )
+            self.stdout.write(f"Demo logins: admin, reviewer, ops, outsider / password {settings.DEMO_PASSWORD!r}")
         self.stdout.write(
-            "Worker: "
-            + ("embedded" if run_worker else "not started (RUN_WORKER=0)")
-            + ". Ctrl-C stops everything."
+            "Worker: " + ("embedded" if run_worker else "not started (RUN_WORKER=0)") + ". Ctrl-C stops everything."
         )
         return self._supervise(children)
 

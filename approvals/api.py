@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from django.shortcuts import get_object_or_404
+from guardian.shortcuts import get_objects_for_user
+from ninja import Field, Router, Schema
+from ninja.errors import HttpError
+
+from approvals.models import AlreadyDecided, Approval, DecisionError
+from console.models import Channel
+
+router = Router(tags=["approvals"])
+
+
+class CardOut(Schema):
+    id: int
+    run_id: str
+    step_seq: int
+    kind: str
+    channel: str
+    status: str
+    proposed: dict
+    current: dict | None
+    summary: str
+    rule_id: str
+    confidence: float | None
+    citations: list
+    risk: str
+    version: int
+    due_at: datetime
+    created_at: datetime
+
+    @staticmethod
+    def resolve_channel(card):
+        return card.channel.name
+
+    @staticmethod
+    def resolve_run_id(card):
+        return str(card.run_id)
+
+
+class DecisionIn(Schema):
+    decision: Literal["approve", "edit", "reject"]
+    comment: str = Field("", max_length=5000)
+    reason: str | None = Field(None, max_length=32)
+    payload: dict | None = None
+    version: int
+
+
+def decidable_channels(user):
+    return get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+
+
+def _get_card_for_user(request, card_id: int) -> Approval:
+    """404 for a card the user may not see (no approve_channel on its channel)."""
+    card = get_object_or_404(Approval.objects.select_related("channel", "run"), pk=card_id)
+    if not request.user.has_perm("console.approve_channel", card.channel):
+        raise HttpError(404, "Not found.")
+    return card
+
+
+@router.get("/approvals", response=list[CardOut], summary="Cards the caller may decide")
+def list_cards(request, status: str = "pending"):
+    cards = Approval.objects.filter(channel__in=decidable_channels(request.user)).select_related("channel")
+    if status != "all":
+        cards = cards.filter(status=status)
+    return cards.exclude(run__created_by=request.user).order_by("due_at")[:500]
+
+
+@router.post("/approvals/{card_id}/decision", response=CardOut, summary="Approve, edit or reject a card")
+def decide(request, card_id: int, body: DecisionIn):
+    card = _get_card_for_user(request, card_id)
+    if card.run.created_by_id == request.user.pk:
+        raise HttpError(403, "You started this run: someone else must decide its cards.")
+    try:
+        return card.decide(
+            request.user,
+            body.decision,
+            comment=body.comment,
+            reason=body.reason or "",
+            payload=body.payload,
+            version=body.version,
+        )
+    except AlreadyDecided as exc:
+        raise HttpError(409, str(exc)) from None
+    except DecisionError as exc:
+        raise HttpError(exc.status, str(exc)) from None

@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from decimal import Decimal
+
+from django.shortcuts import get_object_or_404
+from ninja import Field, Router, Schema
+from ninja.errors import HttpError
+
+from console.models import Role
+from runs.models import IdempotencyConflict, Run
+from runs.workflow import UnknownWorkflow
+
+router = Router(tags=["runs"])
+
+
+class RunIn(Schema):
+    workflow: str = Field(max_length=100)
+    input: dict
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+    tenant: str = Field("default", min_length=1, max_length=100)
+    priority: int = Field(0, ge=-100, le=100)
+    cost_limit: Decimal | None = Field(None, ge=0, max_digits=12, decimal_places=6)
+
+
+class RunAccepted(Schema):
+    id: uuid.UUID
+    status: str
+    url: str
+
+
+class StepOut(Schema):
+    seq: int
+    name: str
+    kind: str
+    status: str
+    attempt: int
+    output: dict | list | str | int | float | bool | None
+    error: str
+    tokens_in: int
+    tokens_out: int
+    cost: Decimal
+    latency_ms: float | None
+
+
+class RunOut(Schema):
+    id: uuid.UUID
+    workflow: str
+    workflow_version: int
+    tenant: str
+    status: str
+    current_step: str | None
+    steps_done: int
+    steps: list[StepOut]
+    result: dict | list | str | int | float | bool | None
+    error: str
+    pause_reason: str
+    approval_id: int | None
+    trace_id: str
+    cost: Decimal
+    tokens_in: int
+    tokens_out: int
+    created_at: datetime
+    updated_at: datetime
+
+
+def can_see_run(user, run: Run) -> bool:
+    if user.is_superuser or run.created_by_id == user.pk:
+        return True
+    if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
+        return True
+    return any(user.has_perm("console.approve_channel", card.channel) for card in run.approvals.all())
+
+
+def can_operate_run(user, run: Run) -> bool:
+    return user.is_superuser or run.created_by_id == user.pk or user.groups.filter(name=Role.OPS).exists()
+
+
+def _get_run_for_user(request, run_id: uuid.UUID) -> Run:
+    run = get_object_or_404(Run, pk=run_id)
+    if not can_see_run(request.user, run):
+        raise HttpError(404, "Not found.")
+    return run
+
+
+def run_out(run: Run) -> dict:
+    from runs import workflow as workflows
+
+    steps = list(run.steps.order_by("seq"))
+    try:
+        names = [s.name for s in workflows.get(run.workflow, run.workflow_version).steps]
+    except UnknownWorkflow:
+        names = []
+    open_card = run.approvals.filter(status__in=["pending", "escalated"]).order_by("-created_at").first()
+    return {
+        **{
+            f: getattr(run, f)
+            for f in (
+                "id",
+                "workflow",
+                "workflow_version",
+                "tenant",
+                "status",
+                "result",
+                "error",
+                "pause_reason",
+                "trace_id",
+                "cost",
+                "tokens_in",
+                "tokens_out",
+                "created_at",
+                "updated_at",
+            )
+        },
+        "current_step": names[run.cursor] if not run.is_finished and run.cursor < len(names) else None,
+        "steps_done": sum(1 for s in steps if s.status == "done"),
+        "steps": steps,
+        "approval_id": open_card.pk if open_card else None,
+    }
+
+
+@router.post("/runs", response={200: RunAccepted, 202: RunAccepted}, summary="Start a run (202; no agent work here)")
+def create_run(request, body: RunIn):
+    try:
+        run, created = Run.submit(
+            workflow=body.workflow,
+            input=body.input,
+            idempotency_key=body.idempotency_key,
+            tenant=body.tenant,
+            priority=body.priority,
+            cost_limit=body.cost_limit,
+            created_by=request.user,
+        )
+    except UnknownWorkflow as exc:
+        raise HttpError(422, str(exc)) from None
+    except IdempotencyConflict as exc:
+        raise HttpError(409, str(exc)) from None
+    return (202 if created else 200), {"id": run.id, "status": run.status, "url": f"/api/runs/{run.id}"}
+
+
+@router.get("/runs/{run_id}", response=RunOut, summary="A run, its steps and its open card")
+def get_run(request, run_id: uuid.UUID):
+    return run_out(_get_run_for_user(request, run_id))
+
+
+@router.post("/runs/{run_id}/cancel", response=RunOut, summary="Cancel a run")
+def cancel_run(request, run_id: uuid.UUID):
+    run = _get_run_for_user(request, run_id)
+    if not can_operate_run(request.user, run):
+        raise HttpError(403, "Only the run's creator or ops may cancel it.")
+    return run_out(run.cancel())

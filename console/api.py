@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404, HttpRequest
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
@@ -48,8 +50,19 @@ _ERROR_CODES = {
     404: "not_found",
     409: "conflict",
     413: "too_large",
+    422: "invalid",
     429: "too_many_requests",
 }
+
+
+@api.exception_handler(Http404)
+def _not_found(request, exc):
+    return error(request, 404, "not_found", "Not found.")
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_large(request, exc):
+    return error(request, 413, "too_large", f"The body is larger than {settings.API_MAX_BODY_BYTES} bytes.")
 
 
 def _mount_app_routers() -> None:

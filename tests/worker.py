@@ -1,0 +1,91 @@
+"""Real worker processes (`manage.py procrastinate worker`) on the test database, for system tests.
+
+Tests that use them need `transactional_db` (the worker only sees committed rows). Timings are shortened
+through the environment (heartbeats, stall detection, retry backoff) so crash tests finish in seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from tests.conftest import _database_url
+
+FAST_WORKER_ENV = {
+    "WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "STALLED_AFTER_SECONDS": "2",
+    "STALLED_SWEEP_CRON": "* * * * * *",  # every second
+    "WORKER_POLL_INTERVAL": "0.2",
+    "WORKER_SHUTDOWN_GRACEFUL_TIMEOUT": "5",
+    "RETRY_BASE_SECONDS": "0.2",
+    "RETRY_CAP_SECONDS": "2",
+    "TENANT_WAIT_SECONDS": "0.2",
+}
+
+
+class Worker:
+    def __init__(self, env: dict, log_path):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "manage.py", "procrastinate", "worker"],
+            cwd=settings.BASE_DIR,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture
+def start_worker(transactional_db, tmp_path) -> Callable[..., Worker]:
+    """`start_worker(**env)` starts a worker process; every worker is killed at the end of the test."""
+    workers: list[Worker] = []
+    base_env = {**os.environ, **FAST_WORKER_ENV, "DATABASE_URL": _database_url(connection.settings_dict)}
+    base_env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+    def start(**env) -> Worker:
+        worker = Worker({**base_env, **{k: str(v) for k, v in env.items()}}, tmp_path / f"worker{len(workers)}.log")
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30, interval: float = 0.1, message: str = ""):
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {message or predicate}")
+        time.sleep(interval)

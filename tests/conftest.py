@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from urllib.parse import quote
 
 import pytest
 from django.conf import settings as django_settings
@@ -15,6 +14,7 @@ from django.contrib.auth.models import Group, User
 from django.db import connection, connections
 
 from console.models import Channel, Role
+from tests.worker import database_url, start_worker  # noqa: F401 - start_worker is a fixture
 
 # Playwright's sync API runs an event loop in the test thread; Django refuses ORM calls there unless told.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "1")
@@ -114,13 +114,6 @@ def page(browser):
     context.close()
 
 
-def _database_url(db: dict) -> str:
-    credentials = quote(db["USER"]) + (":" + quote(db["PASSWORD"]) if db["PASSWORD"] else "")
-    if db["HOST"].startswith("/"):  # a unix socket
-        return f"postgresql://{credentials}@/{quote(db['NAME'])}?host={quote(db['HOST'])}"
-    return f"postgresql://{credentials}@{db['HOST']}:{db['PORT'] or 5432}/{quote(db['NAME'])}"
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -159,7 +152,7 @@ class ConsoleServer:
 @pytest.fixture(scope="session")
 def _console_server(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
-        env = {**os.environ, "DATABASE_URL": _database_url(connection.settings_dict)}
+        env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     subprocess.run(
         [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],

@@ -7,7 +7,7 @@ from approvals.models import Approval
 from runs import sandbox
 from runs.models import Run
 from tests.engine_helpers import REFUND
-from tests.worker import start_worker, wait_until  # noqa: F401 - fixture
+from tests.worker import wait_until
 
 pytestmark = pytest.mark.slow
 

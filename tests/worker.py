@@ -11,12 +11,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
 import pytest
 from django.conf import settings
 from django.db import connection
 
-from tests.conftest import _database_url
+
+def database_url(db: dict) -> str:
+    credentials = quote(db["USER"]) + (":" + quote(db["PASSWORD"]) if db["PASSWORD"] else "")
+    if db["HOST"].startswith("/"):  # a unix socket
+        return f"postgresql://{credentials}@/{quote(db['NAME'])}?host={quote(db['HOST'])}"
+    return f"postgresql://{credentials}@{db['HOST']}:{db['PORT'] or 5432}/{quote(db['NAME'])}"
+
 
 FAST_WORKER_ENV = {
     "WORKER_HEARTBEAT_INTERVAL": "0.5",
@@ -66,7 +73,7 @@ class Worker:
 def start_worker(transactional_db, tmp_path) -> Callable[..., Worker]:
     """`start_worker(**env)` starts a worker process; every worker is killed at the end of the test."""
     workers: list[Worker] = []
-    base_env = {**os.environ, **FAST_WORKER_ENV, "DATABASE_URL": _database_url(connection.settings_dict)}
+    base_env = {**os.environ, **FAST_WORKER_ENV, "DATABASE_URL": database_url(connection.settings_dict)}
     base_env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
     def start(**env) -> Worker:

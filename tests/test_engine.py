@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 
-from approvals.models import Approval
+import tests.workflows  # noqa: F401 - registers the test workflows
+from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
+from console.models import Channel
+from jobs.models import DeadLetter
 from runs import sandbox
-from runs.models import Run
+from runs.models import IdempotencyConflict, Receipt, Run, SandboxCall, Step
+from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
 
 
@@ -38,3 +45,254 @@ def test_a_small_refund_is_approved_by_itself(demo):
     run = drive(run)
     assert run.status == Run.Status.SUCCEEDED
     assert not Approval.objects.exists()
+
+
+def _with_faults(faults: dict, base=REFUND) -> dict:
+    return {**base, "faults": faults}
+
+
+def test_an_edit_is_what_executes(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run)
+    edited = {**card.proposed, "refund": {**card.proposed["refund"], "amount_cents": 4_000}}
+    card.decide(bob, "edit", payload=edited)
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    (payment,) = SandboxCall.objects.filter(system="payments")
+    assert payment.payload["amount_cents"] == 4_000
+
+
+def test_a_reject_pays_nothing_and_keeps_the_comment(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    Approval.objects.get(run=run).decide(bob, "reject", comment="Customer already refunded", reason="duplicate")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["outcome"] == "rejected" and run.result["comment"] == "Customer already refunded"
+    assert sandbox.stats()["channels"] == {"payments": 0, "email": 0, "crm": 1}
+    assert Decision.objects.get().comment == "Customer already refunded"
+
+
+@pytest.mark.parametrize("comment", ["", "   "])
+def test_a_reject_without_a_comment_changes_nothing(demo, bob, comment):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run)
+    with pytest.raises(InvalidDecision, match="needs a comment"):
+        card.decide(bob, "reject", comment=comment)
+    card.refresh_from_db()
+    run.refresh_from_db()
+    assert card.status == "pending" and card.version == 1
+    assert run.status == Run.Status.WAITING_HUMAN
+    assert not Decision.objects.exists()
+
+
+def test_a_second_decision_is_refused(demo, bob, alice):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run)
+    card.decide(bob, "approve", version=1)
+    with pytest.raises(AlreadyDecided, match="already approved by bob"):
+        card.decide(alice, "reject", comment="no", version=1)
+    assert Decision.objects.count() == 1
+
+
+def test_a_stale_version_is_refused(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run)
+    with pytest.raises(StaleVersion):
+        card.decide(bob, "approve", version=7)
+    card.refresh_from_db()
+    assert card.status == "pending"
+
+
+def test_done_steps_are_replayed_not_recomputed(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    assert model_calls(run) == 2
+    Approval.objects.get(run=run).decide(bob, "approve")
+    drive(run)
+    assert model_calls(run, "classify") == 1 and model_calls(run, "draft_refund") == 1
+
+
+def test_a_retryable_fault_is_retried_then_succeeds(demo):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["429", "5xx"]}, SMALL_REFUND))
+    with pytest.raises(Retryable):
+        drive(run, attempts=0)
+    run.refresh_from_db()
+    assert run.status == Run.Status.QUEUED and "429" in run.error
+    with pytest.raises(Retryable):
+        drive(run, attempts=1)
+    run = drive(run, attempts=2)
+    assert run.status == Run.Status.SUCCEEDED
+    assert Step.objects.get(run=run, name="classify").attempt == 3
+    assert model_calls(run, "classify") == 3
+
+
+def test_a_fault_that_keeps_coming_ends_in_the_dead_letter_queue(demo):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["429"] * 5}, SMALL_REFUND))
+    for attempt in range(2):
+        with pytest.raises(Retryable):
+            drive(run, attempts=attempt)
+    run = drive(run, attempts=2)  # the third and last attempt
+    assert run.status == Run.Status.FAILED
+    letter = DeadLetter.objects.get(run_id=run.id)
+    assert letter.attempts == 3 and letter.step == "classify" and "429" in letter.error
+
+
+def test_a_fatal_fault_is_not_retried_and_is_dead_lettered(demo):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["fatal"]}, SMALL_REFUND))
+    run = drive(run)  # no exception: nothing for the job to retry
+    assert run.status == Run.Status.FAILED and run.finished_at is not None
+    letter = DeadLetter.objects.get(run_id=run.id)
+    assert letter.error_class == "Fatal" and "400 Bad Request" in letter.error
+    assert "Traceback" in letter.traceback and "refuse_or_delay" in letter.traceback
+    assert letter.input == run.input and letter.trace_id == run.trace_id and letter.step == "classify"
+    assert model_calls(run, "classify") == 1
+
+
+def test_an_unclassified_error_is_retried(db):
+    run, _ = Run.submit(workflow="test_flaky", input={})
+    with pytest.raises(ValueError):
+        drive(run, attempts=0)
+    run.refresh_from_db()
+    assert run.status == Run.Status.QUEUED and not DeadLetter.objects.exists()
+
+
+def test_bad_input_is_fatal(demo):
+    run = drive(Run.submit(workflow="refund", input={"customer_id": "c1"})[0])
+    assert run.status == Run.Status.FAILED
+    assert "has no 'amount_cents'" in DeadLetter.objects.get(run_id=run.id).error
+
+
+def test_cancel_ends_a_parked_run_and_closes_its_card(demo):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run.cancel()
+    run.refresh_from_db()
+    assert run.status == Run.Status.CANCELLED
+    assert Approval.objects.get(run=run).status == "cancelled"
+    assert drive(run).status == Run.Status.CANCELLED  # a job that still comes does nothing
+    assert sandbox.stats()["channels"]["payments"] == 0
+
+
+def test_cancel_stops_a_running_run_between_steps(db):
+    run = drive(Run.submit(workflow="test_cancel_midway", input={})[0])
+    assert run.status == Run.Status.CANCELLED
+    assert list(run.steps.values_list("name", "status")) == [("first", "done")]
+
+
+def test_a_run_pinned_to_an_undeployed_version_is_refused_and_kept(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    Run.objects.filter(pk=run.pk).update(workflow_version=99)
+    run = drive(run)
+    assert run.status == Run.Status.FAILED
+    assert "has no version 99" in run.error and run.input == SMALL_REFUND
+    assert DeadLetter.objects.get(run_id=run.id).error_class == "UnknownWorkflow"
+
+
+def test_a_changed_input_on_resume_is_an_error(demo):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    Step.objects.filter(run=run, name="approve_refund").update(status="running")
+    Run.objects.filter(pk=run.pk).update(status="queued", input={**REFUND, "amount_cents": 99_999})
+    run = drive(run)
+    assert run.status == Run.Status.FAILED
+    assert "changed since it was checkpointed" in run.error
+
+
+def test_a_rejection_can_fail_the_run_when_the_workflow_says_so(demo, bob):
+    run = drive(Run.submit(workflow="test_reject_fails", input={})[0])
+    Approval.objects.get(run=run).decide(bob, "reject", comment="no")
+    assert drive(run).status == Run.Status.FAILED
+
+
+def test_crossing_the_cost_limit_parks_for_a_budget_decision(demo, bob):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))
+    run = drive(run)
+    assert run.status == Run.Status.PAUSED and "cost limit" in run.pause_reason
+    card = Approval.objects.get(run=run, kind="budget")
+    assert list(run.steps.values_list("name", flat=True)) == ["classify"]
+    card.decide(bob, "edit", payload={"cost_limit": "10"})
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED and run.cost_limit == Decimal(10)
+    assert run.tokens_in > 0 and run.cost > 0
+
+
+def test_a_rejected_budget_stops_the_run(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))[0])
+    Approval.objects.get(run=run, kind="budget").decide(bob, "reject", comment="too expensive")
+    run = drive(run)
+    assert run.status == Run.Status.CANCELLED
+    assert sandbox.stats()["channels"]["payments"] == 0
+
+
+def test_a_tenant_at_its_cap_waits(demo, settings):
+    settings.TENANT_MAX_RUNNING = 1
+    busy, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    Run.objects.filter(pk=busy.pk).update(status="running")
+    waiting, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    other, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="globex")
+    assert drive(waiting).status == Run.Status.QUEUED  # not rejected: it waits for a later job
+    assert queued_jobs(waiting) == 1
+    assert drive(other).status == Run.Status.SUCCEEDED
+
+
+def test_a_killed_channel_parks_the_run_before_the_effect(demo):
+    Channel.objects.filter(name="email").update(
+        kill_switch_engaged=True, kill_switch_reason="bad template", kill_switch_at=timezone.now()
+    )
+    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    assert run.status == Run.Status.PAUSED and "bad template" in run.pause_reason
+    assert sandbox.stats()["channels"] == {"payments": 1, "email": 0, "crm": 1}
+
+
+def test_a_done_receipt_makes_the_effect_a_no_op(demo):
+    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    # Replay the payment step as if its checkpoint had been lost after the receipt was written.
+    Step.objects.filter(run=run, name__in=["issue_refund", "notify_customer"]).delete()
+    Run.objects.filter(pk=run.pk).update(status="queued", cursor=4, finished_at=None)
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    assert sandbox.stats() == {"channels": {"payments": 1, "email": 1, "crm": 1}, "duplicates": 0}
+
+
+def test_an_ambiguous_payment_is_reconciled_through_the_lookup(demo):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"issue_refund": ["timeout"]}, SMALL_REFUND))
+    with pytest.raises(Ambiguous):
+        drive(run)
+    assert Step.objects.get(run=run, name="issue_refund").status == "unknown"
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.SUCCEEDED
+    receipt = Receipt.objects.get(run=run, channel="payments")
+    assert receipt.reconciled and receipt.status == "done"
+    assert sandbox.stats()["channels"]["payments"] == 1
+
+
+def test_an_ambiguous_email_parks_for_a_person(demo, bob):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
+    with pytest.raises(Ambiguous):
+        drive(run)
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.WAITING_HUMAN
+    card = Approval.objects.get(run=run, kind="reconcile")
+    assert card.channel.name == "email" and card.risk == "high"
+    card.decide(bob, "approve", comment="the customer has it")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    assert sandbox.stats()["channels"]["email"] == 1
+    assert Receipt.objects.get(run=run, channel="email").reconciled
+
+
+def test_every_step_is_logged_with_its_ids(demo, caplog):
+    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    lines = [r.msg for r in caplog.records if r.name == "runs.engine" and r.msg.get("event") == "step"]
+    assert [line["step"] for line in lines] == [s.name for s in run.steps.order_by("seq")]
+    for line in lines:
+        assert line["run_id"] == str(run.id) and line["trace_id"] == run.trace_id
+        assert {"job_id", "latency_ms", "tokens_in", "tokens_out", "idempotency_key"} <= set(line)
+    assert lines[0]["tokens_in"] > 0
+    assert lines[4]["idempotency_key"] == f"{run.id}:4:issue_refund"
+
+
+def test_the_same_idempotency_key_gives_the_same_run(demo):
+    first, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
+    again, created_again = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
+    assert created and not created_again and again.pk == first.pk
+    with pytest.raises(IdempotencyConflict):
+        Run.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-1")
+    assert Run.objects.count() == 1

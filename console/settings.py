@@ -27,6 +27,9 @@ if not DATABASE_URL:
 else:
     DATABASE_IS_EMBEDDED = False
 DATABASES = {"default": database_from_url(DATABASE_URL)}
+# Two test sessions on one server (two checkouts, or CI jobs side by side) need two test database names.
+if test_database_name := env_str("TEST_DATABASE_NAME"):
+    DATABASES["default"]["TEST"] = {"NAME": test_database_name}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [
@@ -118,6 +121,7 @@ PROCRASTINATE_WORKER_DEFAULTS = {
     "stalled_worker_timeout": env_float("STALLED_AFTER_SECONDS", 30),
     "fetch_job_polling_interval": env_float("WORKER_POLL_INTERVAL", 1),
 }
+PROCRASTINATE_ON_APP_READY = "jobs.worker.on_app_ready"
 # A job whose worker has sent no heartbeat for this long is requeued by the sweep (runs.tasks).
 STALLED_AFTER_SECONDS = env_float("STALLED_AFTER_SECONDS", 30)
 STALLED_SWEEP_CRON = env_str("STALLED_SWEEP_CRON", "*/10 * * * * *")  # sixth field: seconds

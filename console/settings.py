@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from pathlib import Path
 
 from console import logs
@@ -115,13 +118,16 @@ STORAGES = {
 
 # Procrastinate: tasks live in each app's tasks.py.
 PROCRASTINATE_WORKER_DEFAULTS = {
+    # Worker identity in logs and job contexts: host + pid + start time.
+    "name": f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}",
     "concurrency": env_int("WORKER_CONCURRENCY", 4),
     "shutdown_graceful_timeout": env_float("WORKER_SHUTDOWN_GRACEFUL_TIMEOUT", 20),
     "update_heartbeat_interval": env_float("WORKER_HEARTBEAT_INTERVAL", 10),
     "stalled_worker_timeout": env_float("STALLED_AFTER_SECONDS", 30),
     "fetch_job_polling_interval": env_float("WORKER_POLL_INTERVAL", 1),
 }
-PROCRASTINATE_ON_APP_READY = "jobs.worker.on_app_ready"
+# Keep LISTEN/NOTIFY wake-ups that procrastinate 3.10 can drop (jobs/worker.py); 0 only to compare, in bench/.
+PROCRASTINATE_ON_APP_READY = "jobs.worker.on_app_ready" if env_bool("WORKER_KEEP_NOTIFICATIONS", True) else None
 # A job whose worker has sent no heartbeat for this long is requeued by the sweep (runs.tasks).
 STALLED_AFTER_SECONDS = env_float("STALLED_AFTER_SECONDS", 30)
 STALLED_SWEEP_CRON = env_str("STALLED_SWEEP_CRON", "*/10 * * * * *")  # sixth field: seconds

@@ -6,6 +6,7 @@ import uuid
 
 import structlog
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 
 log = structlog.get_logger("console.request")
@@ -41,7 +42,8 @@ class RequestIdMiddleware:
 
 class ApiBodyLimitMiddleware:
     """Refuses API requests whose declared body is larger than API_MAX_BODY_BYTES with 413, before anything
-    reads the body. (A body without a Content-Length is held to the same limit by DATA_UPLOAD_MAX_MEMORY_SIZE.)"""
+    reads the body. A body without a Content-Length (`Transfer-Encoding: chunked`, which uvicorn passes on) is
+    measured once read: Django reads at most DATA_UPLOAD_MAX_MEMORY_SIZE of it."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -53,6 +55,11 @@ class ApiBodyLimitMiddleware:
             except ValueError:
                 return JsonResponse({"error": "bad_request", "detail": "Content-Length is not a number."}, status=400)
             limit = settings.API_MAX_BODY_BYTES
+            if not length and request.META.get("HTTP_TRANSFER_ENCODING"):
+                try:
+                    length = len(request.body)
+                except RequestDataTooBig:
+                    length = limit + 1
             if length > limit:
                 return JsonResponse(
                     {"error": "too_large", "detail": f"The body is larger than {limit} bytes."}, status=413

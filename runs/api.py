@@ -5,7 +5,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.shortcuts import get_object_or_404
-from ninja import Field, Router, Schema
+from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError
 
 from console.models import Role
@@ -136,7 +136,7 @@ def create_run(request, body: RunIn):
         raise HttpError(422, str(exc)) from None
     except IdempotencyConflict as exc:
         raise HttpError(409, str(exc)) from None
-    return (202 if created else 200), {"id": run.id, "status": run.status, "url": f"/api/runs/{run.id}"}
+    return Status(202 if created else 200, {"id": run.id, "status": run.status, "url": f"/api/runs/{run.id}"})
 
 
 @router.get("/runs/{run_id}", response=RunOut, summary="A run, its steps and its open card")

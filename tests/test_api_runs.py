@@ -1,0 +1,461 @@
+"""The runs API: POST /api/runs, GET /api/runs/{id}, POST /api/runs/{id}/cancel."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.db import connection
+from django.db.models import Max
+from django.test import Client
+from procrastinate.contrib.django.models import ProcrastinateJob
+
+from approvals.models import Approval
+from console.models import ApiToken
+from runs.models import Run, SandboxCall, Step
+from tests.engine_helpers import REFUND, drive, queued_jobs
+
+DESIGN_RUN_FIELDS = {
+    "id",
+    "workflow",
+    "status",
+    "current_step",
+    "steps_done",
+    "steps",
+    "result",
+    "error",
+    "approval_id",
+    "trace_id",
+    "cost",
+    "created_at",
+    "updated_at",
+}
+
+
+@pytest.fixture
+def demo(db):
+    call_command("demo_setup", verbosity=0)
+    return {user.username: user for user in User.objects.all()}
+
+
+def bearer(user) -> dict:
+    _, raw = ApiToken.issue(user)
+    return {"Authorization": f"Bearer {raw}"}
+
+
+@pytest.fixture
+def new_jobs(db):
+    """The jobs deferred since the test began. (Procrastinate's tables are not Django's: they are not flushed
+    after a transactional test, so an earlier test's jobs may still be in the queue.)"""
+    mark = ProcrastinateJob.objects.aggregate(last=Max("id"))["last"] or 0
+    return lambda: ProcrastinateJob.objects.filter(id__gt=mark)
+
+
+@pytest.fixture
+def agent(demo):
+    return bearer(demo["agent"])
+
+
+def post_run(client, headers: dict, body) -> object:
+    data = body if isinstance(body, str | bytes) else json.dumps(body)
+    return client.post("/api/runs", data=data, content_type="application/json", headers=headers)
+
+
+def start_parked_run(client, headers: dict) -> Run:
+    """A refund started through the API and advanced (as its job would) to the approval gate."""
+    response = post_run(client, headers, {"workflow": "refund", "input": REFUND})
+    assert response.status_code == 202, response.content
+    run = drive(Run.objects.get(pk=response.json()["id"]))
+    assert run.status == Run.Status.WAITING_HUMAN
+    return run
+
+
+def assert_nothing_created(new_jobs) -> None:
+    assert not Run.objects.exists()
+    assert not new_jobs().exists()
+    assert not Step.objects.exists()
+    assert not SandboxCall.objects.exists()
+
+
+# POST /api/runs
+
+
+def test_it_accepts_a_run_with_202_and_does_no_agent_work(client, demo, agent, new_jobs):
+    response = post_run(client, agent, {"workflow": "refund", "input": REFUND, "idempotency_key": "order-1"})
+
+    assert response.status_code == 202
+    body = response.json()
+    assert set(body) == {"id", "status", "url"}
+    assert body["status"] == "queued"
+    assert body["url"] == f"/api/runs/{body['id']}"
+
+    run = Run.objects.get()
+    assert str(run.id) == body["id"]
+    assert run.status == Run.Status.QUEUED
+    assert run.input == REFUND
+    assert run.idempotency_key == "order-1"
+    assert run.created_by == demo["agent"]
+    # The work is a job for the worker: nothing of the agent ran in the request.
+    job = new_jobs().get()
+    assert job.task_name.endswith("advance_run")
+    assert job.args == {"run_id": body["id"]}
+    assert job.status == "todo" and job.lock == f"run:{run.id}"
+    assert not Step.objects.exists()
+    assert not SandboxCall.objects.exists()
+
+
+def test_it_takes_tenant_and_priority(client, demo, agent, new_jobs):
+    response = post_run(client, agent, {"workflow": "refund", "input": REFUND, "tenant": "acme", "priority": 7})
+    assert response.status_code == 202
+    run = Run.objects.get()
+    assert (run.tenant, run.priority) == ("acme", 7)
+    assert new_jobs().get().priority == 7
+
+
+def test_it_returns_the_same_run_for_the_same_idempotency_key(client, demo, agent, new_jobs):
+    body = {"workflow": "refund", "input": REFUND, "idempotency_key": "order-42"}
+    answers = [post_run(client, agent, body) for _ in range(3)]
+
+    assert [a.status_code for a in answers] == [202, 200, 200]
+    assert len({a.json()["id"] for a in answers}) == 1
+    run = Run.objects.get()
+    assert str(run.id) == answers[0].json()["id"]
+    assert queued_jobs(run) == 1 and new_jobs().count() == 1
+
+
+def test_it_answers_409_for_the_same_key_with_a_different_input(client, demo, agent, new_jobs):
+    first = post_run(client, agent, {"workflow": "refund", "input": REFUND, "idempotency_key": "order-7"})
+    assert first.status_code == 202
+
+    other_input = {**REFUND, "amount_cents": 99_999}
+    response = post_run(client, agent, {"workflow": "refund", "input": other_input, "idempotency_key": "order-7"})
+
+    assert response.status_code == 409
+    assert response.json()["error"] == "conflict"
+    assert "order-7" in response.json()["detail"]
+    run = Run.objects.get()
+    assert run.input == REFUND
+    assert new_jobs().count() == 1
+
+
+def test_it_answers_422_for_an_unknown_workflow(client, demo, agent, new_jobs):
+    response = post_run(client, agent, {"workflow": "launch-missiles", "input": {}})
+    assert response.status_code == 422
+    assert response.json()["error"] == "invalid"
+    assert "launch-missiles" in str(response.json()["detail"])
+    assert_nothing_created(new_jobs)
+
+
+BAD_BODIES = {
+    "malformed json": '{"workflow": "refund", "input": ',
+    "not json at all": "workflow=refund",
+    "empty body": "",
+    "body is a list": [{"workflow": "refund", "input": REFUND}],
+    "body is null": "null",
+    "input is a list": {"workflow": "refund", "input": [1, 2]},
+    "input is a string": {"workflow": "refund", "input": "refund me"},
+    "input is missing": {"workflow": "refund"},
+    "workflow is missing": {"input": REFUND},
+    "workflow is not a string": {"workflow": {"name": "refund"}, "input": REFUND},
+    "priority too high": {"workflow": "refund", "input": REFUND, "priority": 101},
+    "priority too low": {"workflow": "refund", "input": REFUND, "priority": -101},
+    "priority not a number": {"workflow": "refund", "input": REFUND, "priority": "urgent"},
+    "idempotency key too long": {"workflow": "refund", "input": REFUND, "idempotency_key": "k" * 201},
+    "idempotency key empty": {"workflow": "refund", "input": REFUND, "idempotency_key": ""},
+    "tenant empty": {"workflow": "refund", "input": REFUND, "tenant": ""},
+    "negative cost limit": {"workflow": "refund", "input": REFUND, "cost_limit": "-1"},
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_it_answers_a_bad_body_with_a_json_4xx_and_creates_nothing(client, demo, agent, body, new_jobs):
+    response = post_run(client, agent, body)
+
+    assert 400 <= response.status_code < 500, response.content
+    assert response["Content-Type"].startswith("application/json")
+    assert set(response.json()) == {"error", "detail"}
+    assert_nothing_created(new_jobs)
+
+
+def test_it_answers_413_for_a_body_over_the_limit(client, demo, agent, settings, new_jobs):
+    settings.API_MAX_BODY_BYTES = 1_000
+    body = {"workflow": "refund", "input": {**REFUND, "reason": "x" * 2_000}}
+
+    response = post_run(client, agent, body)
+
+    assert response.status_code == 413
+    assert response.json() == {"error": "too_large", "detail": "The body is larger than 1000 bytes."}
+    assert_nothing_created(new_jobs)
+
+
+def test_it_accepts_a_body_just_under_the_limit(client, demo, agent, settings):
+    settings.API_MAX_BODY_BYTES = 1_000
+    body = json.dumps({"workflow": "refund", "input": {**REFUND, "reason": ""}})
+    body = body.replace('"reason": ""', '"reason": "' + "x" * (1_000 - len(body)) + '"')
+    assert len(body.encode()) == 1_000
+
+    assert post_run(client, agent, body).status_code == 202
+
+
+@pytest.mark.parametrize("header", [None, "Bearer nope"])
+def test_it_answers_401_without_a_valid_token(client, demo, header, new_jobs):
+    headers = {"Authorization": header} if header else {}
+    response = post_run(client, headers, {"workflow": "refund", "input": REFUND})
+    assert response.status_code == 401
+    assert response.json()["error"] == "unauthorized"
+    assert_nothing_created(new_jobs)
+
+
+@pytest.mark.slow
+def test_it_creates_one_run_when_the_same_key_arrives_concurrently(console_server):
+    call_command("demo_setup", verbosity=0)
+    headers = {**bearer(User.objects.get(username="agent")), "Content-Type": "application/json"}
+    body = json.dumps({"workflow": "refund", "input": REFUND, "idempotency_key": "burst-1"}).encode()
+    start = threading.Barrier(8)
+    answers: list[tuple[int, dict]] = []
+
+    def post() -> None:
+        request = urllib.request.Request(console_server.url + "/api/runs", data=body, headers=headers)
+        start.wait()
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answers.append((response.status, json.load(response)))
+        except urllib.error.HTTPError as exc:
+            answers.append((exc.code, json.load(exc)))
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert len(answers) == 8
+    assert sorted(status for status, _ in answers) == [200] * 7 + [202]
+    assert len({answer["id"] for _, answer in answers}) == 1
+    run = Run.objects.get()
+    assert str(run.id) == answers[0][1]["id"]
+    assert queued_jobs(run) == 1
+
+
+def test_it_creates_one_run_when_requests_race_in_separate_transactions(transactional_db):
+    """The same race as above, but each request runs in its own thread with its own database connection
+    (one uvicorn worker runs Django's sync views on a single thread, so the server alone may serialize them)."""
+    call_command("demo_setup", verbosity=0)
+    headers = bearer(User.objects.get(username="agent"))
+    body = {"workflow": "refund", "input": REFUND, "idempotency_key": "burst-2"}
+    start = threading.Barrier(8)
+    answers: list[tuple[int, dict]] = []
+
+    def post() -> None:
+        try:
+            start.wait()
+            response = post_run(Client(), headers, body)
+            answers.append((response.status_code, response.json()))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert sorted(status for status, _ in answers) == [200] * 7 + [202]
+    assert len({answer["id"] for _, answer in answers}) == 1
+    assert queued_jobs(Run.objects.get()) == 1
+
+
+def post_chunked(server, headers: dict, body: bytes) -> tuple[int, dict]:
+    """POST without a Content-Length (Transfer-Encoding: chunked), as a streaming client would."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        chunks = (body[i : i + 4096] for i in range(0, len(body), 4096))
+        conn.request("POST", "/api/runs", body=chunks, headers=headers, encode_chunked=True)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_it_answers_413_for_a_chunked_body_over_the_limit(console_server):
+    call_command("demo_setup", verbosity=0)
+    headers = {**bearer(User.objects.get(username="agent")), "Content-Type": "application/json"}
+    limit = 64 * 1024  # the server's API_MAX_BODY_BYTES (its default)
+    big = json.dumps({"workflow": "refund", "input": {**REFUND, "reason": "x" * limit}}).encode()
+
+    status, answer = post_chunked(console_server, headers, big)
+
+    assert status == 413
+    assert answer["error"] == "too_large"
+    assert not Run.objects.exists()
+    # A small chunked body is still welcome.
+    status, answer = post_chunked(console_server, headers, json.dumps({"workflow": "refund", "input": REFUND}).encode())
+    assert status == 202
+    assert Run.objects.get().id == uuid.UUID(answer["id"])
+
+
+# GET /api/runs/{id}
+
+
+def test_it_shows_a_queued_run(client, demo, agent):
+    run_id = post_run(client, agent, {"workflow": "refund", "input": REFUND}).json()["id"]
+
+    response = client.get(f"/api/runs/{run_id}", headers=agent)
+
+    assert response.status_code == 200
+    body = response.json()
+    assert set(body) >= DESIGN_RUN_FIELDS
+    run = Run.objects.get()
+    assert body["id"] == run_id
+    assert body["workflow"] == "refund"
+    assert body["status"] == "queued"
+    assert body["current_step"] == "classify"
+    assert (body["steps_done"], body["steps"]) == (0, [])
+    assert (body["result"], body["error"], body["approval_id"]) == (None, "", None)
+    assert body["trace_id"] == run.trace_id and len(body["trace_id"]) == 32
+    assert float(body["cost"]) == 0
+
+
+def test_it_shows_a_run_waiting_for_a_person(client, demo, agent):
+    run = start_parked_run(client, agent)
+    card = Approval.objects.get(run=run)
+
+    body = client.get(f"/api/runs/{run.id}", headers=agent).json()
+
+    assert body["status"] == "waiting_human"
+    assert body["approval_id"] == card.pk
+    assert body["current_step"] == "approve_refund"
+    assert body["steps_done"] == 3
+    assert [(s["seq"], s["name"], s["status"]) for s in body["steps"][:3]] == [
+        (0, "classify", "done"),
+        (1, "lookup_customer", "done"),
+        (2, "draft_refund", "done"),
+    ]
+    assert float(body["cost"]) == float(run.cost)
+
+
+def test_it_shows_a_finished_run_with_its_result(client, demo, agent):
+    run = start_parked_run(client, agent)
+    Approval.objects.get(run=run).decide(demo["reviewer"], "approve")
+    drive(run)
+
+    body = client.get(f"/api/runs/{run.id}", headers=agent).json()
+
+    assert body["status"] == "succeeded"
+    assert body["current_step"] is None and body["approval_id"] is None
+    assert body["steps_done"] == 6 == len(body["steps"])
+    assert body["result"] is not None
+
+
+def test_it_lets_a_reviewer_of_the_cards_channel_see_the_run(client, demo, agent):
+    run = start_parked_run(client, agent)
+    response = client.get(f"/api/runs/{run.id}", headers=bearer(demo["reviewer"]))
+    assert response.status_code == 200
+
+
+def test_it_answers_404_to_an_outsider(client, demo, agent):
+    run = start_parked_run(client, agent)
+    response = client.get(f"/api/runs/{run.id}", headers=bearer(demo["outsider"]))
+    assert response.status_code == 404
+    assert response.json()["error"] == "not_found"
+
+
+def test_it_answers_404_for_a_run_that_does_not_exist(client, demo, agent):
+    response = client.get(f"/api/runs/{uuid.uuid4()}", headers=agent)
+    assert response.status_code == 404
+    assert response.json() == {"error": "not_found", "detail": "Not found."}
+
+
+@pytest.mark.parametrize("run_id", ["not-a-uuid", "123", "00000000-0000-0000-0000-00000000000z"])
+def test_it_answers_a_malformed_id_with_json(client, demo, agent, run_id):
+    response = client.get(f"/api/runs/{run_id}", headers=agent)
+    assert response.status_code in (404, 422)
+    assert response["Content-Type"].startswith("application/json")
+    assert set(response.json()) == {"error", "detail"}
+
+
+# POST /api/runs/{id}/cancel
+
+
+def test_it_cancels_a_parked_run_and_its_card(client, demo, agent):
+    run = start_parked_run(client, agent)
+
+    response = client.post(f"/api/runs/{run.id}/cancel", headers=bearer(demo["ops"]))
+
+    assert response.status_code == 200
+    assert response.json()["status"] == "cancelled"
+    assert response.json()["approval_id"] is None
+    run.refresh_from_db()
+    assert run.status == Run.Status.CANCELLED and run.finished_at is not None
+    assert Approval.objects.get(run=run).status == Approval.Status.CANCELLED
+    assert drive(run).status == Run.Status.CANCELLED
+    assert not SandboxCall.objects.filter(system__in=["payments", "email"]).exists()
+
+
+def test_the_creator_may_cancel_their_own_run(client, demo, agent):
+    run = start_parked_run(client, agent)
+    response = client.post(f"/api/runs/{run.id}/cancel", headers=agent)
+    assert response.status_code == 200
+    assert Run.objects.get(pk=run.pk).status == Run.Status.CANCELLED
+
+
+def test_it_cancels_a_queued_run_before_any_work(client, demo, agent):
+    run_id = post_run(client, agent, {"workflow": "refund", "input": REFUND}).json()["id"]
+
+    assert client.post(f"/api/runs/{run_id}/cancel", headers=agent).status_code == 200
+
+    run = drive(Run.objects.get(pk=run_id))
+    assert run.status == Run.Status.CANCELLED
+    assert not Step.objects.exists()
+
+
+def test_cancelling_a_finished_run_changes_nothing(client, demo, agent):
+    run = start_parked_run(client, agent)
+    Approval.objects.get(run=run).decide(demo["reviewer"], "approve")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+
+    response = client.post(f"/api/runs/{run.id}/cancel", headers=agent)
+
+    assert response.status_code == 200
+    assert response.json()["status"] == "succeeded"
+    assert Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED
+
+
+def test_it_answers_404_to_an_outsider_who_cancels(client, demo, agent):
+    run = start_parked_run(client, agent)
+
+    response = client.post(f"/api/runs/{run.id}/cancel", headers=bearer(demo["outsider"]))
+
+    assert response.status_code == 404
+    run.refresh_from_db()
+    assert run.status == Run.Status.WAITING_HUMAN and not run.cancel_requested
+    assert Approval.objects.get(run=run).status == Approval.Status.PENDING
+
+
+def test_it_answers_403_to_a_reviewer_who_cancels(client, demo, agent):
+    run = start_parked_run(client, agent)
+    reviewer = bearer(demo["reviewer"])
+    assert client.get(f"/api/runs/{run.id}", headers=reviewer).status_code == 200
+
+    response = client.post(f"/api/runs/{run.id}/cancel", headers=reviewer)
+
+    assert response.status_code == 403
+    assert response.json()["error"] == "forbidden"
+    run.refresh_from_db()
+    assert run.status == Run.Status.WAITING_HUMAN and not run.cancel_requested
+    assert Approval.objects.get(run=run).status == Approval.Status.PENDING
+
+
+def test_cancel_answers_404_for_a_run_that_does_not_exist(client, demo):
+    response = client.post(f"/api/runs/{uuid.uuid4()}/cancel", headers=bearer(demo["ops"]))
+    assert response.status_code == 404
+    assert response.json()["error"] == "not_found"

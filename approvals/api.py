@@ -61,8 +61,11 @@ def _get_card_for_user(request, card_id: int) -> Approval:
     return card
 
 
+CardStatus = Literal["pending", "approved", "edited", "rejected", "expired", "escalated", "cancelled", "all"]
+
+
 @router.get("/approvals", response=list[CardOut], summary="Cards the caller may decide")
-def list_cards(request, status: str = "pending"):
+def list_cards(request, status: CardStatus = "pending"):
     cards = Approval.objects.filter(channel__in=decidable_channels(request.user)).select_related("channel")
     if status != "all":
         cards = cards.filter(status=status)

@@ -128,6 +128,9 @@ class Run(models.Model):
             if idempotency_key is None:
                 raise
         existing = cls.objects.get(idempotency_key=idempotency_key)
+        if existing.created_by_id != getattr(created_by, "pk", None):
+            # Someone else's key: say nothing about their run.
+            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} is already in use")
         if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
             raise IdempotencyConflict(
                 f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"

@@ -27,6 +27,19 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def _empty_job_queue(request, django_db_blocker):
+    """Procrastinate's tables are not Django models, so the flush after a transactional test leaves their
+    rows behind, where the next test's worker would find jobs of runs that no longer exist."""
+    yield
+    if "transactional_db" in request.fixturenames:
+        with django_db_blocker.unblock(), connection.cursor() as cursor:
+            cursor.execute(
+                "TRUNCATE procrastinate_jobs, procrastinate_events, procrastinate_periodic_defers,"
+                " procrastinate_workers CASCADE"
+            )
+
+
+@pytest.fixture(autouse=True)
 def _fast_tests(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     # Tests render templates without running collectstatic first.

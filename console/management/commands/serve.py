@@ -59,7 +59,7 @@ class Command(BaseCommand):
                     "--port",
                     str(port),
                     "--workers",
-                    str(env_int("WEB_CONCURRENCY", 1)),
+                    str(env_int("WEB_CONCURRENCY", os.cpu_count() or 1)),
                 ],
                 env,
             )

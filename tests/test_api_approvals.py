@@ -156,6 +156,12 @@ def test_an_outsider_sees_no_cards(client, demo, parked):
     assert response.json() == []
 
 
+def test_an_unknown_status_filter_is_refused(client, demo, parked):
+    response = client.get("/api/approvals?status=maybe", headers=bearer(demo["reviewer"]))
+    assert response.status_code == 422
+    assert response.json()["error"] == "invalid"
+
+
 def test_ops_without_approve_permission_sees_no_cards(client, demo, parked):
     assert client.get("/api/approvals", headers=bearer(demo["ops"])).json() == []
 

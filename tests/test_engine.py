@@ -296,3 +296,11 @@ def test_the_same_idempotency_key_gives_the_same_run(demo):
     with pytest.raises(IdempotencyConflict):
         Run.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-1")
     assert Run.objects.count() == 1
+
+
+def test_another_users_idempotency_key_is_a_conflict_that_reveals_nothing(demo, bob, carol):
+    mine, _ = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
+    with pytest.raises(IdempotencyConflict) as info:
+        Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=carol)
+    assert str(mine.id) not in str(info.value)
+    assert Run.objects.count() == 1

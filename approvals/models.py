@@ -6,7 +6,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from console.models import Channel
+from console.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 
@@ -152,6 +152,23 @@ class Approval(models.Model):
             card.version += 1
             card.save(update_fields=["status", "decided_at", "version"])
             run = Run.objects.select_for_update().get(pk=card.run_id)
+            AuditEntry.record(
+                f"approval.{decision}",
+                actor=actor,
+                target=f"approval:{card.pk}",
+                run_id=run.id,
+                approval_id=card.pk,
+                channel=card.channel.name,
+                trace_id=run.trace_id,
+                data={
+                    "kind": card.kind,
+                    "comment": comment,
+                    "reason": reason or "",
+                    "version": card.version,
+                    "proposed": card.proposed,
+                    **({"payload": payload} if decision == "edit" else {}),
+                },
+            )
             if run.status in Run.PARKED:
                 run.status = Run.Status.QUEUED
                 run.pause_reason = ""

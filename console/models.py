@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import Group
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, models
 from django.utils import timezone
 
@@ -121,3 +123,132 @@ class ApiToken(models.Model):
         if token.last_used_at is None or token.last_used_at < now - timedelta(minutes=1):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
         return token.user
+
+
+class ActorType(models.TextChoices):
+    HUMAN = "human"
+    AGENT = "agent"
+    SYSTEM = "system"
+
+
+# One lock for every append: an entry's prev_hash is the hash of the entry committed just before it.
+_AUDIT_CHAIN_LOCK = 0x41554454  # "AUDT"
+
+
+class AuditEntry(models.Model):
+    """Append-only and tamper-evident: each entry's `hash` covers its content and the previous entry's hash,
+    and a database trigger (migration console.0004) refuses UPDATE and DELETE. `manage.py audit_verify`
+    recomputes the chain."""
+
+    ActorType = ActorType
+
+    at = models.DateTimeField()
+    actor_type = models.CharField(max_length=8, choices=ActorType.choices)
+    actor = models.CharField(max_length=150, help_text="Username, or the name of the system component.")
+    action = models.CharField(max_length=64)
+    target = models.CharField(max_length=200, blank=True)
+    run_id = models.UUIDField(null=True, blank=True)
+    approval_id = models.BigIntegerField(null=True, blank=True)
+    channel = models.CharField(max_length=64, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    trace_id = models.CharField(max_length=32, blank=True)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64, unique=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["-at"], name="console_audit_at"),
+            models.Index(fields=["actor", "-at"], name="console_audit_actor_at"),
+            models.Index(fields=["action", "-at"], name="console_audit_action_at"),
+            models.Index(fields=["channel", "-at"], name="console_audit_channel_at"),
+            models.Index(fields=["run_id"], name="console_audit_run"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(actor_type__in=ActorType.values), name="console_auditentry_actor_type_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target}"
+
+    GENESIS = "0" * 64
+
+    @classmethod
+    def record(
+        cls,
+        action: str,
+        *,
+        actor=None,
+        actor_type: str | None = None,
+        target: str = "",
+        run_id=None,
+        approval_id=None,
+        channel: str = "",
+        data: dict | None = None,
+        trace_id: str = "",
+    ) -> AuditEntry:
+        """Append an entry, inside the caller's transaction (the entry commits with the change it records).
+
+        `actor` is a user (a human, or the `agent` service identity) or a component name (system)."""
+        assert connection.in_atomic_block, "audit entries are written in the transaction of what they record"
+        if isinstance(actor, str) or actor is None:
+            name, kind = actor or "system", actor_type or ActorType.SYSTEM
+        else:
+            name = actor.get_username()
+            kind = actor_type or (ActorType.AGENT if name == "agent" else ActorType.HUMAN)
+        entry = cls(
+            at=timezone.now(),
+            actor_type=kind,
+            actor=name,
+            action=action,
+            target=target,
+            run_id=run_id,
+            approval_id=approval_id,
+            channel=channel,
+            # Stored exactly as hashed: JSON-native values only.
+            data=json.loads(json.dumps(data or {}, cls=DjangoJSONEncoder)),
+            trace_id=trace_id,
+        )
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_AUDIT_CHAIN_LOCK])
+        last = cls.objects.order_by("-id").values_list("hash", flat=True).first()
+        entry.prev_hash = last or cls.GENESIS
+        entry.hash = entry.compute_hash()
+        entry.save(force_insert=True)
+        return entry
+
+    def canonical(self) -> str:
+        return json.dumps(
+            {
+                "at": self.at.isoformat(),
+                "actor_type": self.actor_type,
+                "actor": self.actor,
+                "action": self.action,
+                "target": self.target,
+                "run_id": str(self.run_id) if self.run_id else None,
+                "approval_id": self.approval_id,
+                "channel": self.channel,
+                "data": self.data,
+                "trace_id": self.trace_id,
+                "prev_hash": self.prev_hash,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+
+    def compute_hash(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    @classmethod
+    def verify_chain(cls, chunk_size: int = 5000):
+        """Yield (entry, problem) for every entry that breaks the chain; nothing when it is whole."""
+        previous = cls.GENESIS
+        for entry in cls.objects.order_by("id").iterator(chunk_size=chunk_size):
+            if entry.prev_hash != previous:
+                yield entry, f"prev_hash does not match entry before it ({previous[:12]}…)"
+            elif entry.compute_hash() != entry.hash:
+                yield entry, "content does not match its hash (altered)"
+            previous = entry.hash

@@ -149,4 +149,4 @@ def cancel_run(request, run_id: uuid.UUID):
     run = _get_run_for_user(request, run_id)
     if not can_operate_run(request.user, run):
         raise HttpError(403, "Only the run's creator or ops may cancel it.")
-    return run_out(run.cancel())
+    return run_out(run.cancel(by=request.user))

@@ -22,6 +22,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from console.models import AuditEntry
 from jobs.models import DeadLetter
 from runs import gates
 from runs import workflow as workflows
@@ -268,6 +269,14 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             job_id=job.job_id,
         )
         gates.backend().close_pending(run, "cancelled")
+        AuditEntry.record(
+            "run.dead_letter",
+            actor="engine",
+            target=f"run:{run.id}",
+            run_id=run.id,
+            trace_id=run.trace_id,
+            data={"error": error, "step": step.name if step else ""},
+        )
     log.error("run failed", error=error, step=step.name if step else None, attempts=job.attempts + 1)
 
 

@@ -157,15 +157,24 @@ class Run(models.Model):
         except AlreadyEnqueued:
             pass  # a job for this run is already waiting: it will see the new state
 
-    def cancel(self) -> Run:
+    def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
         between steps. Finished runs are left as they are."""
+        from console.models import AuditEntry
         from runs import gates
 
         with transaction.atomic():
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
+            AuditEntry.record(
+                "run.cancel",
+                actor=by,
+                target=f"run:{run.id}",
+                run_id=run.id,
+                trace_id=run.trace_id,
+                data={"status": run.status},
+            )
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
                 run.status = self.Status.CANCELLED

@@ -67,10 +67,12 @@ def _too_large(request, exc):
 
 def _mount_app_routers() -> None:
     from approvals.api import router as approvals_router
+    from console.channels import router as channels_router
     from runs.api import router as runs_router
 
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)
+    api.add_router("/", channels_router)
 
 
 class Me(Schema):

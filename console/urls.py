@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
-from console import views
+from console import audit, channels, dashboard, views
 from console.api import api
 
 
@@ -23,6 +23,10 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
+    path("metrics", dashboard.metrics, name="metrics"),
+    path("dashboard/", dashboard.dashboard, name="dashboard"),
+    path("channels/", channels.channel_list, name="channels"),
+    path("audit/", audit.audit_log, name="audit"),
     path("accounts/", include("django.contrib.auth.urls")),
     path("admin/", admin.site.urls),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),

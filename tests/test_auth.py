@@ -7,6 +7,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 PUBLIC = {
     "healthz",
     "readyz",
+    "metrics",
     "login",
     "password_reset",
     "password_reset_done",

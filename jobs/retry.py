@@ -24,5 +24,11 @@ class BackoffWithJitter(BaseRetryStrategy):
     def delay(self, attempts: int) -> float:
         return self.rng.uniform(0, self.bound(attempts))
 
+    # A backstop for errors outside any step (the database down while the engine records a failure): the
+    # engine itself gives up after RUN_MAX_ATTEMPTS, so only those reach this many.
+    MAX_JOB_ATTEMPTS = 10
+
     def get_retry_decision(self, *, exception: BaseException, job) -> RetryDecision | None:
+        if job.attempts + 1 >= self.MAX_JOB_ATTEMPTS:
+            return None
         return RetryDecision(retry_in={"seconds": self.delay(job.attempts)})

@@ -29,3 +29,8 @@ def test_it_schedules_the_retry(settings):
         exception=RuntimeError("x"), job=SimpleNamespace(attempts=3)
     )
     assert decision is not None and decision.retry_at is not None
+
+
+def test_it_gives_up_after_the_backstop():
+    strategy = BackoffWithJitter()
+    assert strategy.get_retry_decision(exception=RuntimeError("x"), job=SimpleNamespace(attempts=9)) is None

@@ -1,0 +1,26 @@
+"""Workflows that do nothing, the baselines of bench/throughput.py.
+
+Registered when a process starts with WORKFLOW_MODULES=bench.noop_workflow (the bench sets it for the worker
+and for the process that submits the runs). Their steps return at once, so a run of them costs only what the
+engine and Procrastinate add: the job fetch, claiming the run, one checkpoint transaction per step, finishing.
+
+* `bench_noop`: one step. Per-run overhead.
+* `bench_noop6`: six steps, the refund demo's shape without its work (no model, no tools, no receipts).
+"""
+
+from __future__ import annotations
+
+from runs.workflow import Workflow, register
+
+noop = register(Workflow("bench_noop", description="One compute step that does nothing (bench baseline)."))
+
+
+@noop.compute
+def nothing(ctx):
+    return {}
+
+
+noop6 = register(Workflow("bench_noop6", description="Six compute steps that do nothing (bench baseline)."))
+
+for _i in range(6):
+    noop6.compute(lambda ctx: {}, name=f"nothing_{_i}")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 import uvicorn
+from uvicorn.supervisors import Multiprocess
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
-    uvicorn.run(
+    config = uvicorn.Config(
         "console.asgi:application",
         host=args.host,
         port=args.port,
@@ -27,6 +29,15 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,  # console.middleware logs one line per request, with its request id
         lifespan="off",
     )
+    if config.workers == 1:
+        uvicorn.Server(config).run()
+        return
+    sock = config.bind_socket()
+    # uvicorn's worker processes rebuild the listening socket without its protocol number, so asyncio does not
+    # set TCP_NODELAY on the connections they accept, and every request on a kept-alive connection waits ~40 ms
+    # (Nagle's algorithm against delayed ACKs). On Linux, accepted sockets inherit it from the listening one.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    Multiprocess(config, sockets=[sock]).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""Runs in Django admin, read-only, with their checkpointed steps: where a dead letter links to. Runs change
+only through the engine, the API and the dead-letter actions, which are audited."""
+
+from __future__ import annotations
+
+import json
+
+from django.contrib import admin
+from django.core.serializers.json import DjangoJSONEncoder
+from django.urls import reverse
+from django.utils.html import format_html
+
+from runs import dead_letters
+from runs.models import Run, Step
+
+
+def _pretty(value):
+    text = json.dumps(value, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
+    return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
+
+
+class ReadOnlyForOpsAndAdmins:
+    """Ops and admins see runs (as in the API); nobody edits them here."""
+
+    def has_module_permission(self, request):
+        return dead_letters.can_requeue(request.user)
+
+    def has_view_permission(self, request, obj=None):
+        return dead_letters.can_requeue(request.user)
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class StepInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
+    model = Step
+    fields = ["seq", "name", "kind", "status", "attempt", "error", "tokens_in", "tokens_out", "cost", "latency_ms"]
+    readonly_fields = fields
+    ordering = ["seq"]
+    extra = 0
+    can_delete = False
+    show_change_link = False
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
+    list_display = ["id", "workflow", "status", "tenant", "cursor", "attempt", "cost", "created_at", "finished_at"]
+    list_filter = ["status", "workflow", "tenant"]
+    search_fields = ["=id", "=trace_id", "=idempotency_key"]
+    list_per_page = 50
+    inlines = [StepInline]
+    fieldsets = [
+        (None, {"fields": ["id", "workflow", "workflow_version", "tenant", "status", "dead_letter_link"]}),
+        ("Progress", {"fields": ["cursor", "attempt", "max_attempts", "error", "pause_reason", "cancel_requested"]}),
+        ("Data", {"fields": ["pretty_input", "pretty_result"]}),
+        ("Cost", {"fields": ["tokens_in", "tokens_out", "cost", "cost_limit"]}),
+        (
+            "Tracing",
+            {"fields": ["trace_id", "idempotency_key", "created_by", "created_at", "updated_at", "finished_at"]},
+        ),
+    ]
+    readonly_fields = [field for _, options in fieldsets for field in options["fields"]]
+
+    @admin.display(description="input")
+    def pretty_input(self, run: Run):
+        return _pretty(run.input)
+
+    @admin.display(description="result")
+    def pretty_result(self, run: Run):
+        return _pretty(run.result)
+
+    @admin.display(description="dead letters")
+    def dead_letter_link(self, run: Run):
+        url = reverse("admin:jobs_deadletter_changelist") + f"?q={run.id}"
+        return format_html('<a href="{}">dead letters of this run</a>', url)

@@ -1,16 +1,136 @@
+from __future__ import annotations
+
 from django.contrib import admin
+from django.db import transaction
 from guardian.admin import GuardedModelAdmin
 
-from console.models import ApiToken, Channel
+from console.models import ApiToken, AuditEntry, Channel
+
+
+def _channel_state(channel: Channel) -> dict:
+    """The stored fields of a channel, for its audit entries (a related group or user by its name)."""
+    state = {}
+    for field in Channel._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        value = getattr(channel, field.name)
+        state[field.name] = str(value) if field.is_relation and value is not None else value
+    return state
+
+
+def _audited_permissions_form(form_class, actor, holder_kind: str):
+    """`form_class` (guardian's user or group object-permission form) whose save writes one audit entry per
+    permission granted or revoked, in the transaction that changes it."""
+
+    class AuditedPermissionsForm(form_class):
+        def save_obj_perms(self) -> None:
+            holder = getattr(self, holder_kind)
+            with transaction.atomic():
+                before = set(self.get_obj_perms_field_initial())
+                super().save_obj_perms()
+                after = set(self.get_obj_perms_field_initial())
+                for action, perms in (("permission.grant", after - before), ("permission.revoke", before - after)):
+                    for perm in sorted(perms):
+                        AuditEntry.record(
+                            action,
+                            actor=actor,
+                            target=f"channel:{self.obj}",
+                            channel=str(self.obj),
+                            data={"permission": perm, holder_kind: str(holder)},
+                        )
+
+    return AuditedPermissionsForm
 
 
 @admin.register(Channel)
 class ChannelAdmin(GuardedModelAdmin):
     """Object permissions (approve_channel, operate_channel) are assigned from each channel's
-    "Object permissions" page."""
+    "Object permissions" page. Every change made here, to a channel or to its permissions, is audited."""
 
     list_display = ["name", "required_approvals", "sla", "escalation_policy", "kill_switch_engaged"]
     readonly_fields = ["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
+
+    def save_model(self, request, obj, form, change):
+        # Django admin runs this inside the change form's transaction; the lock keeps "before" true.
+        before = _channel_state(Channel.objects.select_for_update().get(pk=obj.pk)) if change else {}
+        super().save_model(request, obj, form, change)
+        after = _channel_state(obj)
+        changed = {
+            name: {"before": before.get(name), "after": value}
+            for name, value in after.items()
+            if not change or before.get(name) != value
+        }
+        if changed:
+            AuditEntry.record(
+                "channel.change" if change else "channel.create",
+                actor=request.user,
+                target=f"channel:{obj.name}",
+                channel=obj.name,
+                data={"changed": changed},
+            )
+
+    def delete_model(self, request, obj):
+        with transaction.atomic():
+            AuditEntry.record(
+                "channel.delete",
+                actor=request.user,
+                target=f"channel:{obj.name}",
+                channel=obj.name,
+                data={"deleted": _channel_state(obj)},
+            )
+            super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        with transaction.atomic():
+            for channel in queryset:
+                AuditEntry.record(
+                    "channel.delete",
+                    actor=request.user,
+                    target=f"channel:{channel.name}",
+                    channel=channel.name,
+                    data={"deleted": _channel_state(channel)},
+                )
+            super().delete_queryset(request, queryset)
+
+    def get_obj_perms_manage_user_form(self, request):
+        return _audited_permissions_form(super().get_obj_perms_manage_user_form(request), request.user, "user")
+
+    def get_obj_perms_manage_group_form(self, request):
+        return _audited_permissions_form(super().get_obj_perms_manage_group_form(request), request.user, "group")
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(admin.ModelAdmin):
+    """Read-only, like the table itself (the database refuses UPDATE and DELETE). The console's audit page
+    (/audit/) has the filters, full-text search and CSV export."""
+
+    list_display = ["id", "at", "actor", "actor_type", "action", "target", "channel"]
+    list_display_links = ["id", "at"]
+    show_full_result_count = False
+    fields = [
+        "at",
+        "actor_type",
+        "actor",
+        "action",
+        "target",
+        "run_id",
+        "approval_id",
+        "channel",
+        "data",
+        "trace_id",
+        "prev_hash",
+        "hash",
+    ]
+    readonly_fields = fields
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(ApiToken)

@@ -27,6 +27,7 @@ urlpatterns = [
     path("dashboard/", dashboard.dashboard, name="dashboard"),
     path("channels/", channels.channel_list, name="channels"),
     path("audit/", audit.audit_log, name="audit"),
+    path("audit/export.csv", audit.audit_export, name="audit_export"),
     path("accounts/", include("django.contrib.auth.urls")),
     path("admin/", admin.site.urls),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),

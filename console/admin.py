@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.db import transaction
 from guardian.admin import GuardedModelAdmin
 
-from console.models import ApiToken, AuditEntry, Channel
+from console.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
 
 
 def _channel_state(channel: Channel) -> dict:
@@ -141,3 +141,21 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):
         return False  # tokens are issued by `manage.py create_api_token`, which shows the secret once
+
+
+@admin.register(GlobalKillSwitch)
+class GlobalKillSwitchAdmin(admin.ModelAdmin):
+    """Read-only here: the switch is engaged and released (with a reason, audited, resuming the runs it paused)
+    on the console's channels page (/channels/) or through the API."""
+
+    list_display = ["__str__", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
+    readonly_fields = fields = ["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -1,12 +1,243 @@
-"""Kill switches: the channels page, engage/release, and the API for automation. (Issue #5: to be built.)"""
+"""Kill switches: the channels page (engage or release, with a reason, in one click) and the API for automation.
+
+Who may do what (DESIGN "Roles"), checked here on the server for the page and the API alike:
+- a channel's switch is flipped by users with `operate_channel` on that channel (a guardian object
+  permission; superusers have every permission); the global switch by the ops group and superusers;
+- ops and admins see every channel (read-only where they may not act); anyone else sees only the channels
+  they operate, and gets 404 when that is none (reviewers, outsiders).
+The state changes themselves (locking, audit, resuming runs) live on the models: Channel.engage_kill_switch,
+Channel.release_kill_switch, and the same two methods on GlobalKillSwitch.
+"""
 
 from __future__ import annotations
 
-from django.http import Http404
-from ninja import Router
+from datetime import datetime
+
+import structlog
+from django import forms
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, QuerySet
+from django.http import Http404, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.vary import vary_on_headers
+from django_htmx.http import trigger_client_event
+from guardian.shortcuts import get_objects_for_user
+from ninja import Field, Router, Schema
+from ninja.errors import HttpError
+
+from console.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
+from runs.models import Run
+
+log = structlog.get_logger("console.channels")
 
 router = Router(tags=["channels"])
 
+TEMPLATE = "console/channels.html"
+EVENT = "kill-switch-changed"  # htmx event sent after a switch changes; the page summary listens for it
 
+
+# --- access ------------------------------------------------------------------------------------------------
+
+
+def _is_ops_or_admin(user) -> bool:
+    return user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists()
+
+
+def operable_channels(user) -> QuerySet[Channel]:
+    return get_objects_for_user(user, "console.operate_channel", klass=Channel, accept_global_perms=False)
+
+
+def visible_channels(user) -> QuerySet[Channel]:
+    """The channels whose switches `user` may see; raises Http404 when that is none of them."""
+    if _is_ops_or_admin(user):
+        return Channel.objects.all()
+    channels = operable_channels(user)
+    if not channels.exists():
+        raise Http404("No channel you may operate.")
+    return channels
+
+
+def can_operate_global(user) -> bool:
+    return user.is_superuser or user.groups.filter(name=Role.OPS).exists()
+
+
+def _get_channel_for_user(user, name: str) -> Channel:
+    """The channel `name` for someone about to flip its switch: 404 when they may not see it (or it does not
+    exist), PermissionDenied when they may see it but not operate it."""
+    channel = visible_channels(user).filter(name=name).select_related("kill_switch_by").first()
+    if channel is None:
+        raise Http404("No such channel.")
+    if not user.has_perm("console.operate_channel", channel):
+        raise PermissionDenied(f"You may not operate the kill switch of {name}.")
+    return channel
+
+
+def _get_global_switch_for_user(user) -> GlobalKillSwitch:
+    visible_channels(user)  # 404 for those who may not see the channels page at all
+    if not can_operate_global(user):
+        raise PermissionDenied("Only ops may operate the global kill switch.")
+    return GlobalKillSwitch.load()
+
+
+# --- the page ----------------------------------------------------------------------------------------------
+
+
+class KillSwitchForm(forms.Form):
+    action = forms.ChoiceField(choices=[("engage", "Engage"), ("release", "Release")])
+    reason = forms.CharField(
+        max_length=KILL_SWITCH_REASON_MAX,
+        error_messages={"required": "Give a reason: it is what the next person on call will read."},
+    )
+
+
+def _set(switch: Channel | GlobalKillSwitch, engaged: bool, user, reason: str) -> bool:
+    """Engage or release (a Channel and the GlobalKillSwitch share the two methods). True when it changed."""
+    changed = switch.engage_kill_switch(user, reason) if engaged else switch.release_kill_switch(user, reason)
+    if changed:
+        log.warning(
+            "kill switch " + ("engaged" if engaged else "released"),
+            switch=getattr(switch, "name", "global"),
+            by=user.get_username(),
+            reason=reason,
+        )
+    return changed
+
+
+def _paused_counts() -> dict[str, int]:
+    rows = (
+        Run.objects.filter(status=Run.Status.PAUSED)
+        .exclude(paused_switch="")
+        .values_list("paused_switch")
+        .annotate(n=Count("pk"))
+    )
+    return dict(rows)
+
+
+def _page_context(user) -> dict:
+    counts = _paused_counts()
+    operable = set(operable_channels(user).values_list("pk", flat=True))
+    channels = list(visible_channels(user).select_related("kill_switch_by"))
+    for channel in channels:
+        channel.can_operate = channel.pk in operable
+        channel.paused_runs = counts.get(channel.name, 0)
+    switch = GlobalKillSwitch.load()
+    switch.can_operate = can_operate_global(user)
+    switch.paused_runs = counts.get(GLOBAL_SWITCH, 0)
+    return {
+        "channels": channels,
+        "global_switch": switch,
+        "engaged_count": sum(channel.kill_switch_engaged for channel in channels),
+        "paused_total": sum(counts.values()),
+    }
+
+
+@require_GET
+@vary_on_headers("HX-Request", "HX-Target")
 def channel_list(request):
-    raise Http404("not built yet")
+    context = _page_context(request.user)
+    template = TEMPLATE
+    if request.htmx and request.htmx.target == "switch-summary":
+        template += "#summary"
+    return render(request, template, context)
+
+
+def _flip_from_form(request, switch: Channel | GlobalKillSwitch) -> HttpResponse:
+    """The POST of one switch's form: flip, then answer with its re-rendered partial (htmx) or the page."""
+    form = KillSwitchForm(request.POST)
+    changed = False
+    if form.is_valid():
+        try:
+            changed = _set(switch, form.cleaned_data["action"] == "engage", request.user, form.cleaned_data["reason"])
+        except ReasonRequired as exc:
+            form.add_error("reason", str(exc))
+    status = 422 if form.errors else 200
+    if request.htmx:
+        switch.can_operate, switch.paused_runs = True, switch.runs_paused()
+        switch.form = form if form.errors else None
+        # A 422 is swapped in all the same (the page's hx-on handler), to show the error in place.
+        response = render(request, f"{TEMPLATE}#row", {"switch": switch}, status=status)
+        if changed:
+            trigger_client_event(response, EVENT, after="settle")
+        return response
+    if not form.errors:
+        return redirect("channels")
+    context = _page_context(request.user)  # without JavaScript: the whole page, the error in its row
+    for shown in [context["global_switch"], *context["channels"]]:
+        if type(shown) is type(switch) and shown.pk == switch.pk:
+            shown.form = form
+    return render(request, TEMPLATE, context, status=status)
+
+
+@require_POST
+def channel_kill_switch(request, name: str):
+    return _flip_from_form(request, _get_channel_for_user(request.user, name))
+
+
+@require_POST
+def global_kill_switch(request):
+    return _flip_from_form(request, _get_global_switch_for_user(request.user))
+
+
+# --- the API -----------------------------------------------------------------------------------------------
+
+
+class KillSwitchIn(Schema):
+    engaged: bool
+    reason: str = Field(max_length=KILL_SWITCH_REASON_MAX)
+
+
+class KillSwitchOut(Schema):
+    channel: str | None = Field(description="The channel's name; null for the global switch.")
+    engaged: bool
+    reason: str = Field(description="The reason given for the last change (engage or release).")
+    by: str | None
+    at: datetime | None
+    runs_paused: int = Field(description="Runs waiting for this switch's release.")
+    changed: bool = Field(description="False when the switch was already in the requested state.")
+
+
+def _api_set(request, switch: Channel | GlobalKillSwitch, body: KillSwitchIn) -> dict:
+    try:
+        changed = _set(switch, body.engaged, request.user, body.reason)
+    except ReasonRequired as exc:
+        raise HttpError(422, str(exc)) from exc
+    return {
+        "channel": getattr(switch, "name", None),
+        "engaged": switch.kill_switch_engaged,
+        "reason": switch.kill_switch_reason,
+        "by": switch.kill_switch_by.get_username() if switch.kill_switch_by else None,
+        "at": switch.kill_switch_at,
+        "runs_paused": switch.runs_paused(),
+        "changed": changed,
+    }
+
+
+@router.post(
+    "/channels/{name}/kill-switch",
+    response=KillSwitchOut,
+    summary="Engage or release a channel's kill switch",
+    description="Needs `operate_channel` on the channel. Idempotent: asking for the state the switch is "
+    "already in changes nothing (`changed: false`). Releasing resumes the runs the switch paused.",
+)
+def api_channel_kill_switch(request, name: str, body: KillSwitchIn):
+    try:
+        channel = _get_channel_for_user(request.user, name)
+    except PermissionDenied as exc:
+        raise HttpError(403, str(exc)) from exc
+    return _api_set(request, channel, body)
+
+
+@router.post(
+    "/kill-switch",
+    response=KillSwitchOut,
+    summary="Engage or release the global kill switch (every channel)",
+    description="For the ops group. Idempotent like the channel's. Releasing resumes the runs the global "
+    "switch paused; each channel's own switch still applies.",
+)
+def api_global_kill_switch(request, body: KillSwitchIn):
+    try:
+        switch = _get_global_switch_for_user(request.user)
+    except PermissionDenied as exc:
+        raise HttpError(403, str(exc)) from exc
+    return _api_set(request, switch, body)

@@ -4,11 +4,12 @@ import hashlib
 import json
 import secrets
 from datetime import timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connection, models
+from django.db import connection, models, transaction
 from django.utils import timezone
 
 
@@ -69,20 +70,179 @@ class Channel(models.Model):
         return self.name
 
     @classmethod
-    def killed_for_effects(cls, name: str) -> str | None:
-        """Inside the transaction that writes an effect's receipt: the kill switch reason if `name` is
-        stopped, else None. FOR SHARE makes engaging the switch (an UPDATE of this row) wait until effects
+    def killed_for_effects(cls, name: str) -> Killed | None:
+        """Inside the transaction that writes an effect's receipt: the switch that stops `name` (the global
+        one first), else None. FOR SHARE makes engaging a switch (an UPDATE of its row) wait until effects
         already past this point have committed, and every effect after it see the switch."""
         assert connection.in_atomic_block
         with connection.cursor() as cursor:
+            for _ in range(2):
+                cursor.execute(
+                    "SELECT kill_switch_engaged, kill_switch_reason FROM console_globalkillswitch"
+                    " WHERE id = 1 FOR SHARE"
+                )
+                if (row := cursor.fetchone()) is not None:
+                    break
+                # Migration console.0006 creates the row; only a flushed (test) database lacks it. Without a
+                # row there would be nothing to lock, and an engage could commit under an effect in flight.
+                GlobalKillSwitch.ensure_row(cursor)
+            if row is not None and row[0]:
+                return Killed(GLOBAL_SWITCH, row[1])
             cursor.execute(
                 "SELECT kill_switch_engaged, kill_switch_reason FROM console_channel WHERE name = %s FOR SHARE",
                 [name],
             )
             row = cursor.fetchone()
         if row is not None and row[0]:
-            return row[1] or "no reason given"
+            return Killed(name, row[1])
         return None
+
+    def engage_kill_switch(self, by, reason: str) -> bool:
+        """Stop every side effect on this channel from the moment this commits (effects already past their
+        receipt finish). Idempotent: an engaged switch stays as it was (same reason, no audit entry), and
+        False is returned. Raises ReasonRequired for a blank reason."""
+        return _flip(self, True, by, reason, switch=self.name)
+
+    def release_kill_switch(self, by, reason: str) -> bool:
+        """Let effects through again and, in the same transaction, resume every run this switch paused.
+        Idempotent like engage_kill_switch."""
+        return _flip(self, False, by, reason, switch=self.name)
+
+    def runs_paused(self) -> int:
+        from runs.models import Run  # see _resume_runs_paused_by
+
+        return Run.objects.filter(status=Run.Status.PAUSED, paused_switch=self.name).count()
+
+
+# Run.paused_switch of a run paused by the global switch (channel names are slugs, so no channel is "*").
+GLOBAL_SWITCH = "*"
+
+
+class Killed(NamedTuple):
+    """Which switch stops a channel, and why."""
+
+    switch: str  # the channel's name, or GLOBAL_SWITCH
+    reason: str
+
+    def describe(self, channel: str) -> str:
+        if self.switch == GLOBAL_SWITCH:
+            return f"global kill switch engaged (stops {channel}): {self.reason or 'no reason given'}"
+        return f"kill switch engaged on {channel}: {self.reason or 'no reason given'}"
+
+
+class ReasonRequired(ValueError):
+    """Engaging or releasing a kill switch needs a reason (it is what the on-call person reads at 2 a.m.)."""
+
+
+KILL_SWITCH_REASON_MAX = 500
+
+
+class GlobalKillSwitch(models.Model):
+    """The switch that stops every channel at once: a single row (id 1), checked before each channel's own
+    switch by Channel.killed_for_effects. Ops (and superusers) engage and release it."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    kill_switch_engaged = models.BooleanField(default=False)
+    kill_switch_reason = models.TextField(blank=True)
+    kill_switch_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    kill_switch_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "global kill switch"
+        constraints = [
+            models.CheckConstraint(condition=models.Q(id=1), name="console_globalkillswitch_single_row"),
+            models.CheckConstraint(
+                condition=models.Q(kill_switch_engaged=False) | models.Q(kill_switch_at__isnull=False),
+                name="console_globalkillswitch_engaged_has_time",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return "global kill switch " + ("engaged" if self.kill_switch_engaged else "released")
+
+    @staticmethod
+    def ensure_row(cursor) -> None:
+        cursor.execute(
+            "INSERT INTO console_globalkillswitch (id, kill_switch_engaged, kill_switch_reason)"
+            " VALUES (1, false, '') ON CONFLICT (id) DO NOTHING"
+        )
+
+    @classmethod
+    def load(cls) -> GlobalKillSwitch:
+        with connection.cursor() as cursor:
+            cls.ensure_row(cursor)
+        return cls.objects.select_related("kill_switch_by").get(pk=1)
+
+    def engage_kill_switch(self, by, reason: str) -> bool:
+        """Stop every channel; see Channel.engage_kill_switch."""
+        return _flip(self, True, by, reason, switch=GLOBAL_SWITCH)
+
+    def release_kill_switch(self, by, reason: str) -> bool:
+        """Let every channel go again (each channel's own switch still applies) and resume the runs this
+        switch paused; see Channel.release_kill_switch."""
+        return _flip(self, False, by, reason, switch=GLOBAL_SWITCH)
+
+    def runs_paused(self) -> int:
+        from runs.models import Run  # see _resume_runs_paused_by
+
+        return Run.objects.filter(status=Run.Status.PAUSED, paused_switch=GLOBAL_SWITCH).count()
+
+
+def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str, *, switch: str) -> bool:
+    """Engage or release one switch (a Channel or the GlobalKillSwitch row): lock its row, re-read, change
+    it if it is not already in that state, audit, and on release resume its runs, all in one transaction.
+    `switch_row` is refreshed to the stored state either way. True when it changed."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise ReasonRequired("a reason is required")
+    if len(reason) > KILL_SWITCH_REASON_MAX:
+        raise ReasonRequired(f"the reason is longer than {KILL_SWITCH_REASON_MAX} characters")
+    model = type(switch_row)
+    with transaction.atomic():
+        # The lock waits for every effect that has checked this switch (FOR SHARE) and not yet committed its
+        # receipt; once this commits, every later check sees the new state.
+        locked = model.objects.select_for_update().get(pk=switch_row.pk)
+        changed = locked.kill_switch_engaged != engaged
+        if changed:
+            locked.kill_switch_engaged = engaged
+            locked.kill_switch_reason = reason
+            locked.kill_switch_by = by
+            locked.kill_switch_at = timezone.now()  # after the lock: later than every receipt that got past
+            locked.save(update_fields=["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"])
+            resumed = 0 if engaged else _resume_runs_paused_by(switch)
+            AuditEntry.record(
+                "kill_switch.engage" if engaged else "kill_switch.release",
+                actor=by,
+                target="kill_switch:global" if switch == GLOBAL_SWITCH else f"channel:{switch}",
+                channel="" if switch == GLOBAL_SWITCH else switch,
+                data={"reason": reason, **({} if engaged else {"resumed_runs": resumed})},
+            )
+    for field in ("kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"):
+        setattr(switch_row, field, getattr(locked, field))
+    return changed
+
+
+def _resume_runs_paused_by(switch: str) -> int:
+    """Queue every run this switch paused, each with its job deferred in the release's transaction (the
+    outbox: the runs resume if and only if the release commits).
+
+    The one place the base app reaches into `runs`: releasing must resume the runs by itself (DESIGN: "releasing
+    the switch resumes every parked run"), whoever calls it (console page, API, shell)."""
+    from runs.models import Run
+
+    assert connection.in_atomic_block
+    paused = Run.objects.select_for_update().filter(status=Run.Status.PAUSED, paused_switch=switch)
+    count = 0
+    for run in paused:
+        run.status = Run.Status.QUEUED
+        run.pause_reason = ""
+        run.paused_switch = ""
+        run.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
+        run.enqueue()
+        count += 1
+    return count
 
 
 def _digest(raw: str) -> str:

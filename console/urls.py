@@ -26,6 +26,8 @@ urlpatterns = [
     path("metrics", dashboard.metrics, name="metrics"),
     path("dashboard/", dashboard.dashboard, name="dashboard"),
     path("channels/", channels.channel_list, name="channels"),
+    path("channels/kill-switch/", channels.global_kill_switch, name="global-kill-switch"),
+    path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),
     path("audit/", audit.audit_log, name="audit"),
     path("audit/export.csv", audit.audit_export, name="audit_export"),
     path("accounts/", include("django.contrib.auth.urls")),

@@ -22,7 +22,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from console.models import AuditEntry
+from console.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from runs import gates
 from runs import workflow as workflows
@@ -232,10 +232,22 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
 def _park(run: Run, seq: int, park: Park) -> None:
     """Open the card (if any) and park the run, in one transaction."""
     with transaction.atomic():
+        reason, paused_switch = park.reason, ""
+        if park.kill_switch_channel is not None:
+            # The switch was seen in the receipt's transaction, which has ended: re-check it under its lock
+            # (FOR SHARE), or a release committed in between would miss this run and leave it paused for good.
+            killed = Channel.killed_for_effects(park.kill_switch_channel)
+            if killed is None:
+                Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, updated_at=timezone.now())
+                run.enqueue()
+                return
+            reason, paused_switch = killed.describe(park.kill_switch_channel), killed.switch
         if park.request is not None:
             gates.backend().open(run, seq, park.request)
         status = Run.Status.PAUSED if park.paused else Run.Status.WAITING_HUMAN
-        Run.objects.filter(pk=run.pk).update(status=status, pause_reason=park.reason, updated_at=timezone.now())
+        Run.objects.filter(pk=run.pk).update(
+            status=status, pause_reason=reason, paused_switch=paused_switch, updated_at=timezone.now()
+        )
 
 
 def _finish(run: Run, status: str, result) -> None:

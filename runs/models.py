@@ -48,6 +48,12 @@ class Run(models.Model):
     result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     error = models.TextField(blank=True)
     pause_reason = models.TextField(blank=True)
+    paused_switch = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The kill switch that paused the run (a channel's name, or '*' for the global one): "
+        "releasing it resumes the run.",
+    )
     cancel_requested = models.BooleanField(default=False)
     idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
     trace_id = models.CharField(max_length=32, default=new_trace_id)
@@ -69,6 +75,7 @@ class Run(models.Model):
         indexes = [
             models.Index(fields=["status", "tenant"], name="runs_run_status_tenant"),
             models.Index(fields=["-created_at"], name="runs_run_created"),
+            models.Index(fields=["paused_switch"], condition=Q(status="paused"), name="runs_run_paused_switch"),
         ]
         constraints = [
             models.CheckConstraint(condition=Q(status__in=RunStatus.values), name="runs_run_status_valid"),

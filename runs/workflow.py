@@ -32,13 +32,21 @@ class Ambiguous(Exception):
 
 
 class Park(Exception):
-    """Raised inside a step to park the run: for a person's decision (with `request`) or a kill switch."""
+    """Raised inside a step to park the run: for a person's decision (with `request`) or a kill switch (with
+    `kill_switch_channel`, the channel whose effect it stopped)."""
 
-    def __init__(self, reason: str, request: ApprovalRequest | None = None, paused: bool = False):
+    def __init__(
+        self,
+        reason: str,
+        request: ApprovalRequest | None = None,
+        paused: bool = False,
+        kill_switch_channel: str | None = None,
+    ):
         super().__init__(reason)
         self.reason = reason
         self.request = request
         self.paused = paused
+        self.kill_switch_channel = kill_switch_channel
 
 
 StepFn = Callable[["Context"], Any]
@@ -229,8 +237,8 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str):
     from runs.models import Receipt
 
     with transaction.atomic():
-        if (reason := Channel.killed_for_effects(channel)) is not None:
-            raise Park(f"kill switch engaged on {channel}: {reason}", paused=True)
+        if (killed := Channel.killed_for_effects(channel)) is not None:
+            raise Park(killed.describe(channel), paused=True, kill_switch_channel=channel)
         receipt, created = Receipt.objects.get_or_create(
             key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
         )

@@ -157,6 +157,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, 2_621_440)  # Django's def
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
 
+# /metrics: a scraper sends "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback clients may scrape.
+METRICS_TOKEN = env_str("METRICS_TOKEN")
+# How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
+QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
+
 # Demo logins (development only: demo_setup refuses to run outside development).
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")
 

@@ -63,8 +63,8 @@ def _pre(value: str):
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "workflow", "step", "error_class", "short_error", "attempts", "age", "state"]
-    list_display_links = ["created_at", "workflow"]
+    list_display = ["age", "state", "workflow", "step", "error_class", "short_error", "attempts"]
+    list_display_links = ["age"]
     list_filter = ["workflow", "error_class", AgeFilter, StateFilter]
     search_fields = ["=run_id", "=trace_id", "error"]
     list_per_page = 50
@@ -119,9 +119,9 @@ class DeadLetterAdmin(admin.ModelAdmin):
 
     @admin.display(description="error", ordering="error")
     def short_error(self, letter: DeadLetter) -> str:
-        return letter.error if len(letter.error) <= 120 else letter.error[:119] + "…"
+        return letter.error if len(letter.error) <= 80 else letter.error[:79] + "…"
 
-    @admin.display(description="age", ordering="-created_at")
+    @admin.display(description="age", ordering="created_at")
     def age(self, letter: DeadLetter) -> str:
         return timesince(letter.created_at)
 

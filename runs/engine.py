@@ -9,6 +9,7 @@ at once, anything else is retried by the job (exponential backoff with full jitt
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from collections.abc import Callable
@@ -57,6 +58,7 @@ def advance(run_id, job: JobInfo | None = None) -> None:
                 _fail(run, exc, job)
                 return
             _wait_for_retry(run, exc, job)
+            _record_retry(run, exc=exc)
             raise  # the job's retry strategy schedules the next attempt
 
 
@@ -75,6 +77,8 @@ def _claim(run_id) -> Run | None:
                 return None
             run.status = Run.Status.RUNNING
             run.save(update_fields=["status", "updated_at"])
+        else:  # still running: its worker died (killed, crashed, or outlived its shutdown timeout)
+            _record_retry(run, "worker_crash")
         return run
 
 
@@ -96,6 +100,7 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
             return
         if job.should_stop():
             _requeue(run, "worker shutting down")
+            _record_retry(run, "shutdown")
             return
         if run.cursor >= len(workflow.steps):
             last = Step.objects.filter(run=run).order_by("-seq").values_list("output", flat=True).first()
@@ -307,6 +312,32 @@ def _requeue(run: Run, reason: str) -> None:
         Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, updated_at=timezone.now())
         run.enqueue()
     log.info("run requeued", reason=reason)
+
+
+def _record_retry(run: Run, cause: str = "", exc: BaseException | None = None) -> None:
+    """One `run.retry` audit entry per retry, with its cause, which the database would not keep otherwise (a
+    retried step's row is reused): console.monitoring counts retries by cause from them. Causes: `worker_crash`,
+    `shutdown`, or who failed (`model` in a compute step, `tool` in others, `engine` outside any step) and how
+    (`429`, `5xx`, `timeout`, `error`), read from the error the clients raise."""
+    step = Step.objects.filter(run=run, seq=run.cursor).values("name", "kind").first() or {"name": "", "kind": None}
+    data = {"step": step["name"]}
+    if exc is not None:
+        data["error"] = text = f"{exc.__class__.__name__}: {exc}"
+        how = next((h for h, p in _RETRY_HOW if re.search(p, text, re.IGNORECASE)), "error")
+        source = {"compute": "model", None: "engine"}.get(step["kind"], "tool")
+        cause = f"{source}_{how}"
+    with transaction.atomic():
+        AuditEntry.record(
+            "run.retry",
+            actor="engine",
+            target=f"run:{run.id}",
+            run_id=run.id,
+            trace_id=run.trace_id,
+            data={"cause": cause, **data},
+        )
+
+
+_RETRY_HOW = [("429", r"\b429\b"), ("5xx", r"\b5\d\d\b"), ("timeout", r"time(d )?out")]
 
 
 def _make(setting: str, run: Run, step_def: StepDef):

@@ -65,7 +65,7 @@ def _pre(value: str):
 class DeadLetterAdmin(admin.ModelAdmin):
     list_display = ["age", "state", "workflow", "step", "error_class", "short_error", "attempts"]
     list_display_links = ["age"]
-    list_filter = ["workflow", "error_class", AgeFilter, StateFilter]
+    list_filter = ["workflow", "step", "error_class", AgeFilter, StateFilter]
     search_fields = ["=run_id", "=trace_id", "error"]
     list_per_page = 50
     fieldsets = [

@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from runs import dead_letters
-from runs.models import Run, Step
+from runs.models import Receipt, Run, Step
 
 
 def _pretty(value):
@@ -48,13 +48,24 @@ class StepInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
     show_change_link = False
 
 
+class ReceiptInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
+    """What each side effect of the run did: a done receipt is why an effect asked for again is a no-op."""
+
+    model = Receipt
+    fields = ["key", "channel", "step_seq", "status", "reconciled", "external_id", "created_at", "completed_at"]
+    readonly_fields = fields
+    ordering = ["step_seq", "created_at"]
+    extra = 0
+    can_delete = False
+
+
 @admin.register(Run)
 class RunAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
     list_display = ["id", "workflow", "status", "tenant", "cursor", "attempt", "cost", "created_at", "finished_at"]
     list_filter = ["status", "workflow", "tenant"]
     search_fields = ["=id", "=trace_id", "=idempotency_key"]
     list_per_page = 50
-    inlines = [StepInline]
+    inlines = [StepInline, ReceiptInline]
     fieldsets = [
         (None, {"fields": ["id", "workflow", "workflow_version", "tenant", "status", "dead_letter_link"]}),
         ("Progress", {"fields": ["cursor", "attempt", "max_attempts", "error", "pause_reason", "cancel_requested"]}),

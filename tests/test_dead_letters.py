@@ -222,6 +222,7 @@ def test_the_detail_shows_input_traceback_and_links(client, alice, letter):
         ("?error_class=Fatal", {"recent"}),
         ("?error_class=UnknownWorkflow", {"old"}),
         ("?workflow=refund", {"recent", "old"}),
+        ("?step=issue_refund", {"recent"}),
         ("?state=open", {"recent"}),
         ("?state=resolved", {"old"}),
     ],
@@ -346,6 +347,7 @@ def test_the_run_admin_is_read_only_with_its_steps(client, alice, letter):
     body = response.content.decode()
     for name in ("classify", "lookup_customer", "draft_refund", "approve_refund", "issue_refund"):
         assert name in body
+    assert "Receipts" in body
     assert 'name="_save"' not in body
     assert client.get("/admin/runs/run/add/").status_code == 403
 

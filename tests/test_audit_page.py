@@ -123,10 +123,10 @@ def test_everything_is_escaped(admin_client):
     assert "&lt;b&gt;mallory&lt;/b&gt;" in content
 
 
-def test_runs_link_to_the_api_and_cards_are_plain_text_while_their_pages_do_not_exist(admin_client):
+def test_runs_link_to_django_admin_and_cards_are_plain_text_while_their_pages_do_not_exist(admin_client):
     _entry(run_id=RUN, approval_id=7)
     content = admin_client.get("/audit/").content.decode()
-    assert f'href="/api/runs/{RUN}"' in content
+    assert f'href="/admin/runs/run/{RUN}/change/"' in content
     assert "card 7" in content and 'href="/approvals/7/"' not in content
 
 

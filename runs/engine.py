@@ -25,6 +25,7 @@ from django.utils.module_loading import import_string
 
 from console.models import AuditEntry, Channel
 from jobs.models import DeadLetter
+from jobs.retry import BackoffWithJitter
 from runs import gates
 from runs import workflow as workflows
 from runs.gates import ApprovalRequest, canonical_hash
@@ -54,12 +55,27 @@ def advance(run_id, job: JobInfo | None = None) -> None:
         except (Fatal, UnknownWorkflow) as exc:
             _fail(run, exc, job)
         except Exception as exc:
-            if job.attempts + 1 >= run.max_attempts:
+            if _out_of_attempts(run, exc, job):
                 _fail(run, exc, job)
                 return
             _wait_for_retry(run, exc, job)
             _record_retry(run, exc=exc)
             raise  # the job's retry strategy schedules the next attempt
+
+
+def _step_attempts(run: Run, job: JobInfo) -> int:
+    """Executions of the step at the cursor so far (a worker crash counts as one): the retry budget is per
+    step, not per job, which carries its attempts across steps."""
+    cursor = Run.objects.filter(pk=run.pk).values("cursor")[:1]
+    return Step.objects.filter(run=run, seq=cursor).values_list("attempt", flat=True).first() or job.attempts + 1
+
+
+def _out_of_attempts(run: Run, exc: Exception, job: JobInfo) -> bool:
+    if isinstance(exc, Ambiguous):
+        # A write that may have happened is never given up on before it is reconciled: the next attempt asks
+        # the tool's lookup, or a person, before anything else. Only the job backstop ends that.
+        return job.attempts + 1 >= BackoffWithJitter.MAX_JOB_ATTEMPTS
+    return _step_attempts(run, job) >= run.max_attempts
 
 
 def _claim(run_id) -> Run | None:
@@ -280,7 +296,7 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             error=error,
             error_class=exc.__class__.__name__,
             traceback="".join(traceback.format_exception(exc)),
-            attempts=job.attempts + 1,
+            attempts=_step_attempts(run, job),
             step=step.name if step else "",
             trace_id=run.trace_id,
             job_id=job.job_id,
@@ -294,17 +310,18 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             trace_id=run.trace_id,
             data={"error": error, "step": step.name if step else ""},
         )
-    log.error("run failed", error=error, step=step.name if step else None, attempts=job.attempts + 1)
+    log.error("run failed", error=error, step=step.name if step else None, attempts=_step_attempts(run, job))
 
 
 def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:
+    attempts = _step_attempts(run, job)
     Run.objects.filter(pk=run.pk).update(
         status=Run.Status.QUEUED,
-        attempt=job.attempts + 1,
+        attempt=attempts,
         error=f"{exc.__class__.__name__}: {exc}",
         updated_at=timezone.now(),
     )
-    log.warning("step will be retried", error=str(exc), attempt=job.attempts + 1)
+    log.warning("step will be retried", error=str(exc), attempt=attempts)
 
 
 def _requeue(run: Run, reason: str) -> None:

@@ -274,6 +274,11 @@ class Receipt(models.Model):
     def __str__(self) -> str:
         return f"{self.key} ({self.status})"
 
+    def rearm(self) -> None:
+        """Start a new attempt of this pending write (a person said the last one did not happen)."""
+        self.created_at = timezone.now()
+        Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).update(created_at=self.created_at)
+
     def complete(self, response: dict, *, reconciled: bool = False) -> dict:
         self.status = self.Status.DONE
         self.external_id = str(response.get("id", ""))

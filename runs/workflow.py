@@ -160,6 +160,7 @@ class Context:
         self.tools = tools
         self.usage: Usage = getattr(model, "usage", None) or Usage()
         self.last_effect_key: str | None = None
+        self._effects = 0
 
     def effect(
         self,
@@ -179,7 +180,11 @@ class Context:
         from runs.models import Receipt
 
         channel = self.step.channel
-        key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}"
+        self._effects += 1
+        # The n-th effect of a step gets its own default key, so two effects of one step are two writes.
+        key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}" + (
+            f"#{self._effects}" if self._effects > 1 else ""
+        )
         self.last_effect_key = key
         receipt = _open_receipt(self.run, self.seq, channel, key)
         if receipt.status == Receipt.Status.DONE:
@@ -215,7 +220,9 @@ class Context:
         if decision is None:
             raise Park(f"did this {receipt.channel} write happen? ({receipt.key})", request)
         if decision.rejected:
-            receipt.delete()
+            # It did not happen: write it now, as a new attempt of the same receipt, so that if this attempt
+            # is interrupted too, the question is asked again (the card binds to the attempt's start).
+            receipt.rearm()
             return None
         return {"reconciled_by": decision.by, "comment": decision.comment}
 

@@ -304,3 +304,62 @@ def test_another_users_idempotency_key_is_a_conflict_that_reveals_nothing(demo, 
         Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=carol)
     assert str(mine.id) not in str(info.value)
     assert Run.objects.count() == 1
+
+
+def test_a_write_a_person_says_did_not_happen_is_done_once_more(demo, bob):
+    run, _ = Run.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
+    with pytest.raises(Ambiguous):
+        drive(run)
+    run = drive(run, attempts=1)
+    Approval.objects.get(run=run, kind="reconcile").decide(bob, "reject", comment="not in the mail log")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    # The fake mail system did record the first, lost send: the person's "no" was wrong here, and the
+    # second send is the one their decision asked for; no third one.
+    assert SandboxCall.objects.filter(system="email", applied=True).count() == 2
+    assert Receipt.objects.get(run=run, channel="email").status == "done"
+
+
+def test_the_retry_budget_is_per_step(demo):
+    faults = {"classify": ["429", "429"], "lookup_customer": ["5xx", "5xx"]}
+    run, _ = Run.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
+    for attempt in range(4):  # the job's attempts grow across steps; each step has its own budget
+        with pytest.raises(Retryable):
+            drive(run, attempts=attempt)
+    run = drive(run, attempts=4)
+    assert run.status == Run.Status.SUCCEEDED
+    assert dict(run.steps.values_list("name", "attempt"))["lookup_customer"] == 3
+
+
+def test_an_ambiguous_write_on_the_last_attempt_is_reconciled_not_dead_lettered(demo):
+    faults = {"issue_refund": ["5xx", "5xx", "timeout"]}
+    run, _ = Run.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
+    for attempt in range(2):
+        with pytest.raises(Retryable):
+            drive(run, attempts=attempt)
+    with pytest.raises(Ambiguous):
+        drive(run, attempts=2)  # the step's third attempt: the payment went through, the answer was lost
+    run = drive(run, attempts=3)
+    assert run.status == Run.Status.SUCCEEDED and not DeadLetter.objects.exists()
+    assert sandbox.stats()["channels"]["payments"] == 1
+
+
+def test_two_effects_in_one_step_are_two_writes(demo):
+    from runs.workflow import Workflow, register
+
+    double = register(Workflow("test_double_email"))
+
+    @double.effect("email")
+    def two_mails(ctx):
+        first = ctx.effect(
+            lambda key: ctx.tools.email.send(to="a@example.com", subject="1", body="", idempotency_key=key)
+        )
+        second = ctx.effect(
+            lambda key: ctx.tools.email.send(to="b@example.com", subject="2", body="", idempotency_key=key)
+        )
+        return {"ids": [first["id"], second["id"]]}
+
+    run = drive(Run.submit(workflow="test_double_email", input={})[0])
+    assert run.status == Run.Status.SUCCEEDED
+    assert sandbox.stats()["channels"]["email"] == 2
+    assert len(set(run.result["ids"])) == 2

@@ -10,13 +10,14 @@ Where a figure comes from, when it is not obvious:
 - retries by cause: the `run.retry` audit entries the engine writes (runs.engine._record_retry); a retried
   step's row is reused, so the database would not otherwise keep them.
 - duplicate side effects blocked by receipts: done receipts whose effect was asked for again and answered
-  from the receipt. Two kinds leave a trace: `replayed` (the receipt was completed before the latest attempt
-  of its step started, so that attempt found it done: a no-op) and `reconciled` (an ambiguous write completed
+  from the receipt. Two kinds leave a trace: `replayed` (the receipt was completed before a later attempt of
+  its step started, so that attempt found it done: a no-op) and `reconciled` (an ambiguous write completed
   by the tool's lookup or a person instead of a blind retry). Not counted: a second run that reuses another
   run's natural key (the no-op leaves no row).
 - runs not moving: queued or running, with no progress (updated_at) for longer than
   max(STUCK_FLOOR, STUCK_FACTOR x the workflow's usual active time), the usual active time being the median
-  sum of step latencies of its runs that succeeded in the last 7 days (waits for people are not counted).
+  sum of step latencies of its latest 200 runs that succeeded in the last 7 days (waits for people are not
+  counted).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ CARD_SLA_WARN = 0.75  # share of a card's SLA used before the backlog warns
 STUCK_FACTOR = 3
 STUCK_FLOOR = timedelta(minutes=2)  # above the retry backoff cap, so a run waiting for its retry is moving
 USUAL_TIME_WINDOW = timedelta(days=7)
+USUAL_TIME_SAMPLE = 200  # the latest runs of each workflow that the median is taken over
 COST_FACTOR = 2
 BACKLOG_MINUTES = 15  # queue depth above this many minutes of the last 15 minutes' throughput
 
@@ -228,36 +230,50 @@ def tool_errors(now: datetime) -> list[ToolErrors]:
 
 def duplicates_blocked() -> dict[tuple[str, str], int]:
     found = {}
-    for channel, replayed, reconciled in _rows(
+    for channel, reconciled in _rows(
+        "SELECT channel, count(*) FILTER (WHERE reconciled) FROM runs_receipt WHERE status = 'done' GROUP BY channel",
+        [],
+    ):
+        found[(channel, "replayed")], found[(channel, "reconciled")] = 0, reconciled
+    # An effect step attempted again after its receipt was done (its worker died between the two commits): that
+    # attempt found the receipt done and did nothing. The engine never deletes step rows, so attempt > 1 holds.
+    for channel, replayed in _rows(
         """
-        SELECT r.channel,
-               count(*) FILTER (WHERE NOT r.reconciled AND s.started_at > r.completed_at),
-               count(*) FILTER (WHERE r.reconciled)
-        FROM runs_receipt r LEFT JOIN runs_step s ON s.run_id = r.run_id AND s.seq = r.step_seq
-        WHERE r.status = 'done'
+        SELECT r.channel, count(*)
+        FROM runs_step s JOIN runs_receipt r ON r.run_id = s.run_id AND r.step_seq = s.seq
+        WHERE s.kind = 'effect' AND s.attempt > 1 AND r.status = 'done' AND NOT r.reconciled
+          AND s.started_at > r.completed_at
         GROUP BY r.channel
         """,
         [],
     ):
         found[(channel, "replayed")] = replayed
-        found[(channel, "reconciled")] = reconciled
     return found
 
 
 def usual_seconds(now: datetime) -> dict[str, float]:
+    """The median active time of each workflow's latest USUAL_TIME_SAMPLE runs that succeeded in the window."""
     return {
         workflow: float(seconds)
         for workflow, seconds in _rows(
             """
-            SELECT r.workflow, percentile_cont(0.5) WITHIN GROUP (ORDER BY active.ms) / 1000.0
-            FROM runs_run r
+            WITH recent AS (
+                SELECT id, workflow FROM (
+                    SELECT r.id, r.workflow,
+                           row_number() OVER (PARTITION BY r.workflow ORDER BY r.finished_at DESC) AS n
+                    FROM runs_run r
+                    WHERE r.status = 'succeeded' AND r.finished_at >= %s
+                ) ranked
+                WHERE n <= %s
+            )
+            SELECT recent.workflow, percentile_cont(0.5) WITHIN GROUP (ORDER BY active.ms) / 1000.0
+            FROM recent
             CROSS JOIN LATERAL (
-                SELECT COALESCE(sum(s.latency_ms), 0) AS ms FROM runs_step s WHERE s.run_id = r.id
+                SELECT COALESCE(sum(s.latency_ms), 0) AS ms FROM runs_step s WHERE s.run_id = recent.id
             ) active
-            WHERE r.status = 'succeeded' AND r.finished_at >= %s
-            GROUP BY r.workflow
+            GROUP BY recent.workflow
             """,
-            [now - USUAL_TIME_WINDOW],
+            [now - USUAL_TIME_WINDOW, USUAL_TIME_SAMPLE],
         )
     }
 

@@ -456,6 +456,15 @@ def test_the_summary_partial_refreshes_on_the_event(demo, ops):
     assert 'hx-trigger="kill-switch-changed from:body"' in body
 
 
+def test_django_admin_shows_the_global_switch_read_only(demo, alice, ops):
+    GlobalKillSwitch.load().engage_kill_switch(ops, "incident")
+    client = client_for(alice)
+    assert "incident" in client.get("/admin/console/globalkillswitch/").content.decode()
+    assert client.get("/admin/console/globalkillswitch/1/change/").status_code == 200
+    response = client.post("/admin/console/globalkillswitch/1/change/", {"kill_switch_engaged": ""})
+    assert response.status_code == 403 and GlobalKillSwitch.load().kill_switch_engaged
+
+
 def test_the_page_is_a_get_and_the_flip_a_post(demo, ops):
     assert client_for(ops).get("/channels/email/kill-switch/").status_code == 405
     assert client_for(ops).post("/channels/").status_code == 405

@@ -167,9 +167,6 @@ class Snapshot:
     def sla_breaches(self) -> int:
         return sum(self.approvals_breached.values())
 
-    def stuck_after(self, workflow: str) -> float:
-        return stuck_after(self.usual_seconds.get(workflow, 0.0))
-
 
 def stuck_after(usual_seconds: float) -> float:
     """Seconds without progress after which a queued or running run is "not moving"."""
@@ -180,10 +177,6 @@ def _rows(sql: str, params) -> list[tuple]:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchall()
-
-
-def _seconds(delta: timedelta | None) -> float | None:
-    return None if delta is None else delta.total_seconds()
 
 
 def queues(now: datetime) -> dict[str, Queue]:
@@ -349,11 +342,11 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         },
         dead_letters_open=letters["open"],
         dead_letters_total=letters["total"],
-        dead_letter_oldest_open_age=_seconds(now - letters["oldest"]) if letters["oldest"] else None,
+        dead_letter_oldest_open_age=(now - letters["oldest"]).total_seconds() if letters["oldest"] else None,
         approvals_open=per_channel,
         approvals_breached=breached,
-        oldest_card_age=_seconds(now - oldest_card["created_at"]) if oldest_card else None,
-        oldest_card_sla=_seconds(oldest_card["due_at"] - oldest_card["created_at"]) if oldest_card else None,
+        oldest_card_age=(now - oldest_card["created_at"]).total_seconds() if oldest_card else None,
+        oldest_card_sla=(oldest_card["due_at"] - oldest_card["created_at"]).total_seconds() if oldest_card else None,
         tool_errors=tool_errors(now),
         duplicates_blocked=duplicates_blocked(),
         sandbox_duplicates=sandbox.stats()["duplicates"],

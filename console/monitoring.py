@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from approvals.models import Approval
-from console.models import AuditEntry, Channel
+from console.models import AuditEntry, Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
 from runs import sandbox
 from runs.models import Run
@@ -127,6 +127,7 @@ class Snapshot:
     usual_seconds: dict[str, float]
     stuck: list[StuckRun]
     kill_switches: dict[str, bool]
+    global_kill_switch: bool
     finished_last_15m: int
     cost_last_hour: Decimal | None  # mean cost of the runs that finished in the last hour
     cost_baseline: Decimal | None  # the same, over the USUAL_TIME_WINDOW before that hour
@@ -362,6 +363,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         usual_seconds=usual,
         stuck=stuck,
         kill_switches=dict(Channel.objects.values_list("name", "kill_switch_engaged")),
+        global_kill_switch=GlobalKillSwitch.objects.filter(kill_switch_engaged=True).exists(),
         finished_last_15m=recent["last_15m"],
         cost_last_hour=recent["last_hour"],
         cost_baseline=recent["baseline"],
@@ -686,6 +688,11 @@ def metric_families(snap: Snapshot):
         "1 when the channel's kill switch is engaged.",
         ["channel"],
         [((c,), int(engaged)) for c, _, _, engaged in snap.channels],
+    )
+    yield gauge(
+        "hitl_global_kill_switch_engaged",
+        "1 when the global kill switch (every channel) is engaged.",
+        value=int(snap.global_kill_switch),
     )
 
 

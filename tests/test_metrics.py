@@ -15,7 +15,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from prometheus_client.parser import text_string_to_metric_families
 
 from approvals.models import Approval
-from console.models import Channel
+from console.models import Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
 from runs import dead_letters, engine
 from runs.models import Run, SandboxCall, Step
@@ -238,13 +238,16 @@ def test_runs_not_moving(client, demo):
     assert m("hitl_workflow_usual_active_seconds", workflow="refund") == pytest.approx(usual, rel=1e-6)
 
 
-def test_kill_switches(client, demo):
+def test_kill_switches(client, demo, carol):
     Channel.objects.filter(name="email").update(
         kill_switch_engaged=True, kill_switch_reason="bad template", kill_switch_at=timezone.now()
     )
     m = scrape(client)
     assert m("hitl_kill_switch_engaged", channel="email") == 1
     assert m("hitl_kill_switch_engaged", channel="payments") == 0
+    assert m("hitl_global_kill_switch_engaged") == 0
+    GlobalKillSwitch.load().engage_kill_switch(carol, "incident 42")
+    assert scrape(client)("hitl_global_kill_switch_engaged") == 1
 
 
 def test_every_family_has_help_and_a_type(client, demo):

@@ -75,24 +75,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
         ("Tracing", {"fields": ["trace_id", "job_link"]}),
         ("Resolution", {"fields": ["resolution", "resolved_by", "resolved_at", "note"]}),
     ]
-    readonly_fields = [
-        "state",
-        "run_links",
-        "workflow",
-        "step",
-        "attempts",
-        "created_at",
-        "error_class",
-        "last_error",
-        "full_traceback",
-        "pretty_input",
-        "trace_id",
-        "job_link",
-        "resolution",
-        "resolved_by",
-        "resolved_at",
-        "note",
-    ]
+    readonly_fields = [field for _, options in fieldsets for field in options["fields"]]
     actions = ["requeue", "resolve"]
 
     # Who sees the queue and who acts on it: DESIGN's roles, not model permissions (runs.dead_letters).

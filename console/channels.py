@@ -153,7 +153,7 @@ def _flip_from_form(request, switch: Channel | GlobalKillSwitch) -> HttpResponse
             form.add_error("reason", str(exc))
     status = 422 if form.errors else 200
     if request.htmx:
-        switch.can_operate, switch.paused_runs = True, switch.runs_paused()
+        switch.can_operate, switch.paused_runs = True, Run.paused_by(switch.switch_key).count()
         switch.form = form if form.errors else None
         # A 422 is swapped in all the same (the page's hx-on handler), to show the error in place.
         response = render(request, f"{TEMPLATE}#row", {"switch": switch}, status=status)
@@ -208,7 +208,7 @@ def _api_set(request, switch: Channel | GlobalKillSwitch, body: KillSwitchIn) ->
         "reason": switch.kill_switch_reason,
         "by": switch.kill_switch_by.get_username() if switch.kill_switch_by else None,
         "at": switch.kill_switch_at,
-        "runs_paused": switch.runs_paused(),
+        "runs_paused": Run.paused_by(switch.switch_key).count(),
         "changed": changed,
     }
 

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, models, transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 
@@ -108,11 +109,15 @@ class Channel(models.Model):
         Idempotent like engage_kill_switch."""
         return _flip(self, False, by, reason, switch=self.name)
 
-    def runs_paused(self) -> int:
-        from runs.models import Run  # see _resume_runs_paused_by
+    @property
+    def switch_key(self) -> str:
+        """How runs paused by this channel's switch name it (Run.paused_switch)."""
+        return self.name
 
-        return Run.objects.filter(status=Run.Status.PAUSED, paused_switch=self.name).count()
 
+# Sent inside the transaction that releases a switch, with `switch` (a channel's name or GLOBAL_SWITCH);
+# each receiver returns how many runs it resumed.
+kill_switch_released = Signal()
 
 # Run.paused_switch of a run paused by the global switch (channel names are slugs, so no channel is "*").
 GLOBAL_SWITCH = "*"
@@ -184,10 +189,9 @@ class GlobalKillSwitch(models.Model):
         switch paused; see Channel.release_kill_switch."""
         return _flip(self, False, by, reason, switch=GLOBAL_SWITCH)
 
-    def runs_paused(self) -> int:
-        from runs.models import Run  # see _resume_runs_paused_by
-
-        return Run.objects.filter(status=Run.Status.PAUSED, paused_switch=GLOBAL_SWITCH).count()
+    @property
+    def switch_key(self) -> str:
+        return GLOBAL_SWITCH
 
 
 def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str, *, switch: str) -> bool:
@@ -211,7 +215,9 @@ def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str
             locked.kill_switch_by = by
             locked.kill_switch_at = timezone.now()  # after the lock: later than every receipt that got past
             locked.save(update_fields=["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"])
-            resumed = 0 if engaged else _resume_runs_paused_by(switch)
+            # The runs app resumes what this switch paused, in this transaction (the outbox: they resume if and
+            # only if the release commits). A signal, so that the base app does not import runs.
+            resumed = 0 if engaged else sum(n for _, n in kill_switch_released.send(sender=model, switch=switch))
             AuditEntry.record(
                 "kill_switch.engage" if engaged else "kill_switch.release",
                 actor=by,
@@ -222,27 +228,6 @@ def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str
     for field in ("kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"):
         setattr(switch_row, field, getattr(locked, field))
     return changed
-
-
-def _resume_runs_paused_by(switch: str) -> int:
-    """Queue every run this switch paused, each with its job deferred in the release's transaction (the
-    outbox: the runs resume if and only if the release commits).
-
-    The one place the base app reaches into `runs`: releasing must resume the runs by itself (DESIGN: "releasing
-    the switch resumes every parked run"), whoever calls it (console page, API, shell)."""
-    from runs.models import Run
-
-    assert connection.in_atomic_block
-    paused = Run.objects.select_for_update().filter(status=Run.Status.PAUSED, paused_switch=switch)
-    count = 0
-    for run in paused:
-        run.status = Run.Status.QUEUED
-        run.pause_reason = ""
-        run.paused_switch = ""
-        run.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
-        run.enqueue()
-        count += 1
-    return count
 
 
 def _digest(raw: str) -> str:

@@ -8,5 +8,9 @@ class RunsConfig(AppConfig):
     name = "runs"
 
     def ready(self):
+        from console.models import kill_switch_released
+        from runs.models import Run
+
         for module in settings.WORKFLOW_MODULES:  # each registers its workflows on import
             import_module(module)
+        kill_switch_released.connect(Run.resume_paused_by, dispatch_uid="runs.resume_paused_by")

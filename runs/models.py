@@ -164,6 +164,25 @@ class Run(models.Model):
         except AlreadyEnqueued:
             pass  # a job for this run is already waiting: it will see the new state
 
+    @classmethod
+    def paused_by(cls, switch: str):
+        return cls.objects.filter(status=cls.Status.PAUSED, paused_switch=switch)
+
+    @classmethod
+    def resume_paused_by(cls, switch: str, **_) -> int:
+        """Queue every run the kill switch `switch` paused, each with its job deferred in the caller's
+        transaction (the release's: console.models.kill_switch_released)."""
+        assert connection.in_atomic_block
+        count = 0
+        for run in cls.paused_by(switch).select_for_update():
+            run.status = cls.Status.QUEUED
+            run.pause_reason = ""
+            run.paused_switch = ""
+            run.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
+            run.enqueue()
+            count += 1
+        return count
+
     def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
         between steps. Finished runs are left as they are."""

@@ -61,7 +61,7 @@ def test_engaging_email_parks_runs_at_notify_customer_while_payments_go_through(
         assert run.steps.order_by("-seq").first().name == "notify_customer"
         assert run.pause_reason == "kill switch engaged on email: bad template in the refund email"
     assert sandbox.stats() == {"channels": {"payments": 3, "email": 0, "crm": 3}, "duplicates": 0}
-    assert channel("email").runs_paused() == 3
+    assert Run.paused_by("email").count() == 3
 
 
 def test_releasing_finishes_the_paused_runs_with_exactly_one_email_each(demo, ops):
@@ -78,7 +78,7 @@ def test_releasing_finishes_the_paused_runs_with_exactly_one_email_each(demo, op
     assert {run.status for run in runs} == {Run.Status.SUCCEEDED}
     assert emails_per_run() == {run.id: 1 for run in runs}
     assert sandbox.stats()["duplicates"] == 0
-    assert email.runs_paused() == 0
+    assert Run.paused_by(email.switch_key).count() == 0
 
 
 def test_engage_and_release_are_audited_with_the_reason(demo, ops):
@@ -187,7 +187,7 @@ def test_the_global_switch_stops_every_channel(demo, ops):
         assert (run.status, run.paused_switch) == (Run.Status.PAUSED, GLOBAL_SWITCH)
         assert run.pause_reason == "global kill switch engaged (stops payments): incident: stop everything"
     assert sandbox.stats()["channels"] == {"payments": 0, "email": 0, "crm": 2}  # reads go on, effects stop
-    assert switch.runs_paused() == 2 and channel("payments").runs_paused() == 0
+    assert Run.paused_by(switch.switch_key).count() == 2 and Run.paused_by("payments").count() == 0
 
     assert switch.release_kill_switch(ops, "all clear")
     runs = [drive(run) for run in runs]

@@ -54,3 +54,10 @@ def test_it_refuses_to_run_outside_development(db, settings):
     with pytest.raises(CommandError, match="only in development"):
         call_command("demo_setup", verbosity=0)
     assert not User.objects.filter(username="reviewer").exists()
+
+
+def test_ops_can_reach_the_dead_letter_queue_in_admin(client, db):
+    call_command("demo_setup", verbosity=0)
+    client.force_login(User.objects.get(username="ops"))
+    assert client.get("/admin/jobs/deadletter/").status_code == 200
+    assert client.get("/admin/console/channel/").status_code == 403  # staff, but not an admin

@@ -14,13 +14,13 @@ DEMO_CHANNELS = {
     "crm": "Customer records (fake CRM)",
 }
 
-# username -> (groups, superuser, channel permission)
+# username -> (groups, superuser, staff (Django admin: ops requeue dead letters there), channel permission)
 DEMO_USERS = {
-    "admin": ([Role.ADMIN], True, None),
-    "reviewer": ([Role.REVIEWER], False, "approve_channel"),
-    "ops": ([Role.OPS], False, "operate_channel"),
-    "outsider": ([], False, None),
-    "agent": ([], False, None),
+    "admin": ([Role.ADMIN], True, True, None),
+    "reviewer": ([Role.REVIEWER], False, False, "approve_channel"),
+    "ops": ([Role.OPS], False, True, "operate_channel"),
+    "outsider": ([], False, False, None),
+    "agent": ([], False, False, None),
 }
 
 
@@ -35,21 +35,18 @@ class Command(BaseCommand):
                 Channel.objects.get_or_create(name=name, defaults={"description": description})[0]
                 for name, description in DEMO_CHANNELS.items()
             ]
-            for username, (roles, superuser, channel_perm) in DEMO_USERS.items():
-                self._ensure_user(username, roles, superuser, channel_perm, channels)
+            for username, (roles, superuser, staff, channel_perm) in DEMO_USERS.items():
+                self._ensure_user(username, roles, superuser, staff, channel_perm, channels)
         if options["verbosity"] > 0:
             self.stdout.write("Demo channels: " + ", ".join(DEMO_CHANNELS))
             self.stdout.write("Demo users: " + ", ".join(DEMO_USERS) + " (password: $DEMO_PASSWORD)")
 
-    def _ensure_user(self, username, roles, superuser, channel_perm, channels) -> None:
+    def _ensure_user(self, username, roles, superuser, staff, channel_perm, channels) -> None:
         user, _ = User.objects.get_or_create(username=username)
         # Only write what differs, so a second run leaves every row as it was.
-        if not user.check_password(settings.DEMO_PASSWORD) or (user.is_superuser, user.is_staff) != (
-            superuser,
-            superuser,
-        ):
+        if not user.check_password(settings.DEMO_PASSWORD) or (user.is_superuser, user.is_staff) != (superuser, staff):
             user.set_password(settings.DEMO_PASSWORD)
-            user.is_superuser = user.is_staff = superuser
+            user.is_superuser, user.is_staff = superuser, staff
             user.save()
         user.groups.add(*Group.objects.filter(name__in=roles))
         if channel_perm:

@@ -163,7 +163,7 @@ class ConsoleServer:
 
 
 @pytest.fixture(scope="session")
-def _console_server(django_db_setup, django_db_blocker):
+def _console_env(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
@@ -173,11 +173,13 @@ def _console_server(django_db_setup, django_db_blocker):
         env=env,
         check=True,
     )
-    server = ConsoleServer(env)
-    yield server
-    server.stop()
+    return env
 
 
 @pytest.fixture
-def console_server(_console_server, transactional_db):
-    return _console_server
+def console_server(_console_env, transactional_db):
+    """A server per test: the flush after each transactional test recreates content types under new ids,
+    which a longer-lived server process would still have cached (and permission checks would fail)."""
+    server = ConsoleServer(_console_env)
+    yield server
+    server.stop()

@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from django.core.management import call_command
-from django.db import connection
 from guardian.shortcuts import assign_perm
 from playwright.sync_api import expect
 
 from console.models import AuditEntry, Channel
-from tests.conftest import ConsoleServer, set_production_password
-from tests.worker import database_url
+from tests.conftest import set_production_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-@pytest.fixture
-def console_server(_console_server, transactional_db):
-    """A server process of its own. The shared one lives for the whole session and keeps the content types it
-    has looked up (Django's and guardian's caches), while each transactional test's flush recreates them under
-    new ids: its object-permission checks would then look for permissions under ids that no longer exist."""
-    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
-    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    server = ConsoleServer(env)  # the shared fixture above has collected the static files
-    yield server
-    server.stop()
 
 
 def log_in(page, server, username: str) -> None:

@@ -3,8 +3,11 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
+from approvals import inbox
+from approvals import views as approval_views
 from console import audit, channels, dashboard, views
 from console.api import api
+from runs import views as run_views
 
 
 def _login_not_required(patterns):
@@ -20,7 +23,11 @@ def _login_not_required(patterns):
 api_patterns, api_app_name, api_namespace = api.urls
 
 urlpatterns = [
-    path("", views.home, name="home"),
+    path("", inbox.inbox, name="home"),
+    path("approvals/<int:pk>/", approval_views.card, name="card"),
+    path("approvals/<int:pk>/decide", approval_views.decide, name="decide"),
+    path("runs/", run_views.run_list, name="runs"),
+    path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", dashboard.metrics, name="metrics"),

@@ -89,7 +89,9 @@ def _start_of(day: date) -> datetime:
 
 
 class AuditFilter(forms.Form):
-    actor = forms.CharField(required=False, max_length=150, help_text="Exact username or component")
+    actor = forms.CharField(
+        required=False, max_length=150, widget=forms.TextInput(attrs={"placeholder": "username or component"})
+    )
     actor_type = forms.ChoiceField(required=False, label="Actor type", choices=[("", "any"), *ActorType.choices])
     action = forms.ChoiceField(required=False)
     channel = forms.CharField(required=False, max_length=64, widget=forms.TextInput(attrs={"list": "audit-channels"}))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Group
+from django.contrib.auth.models import Group, Permission
 from django.core.management import call_command
 from guardian.shortcuts import assign_perm, get_group_perms, get_user_perms
 
@@ -131,3 +131,87 @@ def test_the_audit_log_is_read_only_in_admin(admin_client, bob):
     )
     assert AuditEntry.objects.filter(pk=entry.pk).exists()
     assert response.status_code in (200, 302)
+
+
+# Users and roles (groups) in Django admin
+
+
+def _user_form(user, **changes) -> dict:
+    return {
+        "username": user.username,
+        "first_name": "",
+        "last_name": "",
+        "email": "",
+        "is_active": "on",
+        "groups": list(user.groups.values_list("pk", flat=True)),
+        "user_permissions": [],
+        "last_login_0": "",
+        "last_login_1": "",
+        "date_joined_0": "2026-11-29",
+        "date_joined_1": "10:00:00",
+        **changes,
+    }
+
+
+def test_giving_a_user_a_role_and_superuser_is_audited(admin_client, dave):
+    admins = Group.objects.get(name="admin")
+    view_audit = Permission.objects.get(codename="view_auditentry")
+    response = admin_client.post(
+        f"/admin/auth/user/{dave.pk}/change/",
+        _user_form(dave, groups=[admins.pk], is_superuser="on", user_permissions=[view_audit.pk]),
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    dave.refresh_from_db()
+    assert dave.is_superuser and dave.groups.filter(name="admin").exists()
+    entry = AuditEntry.objects.get(action="user.access.change")
+    assert (entry.actor, entry.target) == ("alice", "user:dave")
+    assert entry.data["changed"] == {
+        "is_superuser": {"before": False, "after": True},
+        "groups": {"added": ["admin"], "removed": []},
+        "permissions": {"added": ["console.view_auditentry"], "removed": []},
+    }
+
+
+def test_taking_a_role_away_is_audited(admin_client, bob):
+    response = admin_client.post(f"/admin/auth/user/{bob.pk}/change/", _user_form(bob, groups=[]))
+    assert response.status_code == 302
+    entry = AuditEntry.objects.get(action="user.access.change")
+    assert entry.data["changed"] == {"groups": {"added": [], "removed": ["reviewer"]}}
+
+
+def test_changing_only_a_users_name_writes_nothing(admin_client, bob):
+    admin_client.post(f"/admin/auth/user/{bob.pk}/change/", _user_form(bob, first_name="Bob"))
+    assert not AuditEntry.objects.exists()
+
+
+def test_creating_and_deleting_users_and_groups_is_audited(admin_client, carol):
+    response = admin_client.post(
+        "/admin/auth/user/add/", {"username": "erin", "password1": "x-Very-long-1", "password2": "x-Very-long-1"}
+    )
+    assert response.status_code == 302
+    created = AuditEntry.objects.get(action="user.create")
+    assert created.data["user"] == "erin"
+    assert created.data["changed"]["is_superuser"] == {"before": None, "after": False}
+    admin_client.post(f"/admin/auth/user/{carol.pk}/delete/", {"post": "yes"})
+    deleted = AuditEntry.objects.get(action="user.delete")
+    assert deleted.data == {
+        "user": "carol",
+        "access": {"is_active": True, "is_staff": False, "is_superuser": False, "groups": ["ops"], "permissions": []},
+    }
+
+    response = admin_client.post("/admin/auth/group/add/", {"name": "auditors", "permissions": []})
+    assert response.status_code == 302
+    group = Group.objects.get(name="auditors")
+    view_audit = Permission.objects.get(codename="view_auditentry")
+    admin_client.post(f"/admin/auth/group/{group.pk}/change/", {"name": "auditors", "permissions": [view_audit.pk]})
+    admin_client.post(f"/admin/auth/group/{group.pk}/delete/", {"post": "yes"})
+    actions = list(AuditEntry.objects.filter(target="group:auditors").order_by("id").values_list("action", "data"))
+    assert actions == [
+        ("group.create", {"group": "auditors", "changed": {}}),
+        (
+            "group.permissions.change",
+            {"group": "auditors", "changed": {"permissions": {"added": ["console.view_auditentry"], "removed": []}}},
+        ),
+        ("group.delete", {"group": "auditors", "members": []}),
+    ]
+    call_command("audit_verify", verbosity=0)

@@ -198,3 +198,13 @@ class Decision(models.Model):
                 condition=~Q(decision="reject") | ~Q(comment=""), name="approvals_decision_reject_has_comment"
             ),
         ]
+
+
+class RejectReason(models.TextChoices):
+    """Why a reviewer rejected a card: the short taxonomy the card's reject form offers (validated by the view)."""
+
+    WRONG_AMOUNT = "wrong_amount", "Wrong amount"
+    WRONG_RECIPIENT = "wrong_recipient", "Wrong recipient"
+    POLICY = "policy", "Against policy"
+    DUPLICATE = "duplicate", "Duplicate"
+    OTHER = "other", "Other"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
+from approvals import policy
 from approvals.models import Approval
 from console.models import Channel
 from runs.gates import ApprovalRequest, Decision
@@ -22,7 +23,7 @@ class CardBackend:
                 return  # parked again on the same question (a resumed job): keep the card
             open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
             open_card.save(update_fields=["status", "decided_at"])
-        Approval.objects.create(
+        card = Approval.objects.create(
             run=run,
             step_seq=seq,
             kind=request.kind,
@@ -37,6 +38,8 @@ class CardBackend:
             args_hash=args_hash,
             due_at=timezone.now() + channel.sla,
         )
+        # The SLA timer is deferred in the parking transaction: it exists if and only if the card does.
+        policy.schedule_timer(card)
 
     def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
         card = (
@@ -46,14 +49,25 @@ class CardBackend:
         )
         if card is None:
             return None
-        last = card.decisions.select_related("actor").order_by("-created_at").first()
-        payload = {Approval.Status.APPROVED: card.proposed, Approval.Status.EDITED: last.payload}.get(card.status)
+        decisions = list(card.decisions.select_related("actor").order_by("created_at"))
+        last = decisions[-1]
+        # Under the two-person rule an edit may be followed by the second person's approval: the last edit
+        # is what executes, else the proposal as it stands.
+        edits = [d for d in decisions if d.decision == "edit"]
+        payload = {
+            Approval.Status.APPROVED: card.proposed,
+            Approval.Status.EDITED: edits[-1].payload if edits else None,
+        }
+        if card.status != Approval.Status.REJECTED:
+            deciders = [d for d in decisions if d.decision in ("approve", "edit")]
+        else:
+            deciders = [last]
         return Decision(
             decision=card.status,
-            payload=payload,
+            payload=payload.get(card.status),
             comment=last.comment,
             reason=last.reason,
-            by=last.actor.username if last.actor else "system",
+            by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
         )
 
     def close_pending(self, run, status: str) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, transaction
 from django.db.models import Q
@@ -30,6 +31,18 @@ class AlreadyDecided(DecisionError):
         when = (card.decided_at or timezone.now()).isoformat()
         super().__init__(f"this card was already {card.status} by {by} at {when}")
         self.card, self.by, self.at = card, by, when
+
+
+class NotAllowed(DecisionError):
+    """The actor may not take this decision (separation of duties, or the two-person rule)."""
+
+    status = 403
+
+
+class SecondApproverNeeded(DecisionError):
+    """Two-person rule: the same person cannot give both approvals."""
+
+    status = 409
 
 
 class StaleVersion(DecisionError):
@@ -80,6 +93,10 @@ class Approval(models.Model):
     args_hash = models.CharField(max_length=64)
     version = models.PositiveIntegerField(default=1)
     due_at = models.DateTimeField()
+    # Set when the SLA ran out on an `escalate` channel: the group the card was escalated to.
+    assigned_group = models.ForeignKey(
+        Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="escalated_approvals"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     decided_at = models.DateTimeField(null=True, blank=True)
 
@@ -124,7 +141,11 @@ class Approval(models.Model):
         version: int | None = None,
     ) -> Approval:
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
-        decision, updates the card and re-queues the run with its job, all in one transaction."""
+        decision, updates the card and re-queues the run with its job, all in one transaction.
+
+        On a channel with `required_approvals = 2` a first approval (or edit) is recorded and the card stays
+        open; a second one by a different person completes it (an edit among them is what executes); a
+        rejection by anyone ends it. Nobody decides a card of a run they started."""
         status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
         if decision not in status:
             raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
@@ -134,11 +155,22 @@ class Approval(models.Model):
         if decision == "edit" and not isinstance(payload, dict):
             raise InvalidDecision("an edit needs the new payload (an object)")
         with transaction.atomic():
-            card = Approval.objects.select_for_update().get(pk=self.pk)
+            # The row lock orders this against the SLA timer's compare-and-swap (approvals.policy): whichever
+            # commits first wins, the other sees the card's new status.
+            card = Approval.objects.select_for_update().select_related("channel", "run").get(pk=self.pk)
             if card.status not in self.OPEN:
                 raise AlreadyDecided(card)
             if version is not None and version != card.version:
                 raise StaleVersion(card, version)
+            if actor is not None and card.run.created_by_id == getattr(actor, "pk", None):
+                raise NotAllowed("you started this run: someone else must decide its cards")
+            approvals = []
+            if decision != "reject" and card.channel.required_approvals > 1:
+                approvals = list(card.decisions.filter(decision__in=["approve", "edit"]).order_by("created_at"))
+                if actor is not None and any(d.actor_id == actor.pk for d in approvals):
+                    raise SecondApproverNeeded(
+                        "you already approved this card: the two-person rule needs a different person's approval"
+                    )
             Decision.objects.create(
                 approval=card,
                 actor=actor,
@@ -147,8 +179,12 @@ class Approval(models.Model):
                 reason=reason or "",
                 payload=payload if decision == "edit" else None,
             )
-            card.status = status[decision]
-            card.decided_at = timezone.now()
+            approvals_given = len(approvals) + (decision != "reject")
+            complete = decision == "reject" or approvals_given >= card.channel.required_approvals
+            if complete:
+                edited = decision == "edit" or any(d.decision == "edit" for d in approvals)
+                card.status = self.Status.EDITED if edited and decision != "reject" else status[decision]
+                card.decided_at = timezone.now()
             card.version += 1
             card.save(update_fields=["status", "decided_at", "version"])
             run = Run.objects.select_for_update().get(pk=card.run_id)
@@ -167,9 +203,15 @@ class Approval(models.Model):
                     "version": card.version,
                     "proposed": card.proposed,
                     **({"payload": payload} if decision == "edit" else {}),
+                    **(
+                        {"approvals": approvals_given, "required": card.channel.required_approvals}
+                        if card.channel.required_approvals > 1 and decision != "reject"
+                        else {}
+                    ),
                 },
             )
-            if run.status in Run.PARKED:
+            # Two-person rule: a first approval leaves the card open and the run parked.
+            if complete and run.status in Run.PARKED:
                 run.status = Run.Status.QUEUED
                 run.pause_reason = ""
                 run.save(update_fields=["status", "pause_reason", "updated_at"])
@@ -198,6 +240,42 @@ class Decision(models.Model):
                 condition=~Q(decision="reject") | ~Q(comment=""), name="approvals_decision_reject_has_comment"
             ),
         ]
+
+
+class Notification(models.Model):
+    """One notification about a card (an SLA escalation) through one backend (approvals.notify). Sent by its
+    own job on the `outbound` queue and retried there; one that keeps failing stays here as `failed`, with its
+    last error, for a person to see in Django admin. It never blocks the decision or the escalation."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        SENT = "sent"
+        FAILED = "failed"
+        SKIPPED = "skipped"  # nothing to send to (an escalation group without email addresses)
+
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="notifications")
+    event = models.CharField(max_length=32, default="sla.escalate")
+    backend = models.CharField(max_length=16)
+    group = models.ForeignKey(Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    payload = models.JSONField(default=dict, encoder=DjangoJSONEncoder)
+    status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["status", "-created_at"], name="approvals_notification_status")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=["pending", "sent", "failed", "skipped"]),
+                name="approvals_notification_status_valid",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event} via {self.backend} for card {self.approval_id} ({self.status})"
 
 
 class RejectReason(models.TextChoices):

@@ -162,6 +162,30 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 
+# Approval SLAs (approvals.policy): the sweep that catches any open card past its deadline (the safety net
+# behind each card's own timer job), and the notifier that tells an escalation group about a card.
+SLA_SWEEP_CRON = env_str("SLA_SWEEP_CRON", "*/30 * * * * *")  # sixth field: seconds
+NOTIFY_BACKENDS = env_list("NOTIFY_BACKENDS", "email,webhook")  # the webhook only when its URL is set
+NOTIFY_WEBHOOK_URL = env_str("NOTIFY_WEBHOOK_URL")
+NOTIFY_WEBHOOK_SECRET = env_secret(
+    "NOTIFY_WEBHOOK_SECRET", development_default="notify-secret", development=DEVELOPMENT or not NOTIFY_WEBHOOK_URL
+)
+NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
+NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 6)
+_MAIL_BACKEND = env_str(
+    "EMAIL_BACKEND",
+    "django.core.mail.backends.console.EmailBackend" if DEVELOPMENT else "django.core.mail.backends.smtp.EmailBackend",
+)
+MAILERS = {
+    "default": {
+        "BACKEND": _MAIL_BACKEND,
+        "OPTIONS": {"host": env_str("EMAIL_HOST", "localhost"), "port": env_int("EMAIL_PORT", 25)}
+        if _MAIL_BACKEND.endswith("smtp.EmailBackend")
+        else {},
+    }
+}
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
+
 # Demo logins (development only: demo_setup refuses to run outside development).
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")
 

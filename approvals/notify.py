@@ -1,0 +1,103 @@
+"""The notifier: tells people about a card that needs them (an SLA escalation).
+
+A backend turns a Notification row into one delivery and raises on failure; the `send_notification` job
+(approvals.tasks) calls it outside any transaction, retries it with backoff, and records the outcome on the
+row. Backends: `email` (Django's mail, to the escalation group's members) and `webhook` (a JSON POST signed
+like our own inbound webhooks: `X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<body>">`)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+import urllib.request
+from typing import Protocol
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.mail import send_mail
+from django.core.serializers.json import DjangoJSONEncoder
+
+from approvals.models import Notification
+
+
+class NothingToSend(Exception):
+    """The backend has nobody to deliver to: the notification is skipped, not failed."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def send(self, notification: Notification) -> None:
+        """Deliver it, or raise."""
+
+
+class EmailBackend:
+    name = "email"
+
+    def send(self, notification: Notification) -> None:
+        recipients = sorted(
+            User.objects.filter(groups=notification.group_id, is_active=True)
+            .exclude(email="")
+            .values_list("email", flat=True)
+        )
+        if notification.group_id is None or not recipients:
+            raise NothingToSend("the escalation group has no members with an email address")
+        payload = notification.payload
+        subject = f"[HITL] Card {payload.get('approval_id')} on {payload.get('channel')} escalated: SLA expired"
+        lines = [
+            f"The card on channel {payload.get('channel')} was not decided in time and is now assigned to your group.",
+            "",
+            f"Summary: {payload.get('summary', '')}",
+            f"Workflow: {payload.get('workflow', '')}",
+            f"New deadline: {payload.get('due_at', '')}",
+            "",
+            f"Decide it: {payload.get('url', '')}",
+        ]
+        send_mail(subject, "\n".join(lines), None, recipients)
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    """The X-Signature header value for `body` sent at `timestamp` (unix seconds, as a string)."""
+    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"sha256={digest}"
+
+
+class WebhookBackend:
+    name = "webhook"
+
+    def send(self, notification: Notification) -> None:
+        url = settings.NOTIFY_WEBHOOK_URL
+        if not url:
+            raise NothingToSend("NOTIFY_WEBHOOK_URL is not set")
+        body = json.dumps(
+            {"id": notification.pk, "event": notification.event, **notification.payload},
+            cls=DjangoJSONEncoder,
+            sort_keys=True,
+        ).encode()
+        timestamp = str(int(time.time()))
+        request = urllib.request.Request(
+            url,
+            data=body,
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": "hitl-console-notifier",
+                "X-Timestamp": timestamp,
+                "X-Signature": sign(settings.NOTIFY_WEBHOOK_SECRET, timestamp, body),
+                "X-Notification-Id": str(notification.pk),
+            },
+        )
+        # urlopen raises HTTPError for 4xx/5xx: the job records it and retries.
+        with urllib.request.urlopen(request, timeout=settings.NOTIFY_WEBHOOK_TIMEOUT) as response:
+            response.read(1024)
+
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (EmailBackend(), WebhookBackend())}
+
+
+def enabled_backends() -> list[str]:
+    """The backends each escalation notifies through: NOTIFY_BACKENDS, less the webhook when it has no URL."""
+    names = [name for name in settings.NOTIFY_BACKENDS if name in BACKENDS]
+    return [name for name in names if name != "webhook" or settings.NOTIFY_WEBHOOK_URL]

@@ -1,0 +1,169 @@
+"""The SLA policy: what happens to a card nobody decided by its `due_at`.
+
+`apply_sla(card_id, now)` is called by the card's own timer job (approvals.tasks.card_due, scheduled at
+`due_at`) and by the periodic sweep behind it. Both may fire for the same deadline, and a reviewer may click at
+the same moment: a compare-and-swap on (status, due_at) decides, so exactly one of them acts and the others
+find nothing to do.
+
+- `escalate`: the card stays open (`escalated`, still decidable), is assigned to the channel's escalation
+  group, gets a new deadline (due_at + the channel's SLA) with a new timer, and the group is notified.
+- `safe_default`: the card is rejected by `system` (no side effect happens) and the run is re-queued, so it
+  ends as its workflow says a rejection ends.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import structlog
+from django.db import connection, transaction
+from django.db.models import F
+from django.utils import timezone
+from procrastinate.exceptions import AlreadyEnqueued
+
+from approvals.models import Approval, Decision, Notification
+from console.models import AuditEntry, Channel
+from runs.models import Run
+
+log = structlog.get_logger("approvals.policy")
+
+SAFE_DEFAULT_COMMENT = "SLA expired: safe default"
+SAFE_DEFAULT_REASON = "policy"
+SYSTEM = "system"  # the actor named in the audit log
+
+
+def schedule_timer(card: Approval) -> None:
+    """Defer the card's timer job at its `due_at`, in the caller's transaction (the one that opens the card or
+    moves its deadline): the timer exists if and only if that commits. One waiting timer per card; a timer
+    that fires on a deadline moved later re-schedules itself (card_due)."""
+    from approvals.tasks import card_due
+
+    assert connection.in_atomic_block, "the timer is deferred in the transaction that sets the deadline"
+    try:
+        with transaction.atomic():  # a savepoint: AlreadyEnqueued must not abort the caller's transaction
+            card_due.configure(schedule_at=card.due_at, queueing_lock=f"card-due:{card.pk}").defer(card_id=card.pk)
+    except AlreadyEnqueued:
+        pass  # a timer already waits for this card: it re-schedules itself if the deadline moved
+
+
+def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
+    """Apply the channel's policy to the card if it is still open and past its deadline at `now`.
+
+    Returns what was done ("escalate" or "safe_default"), or None when there was nothing to do (decided,
+    cancelled, not yet due, or another caller acted first)."""
+    now = now or timezone.now()
+    card = Approval.objects.select_related("channel", "run").filter(pk=card_id).first()
+    if card is None or card.status not in Approval.OPEN or card.due_at > now:
+        return None
+    channel: Channel = card.channel
+    if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT:
+        return "safe_default" if _safe_default(card, now) else None
+    return "escalate" if _escalate(card, now) else None
+
+
+def _swap(card: Approval, now: datetime, **changes) -> bool:
+    """The compare-and-swap: change the card only if it is still open with the deadline we read. The UPDATE
+    waits for a reviewer's decide() holding the row, then re-checks the condition against what it committed."""
+    return (
+        Approval.objects.filter(pk=card.pk, status__in=Approval.OPEN, due_at=card.due_at, due_at__lte=now).update(
+            **changes
+        )
+        == 1
+    )
+
+
+def _escalate(card: Approval, now: datetime) -> bool:
+    channel = card.channel
+    # The new deadline counts from the missed one, not from whenever the timer ran, so a late worker does not
+    # stretch the SLA; but it is never in the past, or the card would escalate again at once.
+    due_at = max(card.due_at + channel.sla, now + channel.sla / 10)
+    group = channel.escalation_group
+    with transaction.atomic():
+        # The version is left alone: a reviewer who loaded the card before the escalation still decides it.
+        if not _swap(card, now, status=Approval.Status.ESCALATED, assigned_group=group, due_at=due_at):
+            return False
+        missed, card.due_at = card.due_at, due_at
+        card.status, card.assigned_group = Approval.Status.ESCALATED, group
+        AuditEntry.record(
+            "sla.escalate",
+            actor=SYSTEM,
+            target=f"approval:{card.pk}",
+            run_id=card.run_id,
+            approval_id=card.pk,
+            channel=channel.name,
+            trace_id=card.run.trace_id,
+            data={"missed_due_at": missed, "due_at": due_at, "group": group.name if group else None},
+        )
+        schedule_timer(card)
+        _notify(card, missed)
+    log.info("card escalated", card_id=card.pk, channel=channel.name, group=group.name if group else None)
+    return True
+
+
+def _notify(card: Approval, missed: datetime) -> None:
+    """A Notification row and its job per enabled backend, in the escalation's transaction: sent if and only
+    if the escalation commits, and sent (with retries) by the `outbound` queue, never by this transaction."""
+    from approvals import notify
+    from approvals.tasks import send_notification
+
+    payload = {
+        "approval_id": card.pk,
+        "run_id": str(card.run_id),
+        "workflow": card.run.workflow,
+        "channel": card.channel.name,
+        "summary": card.summary,
+        "risk": card.risk,
+        "group": card.assigned_group.name if card.assigned_group else None,
+        "missed_due_at": missed.isoformat(),
+        "due_at": card.due_at.isoformat(),
+        "url": f"/approvals/{card.pk}/",
+    }
+    for backend in notify.enabled_backends():
+        notification = Notification.objects.create(
+            approval=card, event="sla.escalate", backend=backend, group=card.assigned_group, payload=payload
+        )
+        send_notification.defer(notification_id=notification.pk)
+
+
+def _safe_default(card: Approval, now: datetime) -> bool:
+    with transaction.atomic():
+        swapped = _swap(card, now, status=Approval.Status.REJECTED, decided_at=timezone.now(), version=F("version") + 1)
+        if not swapped:
+            return False
+        Decision.objects.create(
+            approval=card, actor=None, decision="reject", comment=SAFE_DEFAULT_COMMENT, reason=SAFE_DEFAULT_REASON
+        )
+        # Same lock order as Approval.decide(): the card (locked by the UPDATE above), then the run.
+        run = Run.objects.select_for_update().get(pk=card.run_id)
+        AuditEntry.record(
+            "sla.safe_default",
+            actor=SYSTEM,
+            target=f"approval:{card.pk}",
+            run_id=run.id,
+            approval_id=card.pk,
+            channel=card.channel.name,
+            trace_id=run.trace_id,
+            data={
+                "missed_due_at": card.due_at,
+                "comment": SAFE_DEFAULT_COMMENT,
+                "reason": SAFE_DEFAULT_REASON,
+                "kind": card.kind,
+                "proposed": card.proposed,
+            },
+        )
+        if run.status in Run.PARKED:
+            run.status = Run.Status.QUEUED
+            run.pause_reason = ""
+            run.save(update_fields=["status", "pause_reason", "updated_at"])
+            run.enqueue()
+    log.info("card rejected by its SLA's safe default", card_id=card.pk, channel=card.channel.name)
+    return True
+
+
+def overdue_card_ids(now: datetime, limit: int = 500) -> list[int]:
+    """Open cards past their deadline, oldest deadline first (the sweep's work list)."""
+    return list(
+        Approval.objects.filter(status__in=Approval.OPEN, due_at__lte=now)
+        .order_by("due_at")
+        .values_list("pk", flat=True)[:limit]
+    )

@@ -1,9 +1,374 @@
-"""The reviewer inbox at `/`: pending cards of the channels the user may approve. (Issue #4: to be built.)"""
+"""The reviewer inbox at `/`: the open cards of the channels the user may approve, most urgent first.
+
+- Who: users with `approve_channel` on at least one channel (guardian; superusers hold every permission).
+  Everyone else gets the home page's empty states (console.views.home). Cards of runs the user started are
+  never listed (separation of duties: someone else must decide them).
+- What: cards whose status is pending or escalated, ordered by (due_at, id), 50 per page with a keyset cursor
+  (`?after=<due_at>~<id>`), so a later page costs what the first does.
+- Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now:
+  breached once due_at has passed, due soon within the larger of 25% of the channel's SLA and 5 minutes.
+- Counts: one grouped query over (channel, risk, workflow, SLA state) gives every facet's counts (each facet
+  counted under the other facets' filters) and the total, whatever the number of cards.
+- Live: the rows and the counts are two partials of templates/approvals/inbox.html that poll every 5 s and
+  refresh on the `approvals-changed` event.
+- Bulk: POST /approvals/bulk decides several cards of one channel with one comment; each card is decided by
+  Approval.decide on its own (its own lock, decision row and audit entry).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from urllib.parse import urlencode
+
+from django import forms
+from django.db.models import Case, CharField, Count, Q, QuerySet, Value, When
+from django.db.models.fields.json import KT
+from django.http import HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.vary import vary_on_headers
+from django_htmx.http import trigger_client_event
+
+from approvals.api import decidable_channels
+from approvals.models import AlreadyDecided, Approval, DecisionError, StaleVersion
 from console import views as console_views
+from console.models import Channel
+
+TEMPLATE = "approvals/inbox.html"
+EVENT = "approvals-changed"
+PER_PAGE = 50
+DUE_SOON_SHARE = 0.25  # of the channel's SLA
+DUE_SOON_MIN = timedelta(minutes=5)
+
+SLA_STATES = [("on_time", "On time"), ("due_soon", "Due soon"), ("breached", "Breached")]
+REJECT_REASONS = [
+    ("wrong_amount", "Wrong amount"),
+    ("wrong_recipient", "Wrong recipient"),
+    ("policy", "Policy"),
+    ("duplicate", "Duplicate"),
+    ("other", "Other"),
+]
+FACETS = ("channel", "risk", "workflow", "sla")
 
 
+# --- the SLA state, in SQL -----------------------------------------------------------------------------------
+
+
+def due_soon_window(sla: timedelta) -> timedelta:
+    return max(sla * DUE_SOON_SHARE, DUE_SOON_MIN)
+
+
+def _due_soon_q(channels: list[Channel], now: datetime) -> Q:
+    """due_at before now + the channel's due-soon window (one range per channel, so an index can serve it)."""
+    q = Q(pk__in=[])
+    for channel in channels:
+        q |= Q(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla))
+    return q
+
+
+def sla_state_q(state: str, channels: list[Channel], now: datetime) -> Q:
+    if state == "breached":
+        return Q(due_at__lte=now)
+    if state == "due_soon":
+        return Q(due_at__gt=now) & _due_soon_q(channels, now)
+    return Q(due_at__gt=now) & ~_due_soon_q(channels, now)
+
+
+def sla_state_expression(channels: list[Channel], now: datetime) -> Case:
+    soon = [
+        When(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla), then=Value("due_soon"))
+        for channel in channels
+    ]
+    return Case(
+        When(due_at__lte=now, then=Value("breached")), *soon, default=Value("on_time"), output_field=CharField()
+    )
+
+
+# --- the inbox ------------------------------------------------------------------------------------------------
+
+
+def open_cards_for(user, channels: list[Channel]) -> QuerySet[Approval]:
+    """The open cards `user` may decide: of `channels` (those they may approve), not of runs they started."""
+    return Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels]).exclude(
+        run__created_by=user
+    )
+
+
+def parse_cursor(value: str) -> tuple[datetime, int] | None:
+    due, _, pk = (value or "").rpartition("~")
+    try:
+        due_at = parse_datetime(due)
+        return (due_at, int(pk)) if due_at is not None and due_at.tzinfo is not None else None
+    except ValueError:
+        return None
+
+
+def format_cursor(card: Approval) -> str:
+    return f"{card.due_at.isoformat()}~{card.pk}"
+
+
+@dataclass
+class FacetValue:
+    value: str
+    label: str
+    count: int
+    selected: bool
+    url: str
+
+
+@dataclass
+class Inbox:
+    """The inbox of one user under the filters of one request. Each method is a fixed number of queries."""
+
+    user: object
+    channels: list[Channel]
+    filters: dict[str, str]
+    after: tuple[datetime, int] | None
+    now: datetime
+
+    @classmethod
+    def from_request(cls, request, channels: list[Channel]) -> Inbox:
+        names = {c.name for c in channels}
+        valid = {
+            "channel": lambda v: v in names,
+            "risk": lambda v: v in Approval.Risk.values,
+            "workflow": lambda v: 0 < len(v) <= 100,
+            "sla": lambda v: v in dict(SLA_STATES),
+        }
+        filters = {k: request.GET[k] for k in FACETS if request.GET.get(k) and valid[k](request.GET[k])}
+        return cls(request.user, channels, filters, parse_cursor(request.GET.get("after", "")), timezone.now())
+
+    def _q(self, facet: str) -> Q:
+        if facet == "channel":
+            return Q(channel__name=self.filters["channel"])
+        if facet == "risk":
+            return Q(risk=self.filters["risk"])
+        if facet == "workflow":
+            return Q(run__workflow=self.filters["workflow"])
+        return sla_state_q(self.filters["sla"], self.channels, self.now)
+
+    def cards(self) -> QuerySet[Approval]:
+        cards = open_cards_for(self.user, self.channels)
+        for facet in self.filters:
+            if facet == "channel":  # by id: the channel is known, no join needed
+                channel = next(c for c in self.channels if c.name == self.filters["channel"])
+                cards = cards.filter(channel_id=channel.pk)
+            else:
+                cards = cards.filter(self._q(facet))
+        return cards
+
+    def page(self) -> tuple[list[Approval], str | None]:
+        """One page of rows (keyset on (due_at, id)) and the cursor of the next page, if any."""
+        cards = self.cards()
+        if self.after:
+            due_at, pk = self.after
+            # due_at >= x is the index's range; the OR only sorts out the ties.
+            cards = cards.filter(Q(due_at__gte=due_at) & (Q(due_at__gt=due_at) | Q(pk__gt=pk)))
+        by_id = {c.pk: c for c in self.channels}
+        rows = list(
+            cards.select_related("run")
+            .only("id", "channel_id", "risk", "status", "summary", "due_at", "version", "run__workflow", "run__id")
+            .annotate(
+                amount_cents=KT("proposed__refund__amount_cents"),
+                currency=KT("proposed__refund__currency"),
+                sla_state=sla_state_expression(self.channels, self.now),
+            )
+            .order_by("due_at", "id")[: PER_PAGE + 1]
+        )
+        for card in rows:
+            card.channel = by_id[card.channel_id]  # no join: the channels are loaded already
+            card.remaining = card.due_at - self.now
+            card.amount = _amount(card.amount_cents)
+        more = len(rows) > PER_PAGE
+        rows = rows[:PER_PAGE]
+        return rows, (format_cursor(rows[-1]) if more else None)
+
+    def facets(self) -> tuple[dict[str, list[FacetValue]], int, int]:
+        """Counts for every value of every facet, each under the other facets' filters; the number of cards
+        matching every filter; and the number of open cards in all. One grouped query."""
+        groups = list(
+            open_cards_for(self.user, self.channels)
+            .annotate(sla=sla_state_expression(self.channels, self.now))
+            .values("channel_id", "risk", "run__workflow", "sla")
+            .annotate(n=Count("id"))
+            .order_by()
+        )
+        names = {c.pk: c.name for c in self.channels}
+        for group in groups:
+            group["channel"], group["workflow"] = names[group["channel_id"]], group["run__workflow"]
+
+        def matches(group: dict, except_facet: str | None = None) -> bool:
+            return all(group[f] == v for f, v in self.filters.items() if f != except_facet)
+
+        workflows = {g["workflow"] for g in groups} | (
+            {self.filters["workflow"]} if "workflow" in self.filters else set()
+        )
+        values = {
+            "channel": [(c.name, c.name) for c in self.channels],
+            "risk": list(Approval.Risk.choices),
+            "workflow": [(w, w) for w in sorted(workflows)],
+            "sla": SLA_STATES,
+        }
+        facets = {}
+        for facet in FACETS:
+            counts: dict[str, int] = {}
+            for group in groups:
+                if matches(group, except_facet=facet):
+                    counts[group[facet]] = counts.get(group[facet], 0) + group["n"]
+            facets[facet] = [
+                FacetValue(value, label, counts.get(value, 0), self.filters.get(facet) == value, self.url(facet, value))
+                for value, label in values[facet]
+            ]
+        matching = sum(g["n"] for g in groups if matches(g))
+        return facets, matching, sum(g["n"] for g in groups)
+
+    def url(self, facet: str | None = None, value: str | None = None, after: str | None = None) -> str:
+        """The inbox's URL with `facet` toggled to `value` (off when it is selected), from the first page."""
+        params = dict(self.filters)
+        if facet:
+            if params.get(facet) == value:
+                params.pop(facet)
+            else:
+                params[facet] = value
+        if after:
+            params["after"] = after
+        return "/?" + urlencode(params) if params else "/"
+
+
+def _amount(value) -> str | None:
+    try:
+        cents = int(value)
+    except (TypeError, ValueError):
+        return None
+    return f"{cents / 100:,.2f}"
+
+
+def approvable_channels(user) -> list[Channel]:
+    return list(decidable_channels(user).order_by("name"))
+
+
+@require_GET
+@vary_on_headers("HX-Request", "HX-Target")
 def inbox(request):
-    return console_views.home(request)
+    channels = approvable_channels(request.user)
+    if not channels:
+        return console_views.home(request)
+    box = Inbox.from_request(request, channels)
+    template, context = TEMPLATE, {"inbox": box, "reasons": REJECT_REASONS}
+    partial = None
+    if request.htmx:
+        partial = "counts" if request.htmx.target == "inbox-counts" else "rows"
+        template += "#" + partial
+    if partial != "counts":
+        rows, next_cursor = box.page()
+        context.update(rows=rows, next_url=box.url(after=next_cursor) if next_cursor else None)
+    if partial != "rows":
+        context["facets"], context["matching"], context["total"] = box.facets()
+    context["first_url"] = box.url() if box.after else None
+    context["self_url"] = request.get_full_path()
+    return render(request, template, context)
+
+
+# --- bulk decisions ---------------------------------------------------------------------------------------------
+
+
+class BulkForm(forms.Form):
+    cards = forms.CharField(error_messages={"required": "Select at least one card."})
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    comment = forms.CharField(required=False, max_length=5000)
+    reason = forms.ChoiceField(required=False, choices=[("", "—"), *REJECT_REASONS])
+
+    def clean_cards(self) -> dict[int, int | None]:
+        """`cards` is a list of `<id>:<version>` (the version the reviewer saw; a changed card is refused)."""
+        picked: dict[int, int | None] = {}
+        for item in self.data.getlist("cards"):
+            pk, _, version = item.partition(":")
+            try:
+                picked[int(pk)] = int(version) if version else None
+            except ValueError:
+                raise forms.ValidationError(f"Not a card: {item!r}.") from None
+        if not picked:
+            raise forms.ValidationError("Select at least one card.")
+        if len(picked) > PER_PAGE:
+            raise forms.ValidationError(f"At most {PER_PAGE} cards at once.")
+        return picked
+
+    def clean(self):
+        data = super().clean()
+        if data.get("decision") == "reject":
+            if not (data.get("comment") or "").strip():
+                self.add_error("comment", "A rejection needs a comment saying why.")
+            if not data.get("reason"):
+                self.add_error("reason", "Pick the reason for the rejection.")
+        return data
+
+
+@dataclass
+class BulkResult:
+    pk: int
+    status: int  # as HTTP: 200 decided, 403 forbidden (own run), 404 not found, 409 already decided or changed
+    detail: str
+
+
+def decide_cards(user, picked: dict[int, int | None], decision: str, comment: str, reason: str) -> list[BulkResult]:
+    """Decide each picked card on its own (Approval.decide: lock, decision, audit entry, run re-queued).
+
+    Raises MixedChannels when the cards the user may see belong to more than one channel: a bulk decision is one
+    judgement about one kind of action. Cards they may not see are reported as not found."""
+    allowed = {c.pk for c in approvable_channels(user)}
+    cards = {
+        card.pk: card
+        for card in Approval.objects.filter(pk__in=picked, channel_id__in=allowed).select_related("run", "channel")
+    }
+    if len({card.channel_id for card in cards.values()}) > 1:
+        raise MixedChannels("Select cards of one channel only.")
+    results = []
+    for pk, version in picked.items():
+        card = cards.get(pk)
+        if card is None:
+            results.append(BulkResult(pk, 404, "not found"))
+        elif card.run.created_by_id == user.pk:
+            results.append(BulkResult(pk, 403, "you started this run: someone else must decide it"))
+        else:
+            try:
+                card.decide(
+                    user, decision, comment=comment, reason=reason if decision == "reject" else "", version=version
+                )
+            except (AlreadyDecided, StaleVersion) as exc:
+                results.append(BulkResult(pk, 409, str(exc)))
+            except DecisionError as exc:
+                results.append(BulkResult(pk, exc.status, str(exc)))
+            else:
+                results.append(BulkResult(pk, 200, f"{decision}d"))
+    return results
+
+
+class MixedChannels(ValueError):
+    pass
+
+
+@require_POST
+def bulk(request):
+    form = BulkForm(request.POST)
+    results, error, status = [], None, 200
+    if not form.is_valid():
+        status = 422 if set(form.errors) - {"cards"} else 400
+    else:
+        data = form.cleaned_data
+        try:
+            results = decide_cards(request.user, data["cards"], data["decision"], data["comment"], data["reason"])
+        except MixedChannels as exc:
+            error, status = str(exc), 400
+    decided = sum(r.status == 200 for r in results)
+    if not request.htmx:
+        if status == 200:
+            return redirect("home")
+        return HttpResponse(error or form.errors.as_text(), status=status, content_type="text/plain")
+    context = {"form": form, "results": results, "error": error, "decided": decided, "reasons": REJECT_REASONS}
+    response = render(request, TEMPLATE + "#bulk-result", context, status=status)
+    if decided:
+        trigger_client_event(response, EVENT, after="settle")
+    return response

@@ -26,6 +26,7 @@ urlpatterns = [
     path("", inbox.inbox, name="home"),
     path("approvals/<int:pk>/", approval_views.card, name="card"),
     path("approvals/<int:pk>/decide", approval_views.decide, name="decide"),
+    path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
     path("runs/", run_views.run_list, name="runs"),
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("healthz", views.healthz, name="healthz"),

@@ -23,7 +23,7 @@ from django.db.models import BooleanField, QuerySet
 from django.db.models.expressions import RawSQL
 from django.http import HttpResponseBadRequest, StreamingHttpResponse
 from django.shortcuts import render
-from django.urls import NoReverseMatch, Resolver404, resolve, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.views.decorators.http import require_GET
@@ -165,14 +165,6 @@ def keyset_page(entries: QuerySet[AuditEntry], *, before=None, after=None, size:
     )
 
 
-def _routed(path: str) -> bool:
-    try:
-        resolve(path)
-    except Resolver404:
-        return False
-    return True
-
-
 def _summary(data: dict) -> list[tuple[str, str]]:
     """Short `key: value` pairs of an entry's data, besides its comment (shown on its own)."""
     pairs = []
@@ -184,22 +176,11 @@ def _summary(data: dict) -> list[tuple[str, str]]:
     return pairs
 
 
-def _run_url(run_id, run_page: bool) -> str:
-    if run_page:
-        return f"/runs/{run_id}/"
-    try:  # until the console's run page exists: the run in Django admin, else in the JSON API
-        return reverse("admin:runs_run_change", args=[run_id])
-    except NoReverseMatch:
-        return f"/api/runs/{run_id}"
-
-
 def _decorate(entries: list[AuditEntry]) -> None:
     """Links to the run and card pages, and a short summary of each entry's data."""
-    run_page = _routed("/runs/00000000-0000-0000-0000-000000000000/")
-    card_page = _routed("/approvals/1/")
     for entry in entries:
-        entry.run_url = _run_url(entry.run_id, run_page) if entry.run_id else ""
-        entry.card_url = f"/approvals/{entry.approval_id}/" if entry.approval_id and card_page else ""
+        entry.run_url = reverse("run", args=[entry.run_id]) if entry.run_id else ""
+        entry.card_url = reverse("card", args=[entry.approval_id]) if entry.approval_id else ""
         entry.summary = _summary(entry.data if isinstance(entry.data, dict) else {"data": entry.data})
         entry.data_json = json.dumps(entry.data, indent=2, ensure_ascii=False, sort_keys=True)
 

@@ -9,20 +9,10 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.contrib.auth.models import Group, User
 from django.db import connection, transaction
-from django.http import HttpResponse
 from django.test.utils import CaptureQueriesContext
-from django.urls import path
 
-from console import urls as console_urls
 from console.audit import PAGE_SIZE, AuditFilter
 from console.models import AuditEntry, Role
-
-# For the tests of links to the run and card pages once they exist (@pytest.mark.urls(__name__)).
-urlpatterns = [
-    *console_urls.urlpatterns,
-    path("runs/<uuid:pk>/", lambda request, pk: HttpResponse(), name="run"),
-    path("approvals/<int:pk>/", lambda request, pk: HttpResponse(), name="card"),
-]
 
 RUN = uuid.UUID("6f1c1d9e-0000-4000-8000-000000000001")
 OTHER_RUN = uuid.UUID("6f1c1d9e-0000-4000-8000-000000000002")
@@ -123,15 +113,6 @@ def test_everything_is_escaped(admin_client):
     assert "&lt;b&gt;mallory&lt;/b&gt;" in content
 
 
-def test_runs_link_to_django_admin_and_cards_are_plain_text_while_their_pages_do_not_exist(admin_client, monkeypatch):
-    monkeypatch.setattr("console.audit._routed", lambda path: False)
-    _entry(run_id=RUN, approval_id=7)
-    content = admin_client.get("/audit/").content.decode()
-    assert f'href="/admin/runs/run/{RUN}/change/"' in content
-    assert "card 7" in content and 'href="/approvals/7/"' not in content
-
-
-@pytest.mark.urls(__name__)
 def test_runs_and_cards_link_to_their_pages(admin_client):
     _entry(run_id=RUN, approval_id=7)
     content = admin_client.get("/audit/").content.decode()

@@ -1,0 +1,60 @@
+"""Notifications in Django admin: one that kept failing stays visible here with its last error, and can be sent
+again."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.db import transaction
+from django.utils.html import format_html
+
+from approvals.models import Notification
+
+
+@admin.register(Notification)
+class NotificationAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "event", "backend", "card", "group", "status", "attempts", "short_error", "sent_at"]
+    list_filter = ["status", "backend", "event"]
+    search_fields = ["last_error", "approval__id"]
+    date_hierarchy = "created_at"
+    list_select_related = ["group"]
+    readonly_fields = [
+        "approval",
+        "event",
+        "backend",
+        "group",
+        "payload",
+        "status",
+        "attempts",
+        "last_error",
+        "created_at",
+        "sent_at",
+    ]
+    actions = ["send_again"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.display(description="card", ordering="approval_id")
+    def card(self, obj: Notification):
+        return format_html('<a href="/approvals/{}/">card {}</a>', obj.approval_id, obj.approval_id)
+
+    @admin.display(description="last error")
+    def short_error(self, obj: Notification) -> str:
+        return obj.last_error[:120]
+
+    @admin.action(description="Send the selected failed notifications again")
+    def send_again(self, request, queryset) -> None:
+        from approvals.tasks import send_notification
+
+        count = 0
+        with transaction.atomic():
+            for notification in (
+                queryset.select_related(None).select_for_update(of=("self",)).filter(status=Notification.Status.FAILED)
+            ):
+                Notification.objects.filter(pk=notification.pk).update(status=Notification.Status.PENDING, attempts=0)
+                send_notification.defer(notification_id=notification.pk)
+                count += 1
+        self.message_user(request, f"{count} notification(s) queued again.", messages.SUCCESS)

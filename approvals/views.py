@@ -1,13 +1,241 @@
-"""The card page: the diff, the rationale, the SLA timer, and the decisions. (Issue #4: to be built.)"""
+"""The card page: the diff, the rationale, the run's context, the SLA timer, and the decisions.
+
+Who may do what, checked here on the server (the API applies the same rules in approvals/api.py):
+- a card is seen and decided by users with `approve_channel` on its channel (guardian object permission;
+  superusers have every permission); anyone else gets 404, for the page and for a decision alike;
+- nobody decides a card of a run they started (separation of duties): they see it, and get 403 on a decision.
+The decision itself (locking, version check, audit, resuming the run) is `Approval.decide`.
+
+The card's body is the `card` partial of templates/approvals/card.html. Other pages (the inbox) can show it:
+`prepare(card, user)` then `{% include "approvals/card.html#card" %}` with `card` in the context, or fetch it with
+htmx (`hx-get="/approvals/<id>/"` answers the partial alone).
+"""
 
 from __future__ import annotations
 
-from django.http import Http404
+import json
+from datetime import datetime, timedelta
+from urllib.parse import urlparse
+
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.vary import vary_on_headers
+from django_htmx.http import trigger_client_event
+
+from approvals.diff import diff_json, summarize
+from approvals.forms import EditForm, RejectForm
+from approvals.models import AlreadyDecided, Approval, InvalidDecision, RejectReason, StaleVersion
+from runs.gates import Kind
+
+TEMPLATE = "approvals/card.html"
+EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
+
+DUE_SOON_FRACTION = 0.25  # amber when less than this share of the channel's SLA remains...
+DUE_SOON_FLOOR = timedelta(minutes=5)  # ...or less than this, whichever is longer
+
+# What approve and reject mean, per kind of card.
+LABELS = {
+    Kind.ACTION: {"approve": "Approve", "edit": "Edit", "reject": "Reject"},
+    Kind.RECONCILE: {"approve": "It happened", "edit": "", "reject": "It did not happen"},
+    Kind.BUDGET: {"approve": "Extend the limit", "edit": "Edit the limit", "reject": "Stop the run"},
+}
 
 
+# --- access ------------------------------------------------------------------------------------------------
+
+
+def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval:
+    """The card `pk`: 404 when the user may not see it (no `approve_channel` on its channel), PermissionDenied
+    when they are about to decide the card of a run they started."""
+    card = get_object_or_404(Approval.objects.select_related("channel", "run", "run__created_by"), pk=pk)
+    if not request.user.has_perm("console.approve_channel", card.channel):
+        raise Http404("No such card.")
+    if to_decide and card.run.created_by_id == request.user.pk:
+        raise PermissionDenied("You started this run: someone else must decide its cards.")
+    return card
+
+
+# --- what the card shows -----------------------------------------------------------------------------------
+
+
+def sla(card: Approval, now: datetime | None = None) -> dict:
+    """The SLA timer as the server sees it: on_time, due_soon, breached, or decided (the timer stopped)."""
+    now = now or timezone.now()
+    remaining = card.due_at - now
+    soon = max(card.channel.sla * DUE_SOON_FRACTION, DUE_SOON_FLOOR)
+    if card.status not in Approval.OPEN:
+        state = "decided"
+    elif remaining <= timedelta(0):
+        state = "breached"
+    elif remaining < soon:
+        state = "due_soon"
+    else:
+        state = "on_time"
+    return {
+        "state": state,
+        "remaining_seconds": int(remaining.total_seconds()),
+        "remaining": _duration(remaining),
+        "soon_seconds": int(soon.total_seconds()),
+    }
+
+
+def _duration(delta: timedelta) -> str:
+    seconds = int(abs(delta.total_seconds()))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+    return f"overdue by {text}" if delta.total_seconds() <= 0 else f"{text} left"
+
+
+def _citations(citations) -> list[dict]:
+    """Citations as {title, url, href}: only http(s) URLs become links; anything else stays text."""
+    out = []
+    for item in citations if isinstance(citations, list) else []:
+        if isinstance(item, dict):
+            url, title = str(item.get("url") or ""), str(item.get("title") or item.get("url") or "")
+        else:
+            url = title = str(item)
+        parsed = urlparse(url.strip())
+        href = url.strip() if parsed.scheme in ("http", "https") and parsed.netloc else ""
+        out.append({"title": title or url, "url": url, "href": href})
+    return out
+
+
+def _amount(card: Approval) -> str:
+    proposed = card.proposed if isinstance(card.proposed, dict) else {}
+    refund = proposed.get("refund") if isinstance(proposed.get("refund"), dict) else {}
+    source = refund if "amount_cents" in refund else (card.run.input if isinstance(card.run.input, dict) else {})
+    cents, currency = source.get("amount_cents"), source.get("currency", "")
+    if not isinstance(cents, int) or isinstance(cents, bool):
+        return ""
+    return f"{cents / 100:,.2f} {currency}".strip()
+
+
+def prepare(card: Approval, user, **state) -> Approval:
+    """Everything the card partial shows, set on the card. `state`: edit_form, reject_form, preview, conflict,
+    error (a refused decision's form or message, shown in place)."""
+    card.diff = diff_json(card.current, card.proposed)
+    card.diff_counts = summarize(card.diff)
+    card.sla = sla(card)
+    card.confidence_pct = None if card.confidence is None else round(card.confidence * 100)
+    card.citation_list = _citations(card.citations)
+    card.amount = _amount(card)
+    card.steps_so_far = [
+        (step, json.dumps(step.output, indent=2, ensure_ascii=False, default=str))
+        for step in card.run.steps.order_by("seq")
+    ]
+    reasons = dict(RejectReason.choices)
+    card.decision_list = []
+    for decision in card.decisions.select_related("actor").order_by("created_at"):
+        decision.by = decision.actor.get_username() if decision.actor else "system"
+        decision.reason_label = reasons.get(decision.reason, decision.reason)
+        decision.edit_diff = (
+            [d for d in diff_json(card.proposed, decision.payload) if d.op != "same"] if decision.payload else []
+        )
+        card.decision_list.append(decision)
+    card.is_open = card.status in Approval.OPEN
+    card.is_creator = card.run.created_by_id == user.pk
+    card.can_decide = card.is_open and not card.is_creator
+    card.labels = LABELS.get(card.kind, LABELS[Kind.ACTION])
+    card.edit_form = state.get("edit_form") or EditForm(card.proposed, card.run.workflow)
+    card.reject_form = state.get("reject_form") or RejectForm()
+    for form in (card.edit_form, card.reject_form):
+        form.auto_id = f"card{card.pk}-%s"  # unique ids when a page shows several cards (the inbox)
+    card.preview = state.get("preview")
+    card.conflict = state.get("conflict", "")
+    card.error = state.get("error", "")
+    card.opened = state.get("opened", "")  # which decision form to show open after a refusal: edit or reject
+    return card
+
+
+def _render(request, card: Approval, status: int = 200) -> HttpResponse:
+    template = TEMPLATE + "#card" if request.htmx else TEMPLATE
+    return render(request, template, {"card": card}, status=status)
+
+
+# --- views -------------------------------------------------------------------------------------------------
+
+
+@require_GET
+@vary_on_headers("HX-Request")
 def card(request, pk: int):
-    raise Http404("not built yet")
+    card = _get_card_for_user(request, pk)
+    return _render(request, prepare(card, request.user))
 
 
+def _version(request) -> int | None:
+    try:
+        return int(request.POST.get("version", ""))
+    except ValueError:
+        return None
+
+
+@require_POST
 def decide(request, pk: int):
-    raise Http404("not built yet")
+    card = _get_card_for_user(request, pk, to_decide=True)
+    decision, version, user = request.POST.get("decision", ""), _version(request), request.user
+    state: dict = {}
+    decided = False
+    try:
+        if version is None:
+            raise InvalidDecision("The card's version is missing: reload the card.")
+        if decision == "approve":
+            card.decide(user, "approve", comment=request.POST.get("comment", ""), version=version)
+            decided = True
+        elif decision == "reject":
+            form = RejectForm(request.POST)
+            if form.is_valid():
+                card.decide(
+                    user,
+                    "reject",
+                    comment=form.cleaned_data["comment"],
+                    reason=form.cleaned_data["reason"],
+                    version=version,
+                )
+                decided = True
+            else:
+                state.update(reject_form=form, opened="reject")
+        elif decision == "edit":
+            if card.kind == Kind.RECONCILE:
+                raise InvalidDecision("A reconcile card is approved or rejected, not edited.")
+            form = EditForm(card.proposed, card.run.workflow, request.POST)
+            if not form.is_valid():
+                state.update(edit_form=form, opened="edit")
+            elif request.POST.get("preview"):
+                preview = [d for d in diff_json(card.proposed, form.cleaned_data["payload"]) if d.op != "same"]
+                state.update(edit_form=form, preview=preview, opened="edit")
+            else:
+                card.decide(
+                    user,
+                    "edit",
+                    comment=form.cleaned_data.get("comment", ""),
+                    payload=form.cleaned_data["payload"],
+                    version=version,
+                )
+                decided = True
+        else:
+            raise InvalidDecision("Choose approve, edit or reject.")
+    except (AlreadyDecided, StaleVersion) as exc:
+        card = _get_card_for_user(request, pk)
+        return _render(request, prepare(card, user, conflict=_conflict_message(exc)), status=409)
+    except InvalidDecision as exc:
+        state["error"] = str(exc)
+
+    if decided:
+        if not request.htmx:
+            return redirect("card", pk=pk)
+        response = _render(request, prepare(_get_card_for_user(request, pk), user))
+        trigger_client_event(response, EVENT, after="settle")
+        return response
+    refused = bool(state.get("error") or any(f.errors for k, f in state.items() if k.endswith("_form")))
+    return _render(request, prepare(card, user, **state), status=422 if refused else 200)
+
+
+def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:
+    if isinstance(exc, AlreadyDecided):
+        when = timezone.localtime(exc.card.decided_at).strftime("%Y-%m-%d %H:%M:%S %Z") if exc.card.decided_at else ""
+        return f"Not recorded: this card was already {exc.card.status} by {exc.by}" + (f" at {when}." if when else ".")
+    return "Not recorded: the card changed since you opened it. Here it is again: check it and decide again."

@@ -1,0 +1,162 @@
+"""The card's decision forms: reject (comment + reason) and edit (the proposed payload, field by field).
+
+The edit form is built from the card's `proposed` object: one field per leaf, of the leaf's own type (an int stays
+an int), so that what executes has the shape the gate proposed. Cards whose payload is not a flat-enough object
+get one JSON textarea instead, checked against the proposal the same way (same keys, same types).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from django import forms
+
+from approvals.models import RejectReason
+
+COMMENT_MAX = 5000
+
+# Per workflow, the leaves a reviewer may change; the others are shown, and kept as proposed.
+EDITABLE = {
+    "refund": ("refund.amount_cents", "refund.currency", "email.subject", "email.body"),
+}
+
+
+class RejectForm(forms.Form):
+    reason = forms.ChoiceField(
+        choices=[("", "Choose a reason…"), *RejectReason.choices],
+        error_messages={"required": "Choose a reason.", "invalid_choice": "Choose one of the listed reasons."},
+    )
+    comment = forms.CharField(
+        max_length=COMMENT_MAX,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        error_messages={"required": "A rejection needs a comment saying why."},
+    )
+
+
+def _leaves(value: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, item in value.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(item, dict) and item:
+            out += _leaves(item, path)
+        else:
+            out.append((path, item))
+    return out
+
+
+def _set(payload: dict, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        payload = payload[key]
+    payload[last] = value
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool) and value is not None
+
+
+def type_errors(proposed: Any, edited: Any, path: str = "") -> list[str]:
+    """Where `edited` does not keep the shape of `proposed`: a missing key, or a value of another type."""
+    where = path or "the payload"
+    if isinstance(proposed, dict):
+        if not isinstance(edited, dict):
+            return [f"{where} must be an object"]
+        errors = []
+        for key, value in proposed.items():
+            child = f"{path}.{key}" if path else str(key)
+            if key not in edited:
+                errors.append(f"{child} is required")
+            else:
+                errors += type_errors(value, edited[key], child)
+        return errors
+    if proposed is None:
+        return []
+    expected = type(proposed)
+    if expected is float and type(edited) is int:
+        return []  # 10 for 10.0 is the same number
+    if type(edited) is not expected:
+        names = {bool: "true or false", int: "a whole number", float: "a number", str: "text", list: "a list"}
+        return [f"{where} must be {names.get(expected, expected.__name__)}"]
+    return []
+
+
+class EditForm(forms.Form):
+    """The proposed payload as editable fields (`p:<path>`), or one JSON textarea (`payload_json`)."""
+
+    comment = forms.CharField(max_length=COMMENT_MAX, required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+    def __init__(self, proposed: dict, workflow: str = "", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.proposed = proposed
+        leaves = _leaves(proposed) if isinstance(proposed, dict) else []
+        self.structured = bool(leaves) and all(_is_scalar(value) for _, value in leaves)
+        paths = [path for path, _ in leaves]
+        # The workflow's editable leaves when this payload has them (its action card), else every leaf.
+        self.editable = [path for path in EDITABLE.get(workflow, ()) if path in paths] or paths
+        self.fixed: list[tuple[str, Any]] = []
+        if not self.structured:
+            self.fields["payload_json"] = forms.CharField(
+                label="Payload (JSON)",
+                initial=json.dumps(proposed, indent=2, ensure_ascii=False),
+                widget=forms.Textarea(attrs={"rows": 12, "spellcheck": "false", "class": "card-json"}),
+                error_messages={"required": "The payload is required."},
+            )
+            return
+        for path, value in leaves:
+            if path not in self.editable:
+                self.fixed.append((path, value))
+                continue
+            self.fields[f"p:{path}"] = self._field_for(path, value)
+        self.order_fields([name for name in self.fields if name != "comment"] + ["comment"])
+
+    @staticmethod
+    def _field_for(path: str, value: Any) -> forms.Field:
+        label = path
+        if isinstance(value, bool):
+            return forms.BooleanField(label=label, required=False, initial=value)
+        if isinstance(value, int):
+            minimum = 1 if path.endswith("amount_cents") else None
+            return forms.IntegerField(label=label, initial=value, min_value=minimum)
+        if isinstance(value, float):
+            return forms.FloatField(label=label, initial=value)
+        widget = forms.Textarea(attrs={"rows": 6}) if "\n" in value or len(value) > 120 else forms.TextInput()
+        # An empty proposed string may stay empty; a non-empty one may not be blanked.
+        return forms.CharField(label=label, initial=value, widget=widget, required=bool(value.strip()), strip=False)
+
+    def field_rows(self):
+        """(bound field or None, path, fixed value) in the proposal's order, for the template."""
+        rows = []
+        for path, value in _leaves(self.proposed) if self.structured else []:
+            name = f"p:{path}"
+            rows.append((self[name] if name in self.fields else None, path, value))
+        return rows
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.structured:
+            payload = copy.deepcopy(self.proposed)
+            for path, _value in _leaves(self.proposed):
+                name = f"p:{path}"
+                if name in self.fields and name in cleaned:
+                    new = cleaned[name]
+                    if isinstance(new, str):
+                        new = new.replace("\r\n", "\n")
+                    _set(payload, path, new)
+            cleaned["payload"] = payload
+            return cleaned
+        raw = cleaned.get("payload_json")
+        if raw is None:
+            return cleaned
+        try:
+            payload = json.loads(raw)
+        except ValueError as exc:
+            self.add_error("payload_json", f"Not valid JSON: {exc}")
+            return cleaned
+        errors = type_errors(self.proposed, payload)
+        if errors:
+            self.add_error("payload_json", "; ".join(errors))
+            return cleaned
+        cleaned["payload"] = payload
+        return cleaned

@@ -29,6 +29,7 @@ urlpatterns = [
     path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
     path("runs/", run_views.run_list, name="runs"),
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
+    path("runs/<uuid:pk>/cancel", run_views.run_cancel, name="run-cancel"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", dashboard.metrics, name="metrics"),

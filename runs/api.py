@@ -66,11 +66,7 @@ class RunOut(Schema):
 
 
 def can_see_run(user, run: Run) -> bool:
-    if user.is_superuser or run.created_by_id == user.pk:
-        return True
-    if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
-        return True
-    return any(user.has_perm("console.approve_channel", card.channel) for card in run.approvals.all())
+    return run.is_visible_to(user)
 
 
 def can_operate_run(user, run: Run) -> bool:

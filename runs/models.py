@@ -98,6 +98,33 @@ class Run(models.Model):
         return self.status in self.FINISHED
 
     @classmethod
+    def visible_to(cls, user):
+        """The runs `user` may see: all of them for superusers, ops and admins; for others the runs they started
+        and the runs with a card on a channel they may approve."""
+        from guardian.shortcuts import get_objects_for_user
+
+        from console.models import Channel, Role
+
+        if not user.is_authenticated:
+            return cls.objects.none()
+        if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
+            return cls.objects.all()
+        channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+        with_cards = cls.objects.filter(approvals__channel__in=channels).values("pk")
+        return cls.objects.filter(Q(created_by=user) | Q(pk__in=with_cards))
+
+    def is_visible_to(self, user) -> bool:
+        from console.models import Role
+
+        if not user.is_authenticated:
+            return False
+        if user.is_superuser or self.created_by_id == user.pk:
+            return True
+        if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
+            return True
+        return any(user.has_perm("console.approve_channel", card.channel) for card in self.approvals.all())
+
+    @classmethod
     def submit(
         cls,
         *,

@@ -1,0 +1,186 @@
+"""The runs pages: /runs/ (filters, pagination), /runs/<id>/ (timeline, cards, decisions) and cancel."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.test import Client
+from guardian.shortcuts import assign_perm
+
+from approvals.models import Approval
+from console.models import AuditEntry, Channel
+from runs.models import Run
+from tests.engine_helpers import REFUND, SMALL_REFUND, drive
+
+XSS = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+
+
+@pytest.fixture
+def world(db, alice, bob, carol, dave):
+    """Bob reviews payments, Erin reviews email only, Frank starts runs, Dave has a run of his own."""
+    call_command("demo_setup", verbosity=0)
+    assign_perm("console.approve_channel", bob, Channel.objects.get(name="payments"))
+    erin = User.objects.create_user("erin")
+    assign_perm("console.approve_channel", erin, Channel.objects.get(name="email"))
+    frank = User.objects.create_user("frank")
+    parked = drive(Run.submit(workflow="refund", input={**REFUND, "reason": XSS}, created_by=frank)[0])
+    assert parked.status == Run.Status.WAITING_HUMAN
+    daves = drive(Run.submit(workflow="refund", input=SMALL_REFUND, created_by=dave)[0])
+    assert daves.status == Run.Status.SUCCEEDED
+    users = {"alice": alice, "bob": bob, "carol": carol, "dave": dave, "erin": erin, "frank": frank}
+    return {"users": users, "parked": parked, "daves": daves}
+
+
+def as_user(user) -> Client:
+    client = Client()
+    if user is not None:
+        client.force_login(user)
+    return client
+
+
+def listed(response) -> set[str]:
+    html = response.content.decode()
+    return {
+        str(run.pk)
+        for run in Run.objects.all()
+        if f'data-run="{run.pk}"' in html  # one row per run
+    }
+
+
+VISIBLE = {
+    # who: (sees the parked run with a payments card, sees Dave's own run)
+    "alice": (True, True),  # admin
+    "carol": (True, True),  # ops
+    "bob": (True, False),  # reviewer of the card's channel
+    "erin": (False, False),  # reviewer of another channel
+    "frank": (True, False),  # started the parked run
+    "dave": (False, True),  # outsider: only his own run
+}
+
+
+@pytest.mark.parametrize("who", VISIBLE)
+def test_it_shows_each_user_the_runs_they_may_see(world, who):
+    client = as_user(world["users"][who])
+    sees_parked, sees_daves = VISIBLE[who]
+    response = client.get("/runs/")
+    assert response.status_code == 200
+    expected = {str(world["parked"].pk)} if sees_parked else set()
+    expected |= {str(world["daves"].pk)} if sees_daves else set()
+    assert listed(response) == expected
+    detail = client.get(f"/runs/{world['parked'].pk}/")
+    assert detail.status_code == (200 if sees_parked else 404)
+    assert client.get(f"/runs/{world['daves'].pk}/").status_code == (200 if sees_daves else 404)
+
+
+def test_anonymous_is_sent_to_the_login_page(world):
+    for url in ("/runs/", f"/runs/{world['parked'].pk}/"):
+        response = Client().get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/accounts/login/")
+    response = Client().post(f"/runs/{world['parked'].pk}/cancel")
+    assert response.status_code == 302 and response["Location"].startswith("/accounts/login/")
+    assert Run.objects.get(pk=world["parked"].pk).status == Run.Status.WAITING_HUMAN
+
+
+def test_an_unknown_run_is_404(world):
+    assert as_user(world["users"]["alice"]).get("/runs/00000000-0000-0000-0000-000000000000/").status_code == 404
+
+
+def test_filters_by_status_and_workflow(world):
+    client = as_user(world["users"]["carol"])
+    assert listed(client.get("/runs/?status=waiting_human")) == {str(world["parked"].pk)}
+    assert listed(client.get("/runs/?status=succeeded")) == {str(world["daves"].pk)}
+    assert listed(client.get("/runs/?status=failed")) == set()
+    assert listed(client.get("/runs/?workflow=refund")) == {str(world["parked"].pk), str(world["daves"].pk)}
+    assert listed(client.get("/runs/?workflow=nope")) == set()
+    assert listed(client.get("/runs/?status=bogus")) == listed(client.get("/runs/"))  # ignored, not a 500
+
+
+def test_it_pages_newest_first(world):
+    for i in range(60):
+        Run.objects.create(workflow="refund", workflow_version=1, input={"i": i}, tenant=f"t{i}")
+    client = as_user(world["users"]["alice"])
+    first = client.get("/runs/").content.decode()
+    assert first.count("data-run=") == 50 and ">t59<" in first and 'rel="next"' in first
+    second = client.get("/runs/?page=2").content.decode()
+    assert second.count("data-run=") == 12 and 'rel="prev"' in second
+    status_page = client.get("/runs/?status=queued&page=2").content.decode()
+    assert "status=queued" in status_page  # the filter is kept in the page links
+
+
+def test_the_run_page_shows_its_timeline_card_and_decisions(world):
+    run = world["parked"]
+    card = Approval.objects.get(run=run)
+    card.decide(world["users"]["bob"], "reject", comment="Wrong customer", reason="wrong_recipient")
+    run = drive(run)
+    html = as_user(world["users"]["bob"]).get(f"/runs/{run.pk}/").content.decode()
+    for name in ("classify", "lookup_customer", "draft_refund", "approve_refund"):
+        assert name in html
+    step = run.steps.get(name="classify")
+    assert f"{step.latency_ms:.1f} ms" in html
+    assert f"{step.tokens_in}/{step.tokens_out} tokens" in html
+    assert "<details><summary>output</summary>" in html
+    assert f'href="/approvals/{card.pk}/"' in html
+    assert "Wrong customer" in html and "wrong_recipient" in html and ">bob<" in html
+    assert "Result" in html and "rejected" in html
+    assert "Cancel run" not in html  # finished, and Bob is neither ops nor the creator
+
+
+def test_the_run_page_shows_a_failed_steps_error(world):
+    run = world["daves"]
+    Run.objects.filter(pk=run.pk).update(error="RuntimeError: the CRM said no")
+    run.steps.filter(name="classify").update(error="Retryable: 429 from the model")
+    html = as_user(world["users"]["dave"]).get(f"/runs/{run.pk}/").content.decode()
+    assert "the CRM said no" in html and "429 from the model" in html
+
+
+def test_everything_is_escaped(world):
+    run = world["parked"]
+    card = Approval.objects.get(run=run)
+    card.decide(world["users"]["bob"], "reject", comment=XSS)
+    client = as_user(world["users"]["alice"])
+    for url in ("/runs/", f"/runs/{run.pk}/"):
+        html = client.get(url).content.decode()
+        assert "<script>alert(1)" not in html and "<img src=x" not in html
+    html = client.get(f"/runs/{run.pk}/").content.decode()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_ops_cancel_a_parked_run_from_its_page(world):
+    run = world["parked"]
+    client = as_user(world["users"]["carol"])
+    assert "Cancel run" in client.get(f"/runs/{run.pk}/").content.decode()
+    response = client.post(f"/runs/{run.pk}/cancel", follow=True)
+    assert response.redirect_chain == [(f"/runs/{run.pk}/", 302)]
+    assert "Run cancelled." in response.content.decode()
+    run.refresh_from_db()
+    assert run.status == Run.Status.CANCELLED
+    assert Approval.objects.get(run=run).status == "cancelled"
+    entry = AuditEntry.objects.get(action="run.cancel")
+    assert entry.actor == "carol" and entry.run_id == run.pk
+    assert "Cancel run" not in response.content.decode()
+    client.post(f"/runs/{run.pk}/cancel")  # again: nothing more happens
+    assert AuditEntry.objects.filter(action="run.cancel").count() == 1
+
+
+def test_the_creator_may_cancel_their_run(world):
+    run = world["parked"]
+    response = as_user(world["users"]["frank"]).post(f"/runs/{run.pk}/cancel")
+    assert response.status_code == 302
+    assert Run.objects.get(pk=run.pk).status == Run.Status.CANCELLED
+
+
+@pytest.mark.parametrize(("who", "status"), [("bob", 403), ("erin", 404), ("dave", 404)])
+def test_others_may_not_cancel(world, who, status):
+    run = world["parked"]
+    client = as_user(world["users"][who])
+    if status == 403:
+        assert "Cancel run" not in client.get(f"/runs/{run.pk}/").content.decode()
+    assert client.post(f"/runs/{run.pk}/cancel").status_code == status
+    assert Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN
+    assert not AuditEntry.objects.filter(action="run.cancel").exists()
+
+
+def test_cancel_is_post_only(world):
+    response = as_user(world["users"]["carol"]).get(f"/runs/{world['parked'].pk}/cancel")
+    assert response.status_code == 405

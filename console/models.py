@@ -344,7 +344,6 @@ class AuditEntry(models.Model):
             name = actor.get_username()
             kind = actor_type or (ActorType.AGENT if name == "agent" else ActorType.HUMAN)
         entry = cls(
-            at=timezone.now(),
             actor_type=kind,
             actor=name,
             action=action,
@@ -357,7 +356,10 @@ class AuditEntry(models.Model):
             trace_id=trace_id,
         )
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_AUDIT_CHAIN_LOCK])
+            # Stamped by the database once the chain is ours: `at` grows with `id` (and the chain) whatever the
+            # clocks of the web and worker machines say.
+            cursor.execute("SELECT pg_advisory_xact_lock(%s), clock_timestamp()", [_AUDIT_CHAIN_LOCK])
+            entry.at = cursor.fetchone()[1]
         last = cls.objects.order_by("-id").values_list("hash", flat=True).first()
         entry.prev_hash = last or cls.GENESIS
         entry.hash = entry.compute_hash()

@@ -19,6 +19,7 @@ def test_entries_form_a_hash_chain(db, bob):
     first, second = _record(1, actor=bob)[0], _record(1)[0]
     assert first.prev_hash == AuditEntry.GENESIS
     assert second.prev_hash == first.hash
+    assert first.at <= second.at  # the database's clock, read under the chain's lock
     assert (first.actor, first.actor_type, second.actor, second.actor_type) == ("bob", "human", "system", "system")
     stored = AuditEntry.objects.get(pk=first.pk)
     assert stored.compute_hash() == stored.hash  # what was hashed is what was stored

@@ -89,14 +89,15 @@ def _leaf(path: str, old: Any, new: Any) -> FieldDiff:
 
 
 def diff_json(old: Any, new: Any, path: str = "") -> list[FieldDiff]:
-    """Field-level diff of `new` (proposed) against `old` (current), in the order of `new`'s keys, then the
-    keys only `old` has. `old` may be None (nothing yet): every field is then added."""
+    """Field-level diff of `new` (proposed) against `old` (current), by path in key order. `old` may be None
+    (nothing yet): every field is then added."""
     if old is None and isinstance(new, dict):
         old = {}
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [_leaf(path or "(value)", old, new)]
     diffs: list[FieldDiff] = []
-    keys = list(new) + [key for key in old if key not in new]
+    # Sorted: the database (jsonb) does not keep the agent's key order, and a stable order reads best.
+    keys = sorted({*new, *old}, key=str)
     for key in keys:
         child = f"{path}.{key}" if path else str(key)
         a, b = old.get(key, _MISSING), new.get(key, _MISSING)

@@ -37,7 +37,7 @@ class RejectForm(forms.Form):
 
 def _leaves(value: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
-    for key, item in value.items():
+    for key, item in sorted(value.items(), key=lambda kv: str(kv[0])):  # the order of the card's diff
         path = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(item, dict) and item:
             out += _leaves(item, path)

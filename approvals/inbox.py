@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from urllib.parse import urlencode
 
 from django import forms
-from django.db.models import Case, CharField, Count, Q, QuerySet, Value, When
+from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Value, When
 from django.db.models.fields.json import KT
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
@@ -33,7 +33,7 @@ from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from approvals.api import decidable_channels
-from approvals.models import AlreadyDecided, Approval, DecisionError, StaleVersion
+from approvals.models import AlreadyDecided, Approval, Decision, DecisionError, StaleVersion
 from console import views as console_views
 from console.models import Channel
 
@@ -91,9 +91,12 @@ def sla_state_expression(channels: list[Channel], now: datetime) -> Case:
 
 
 def open_cards_for(user, channels: list[Channel]) -> QuerySet[Approval]:
-    """The open cards `user` may decide: of `channels` (those they may approve), not of runs they started."""
-    return Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels]).exclude(
-        run__created_by=user
+    """The open cards `user` may decide: of `channels` (those they may approve), not of runs they started, and
+    not those they approved already (an open card they decided waits for a second person: two-person rule)."""
+    return (
+        Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels])
+        .exclude(run__created_by=user)
+        .exclude(Exists(Decision.objects.filter(approval=OuterRef("pk"), actor=user)))
     )
 
 

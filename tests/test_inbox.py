@@ -461,3 +461,23 @@ def test_bulk_without_javascript_redirects_to_the_inbox(client, reviewers, payme
     response = bulk(client, [c], htmx=False)
     assert response.status_code == 302 and response["Location"] == "/"
     assert Approval.objects.get(pk=c.pk).status == "approved"
+
+
+def test_a_card_the_user_approved_waits_for_a_second_person_elsewhere(client, reviewers, payments):
+    """Two-person rule: after bob's approval the card stays open, but only for someone else."""
+    payments.required_approvals = 2
+    payments.save()
+    c = card(payments)
+    rita = User.objects.create_user("rita")
+    assign_perm("console.approve_channel", rita, payments)
+    client.force_login(reviewers["bob"])
+    assert bulk(client, [c]).status_code == 200
+    assert Approval.objects.get(pk=c.pk).status == "pending"
+    response = client.get("/")
+    assert shown(response) == []
+    assert facet_count(response, "channel", "payments") == 0
+    client.force_login(rita)
+    assert shown(client.get("/")) == [c.pk]
+    c.refresh_from_db()
+    assert bulk(client, [c]).status_code == 200
+    assert Approval.objects.get(pk=c.pk).status == "approved"

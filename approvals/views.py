@@ -27,7 +27,16 @@ from django_htmx.http import trigger_client_event
 
 from approvals.diff import diff_json, summarize
 from approvals.forms import EditForm, RejectForm
-from approvals.models import AlreadyDecided, Approval, InvalidDecision, RejectReason, StaleVersion
+from approvals.models import (
+    AlreadyDecided,
+    Approval,
+    DecisionError,
+    InvalidDecision,
+    NotAllowed,
+    RejectReason,
+    SecondApproverNeeded,
+    StaleVersion,
+)
 from runs.gates import Kind
 
 TEMPLATE = "approvals/card.html"
@@ -139,6 +148,10 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.is_open = card.status in Approval.OPEN
     card.is_creator = card.run.created_by_id == user.pk
     card.can_decide = card.is_open and not card.is_creator
+    # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
+    card.required_approvals = card.channel.required_approvals
+    card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
+    card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
     card.labels = LABELS.get(card.kind, LABELS[Kind.ACTION])
     card.edit_form = state.get("edit_form") or EditForm(card.proposed, card.run.workflow)
     card.reject_form = state.get("reject_form") or RejectForm()
@@ -221,8 +234,14 @@ def decide(request, pk: int):
     except (AlreadyDecided, StaleVersion) as exc:
         card = _get_card_for_user(request, pk)
         return _render(request, prepare(card, user, conflict=_conflict_message(exc)), status=409)
+    except NotAllowed as exc:
+        raise PermissionDenied(str(exc)) from exc
+    except SecondApproverNeeded as exc:
+        return _render(request, prepare(card, user, conflict=f"Not recorded: {exc}."), status=409)
     except InvalidDecision as exc:
         state["error"] = str(exc)
+    except DecisionError as exc:  # any other refusal: say it in place, with its own status
+        return _render(request, prepare(card, user, error=str(exc)), status=exc.status)
 
     if decided:
         if not request.htmx:

@@ -524,3 +524,33 @@ def test_the_preview_of_an_edit_escapes_too(client, card, bob):
     assert response.status_code == 200
     assert "<img src=x" not in html
     assert json.dumps(XSS_IMG) not in html
+
+
+# --- the two-person rule -------------------------------------------------------------------------------------
+
+
+def test_two_person_rule_a_first_approval_leaves_the_card_open_for_someone_else(client, card, bob, alice):
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    client.force_login(bob)
+
+    response = post(client, card, decision="approve")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert 'data-status="pending"' in html
+    assert "1 of 2 approvals" in html
+    assert "You approved" in html
+    assert "card-button-approve" not in html and "card-reject-form" in html
+    assert Run.objects.get(pk=card.run_id).status == Run.Status.WAITING_HUMAN
+
+    card.refresh_from_db()
+    again = post(client, card, decision="approve")  # the same person, by a stale form or a second tab
+    assert again.status_code == 409
+    assert "different person" in again.content.decode()
+    assert Decision.objects.filter(approval=card).count() == 1
+
+    client.force_login(alice)
+    response = post(client, card, decision="approve")
+    assert response.status_code == 200
+    assert 'data-status="approved"' in response.content.decode()
+    assert Run.objects.get(pk=card.run_id).status == Run.Status.QUEUED

@@ -160,7 +160,9 @@
   document.addEventListener("htmx:afterSettle", (event) => {
     const el = event.detail && event.detail.elt;
     if (!el || (el.id !== "inbox-rows" && !document.getElementById("inbox-rows").contains(el))) {
-      if (el && el.id === "bulk-result") { ticked.clear(); syncBulk(); }
+      // A bulk decision went through: the ticks are spent (refused ones are listed in the result).
+      if (el && el.id === "bulk-result" && event.detail.xhr && event.detail.xhr.status === 200) ticked.clear();
+      syncBulk();
       return;
     }
     const row = current();

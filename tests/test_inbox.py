@@ -159,7 +159,7 @@ def test_a_row_shows_channel_risk_workflow_summary_amount_and_sla(client, review
     c = card(payments, risk="high", workflow="refund", summary="Refund order 42", amount=12_500)
     client.force_login(reviewers["bob"])
     html = client.get("/").content.decode()
-    row = html.split(f'id="card-{c.pk}"', 1)[1].split("</tr>", 1)[0]
+    row = html.split(f'id="row-{c.pk}"', 1)[1].split("</tr>", 1)[0]
     assert 'class="channel">payments<' in row
     assert "High" in row and 'class="workflow">refund<' in row
     assert "Refund order 42" in row
@@ -174,7 +174,7 @@ def test_a_row_without_an_amount_shows_none(client, reviewers, email):
     c = card(email, amount=None)
     client.force_login(reviewers["erin"])
     html = client.get("/").content.decode()
-    row = html.split(f'id="card-{c.pk}"', 1)[1].split("</tr>", 1)[0]
+    row = html.split(f'id="row-{c.pk}"', 1)[1].split("</tr>", 1)[0]
     assert 'class="amount"></td>' in row
 
 
@@ -204,7 +204,7 @@ def test_sla_states(client, reviewers, payments, email):
         (mail_soon, "due_soon"),
         (mail_fine, "on_time"),
     ]:
-        assert f'class="card-row sla-{state}" id="card-{c.pk}"' in html
+        assert f'class="card-row sla-{state}" id="row-{c.pk}"' in html
     assert shown(client.get("/?sla=due_soon")) == [mail_soon.pk, soon.pk]
     assert shown(client.get("/?sla=breached")) == [late.pk]
     assert shown(client.get("/?sla=on_time")) == [mail_fine.pk, fine.pk]

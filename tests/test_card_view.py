@@ -554,3 +554,22 @@ def test_two_person_rule_a_first_approval_leaves_the_card_open_for_someone_else(
     assert response.status_code == 200
     assert 'data-status="approved"' in response.content.decode()
     assert Run.objects.get(pk=card.run_id).status == Run.Status.QUEUED
+
+
+# --- the partial other pages include -------------------------------------------------------------------------
+
+
+def test_other_pages_can_include_the_card_partial(rf, card, bob):
+    from django.template.loader import render_to_string
+
+    from approvals.views import prepare
+
+    request = rf.get("/")
+    request.user = bob
+    html = render_to_string("approvals/card.html#card", {"card": prepare(card, bob)}, request=request)
+
+    assert html.lstrip().startswith("<section")
+    assert f'id="card-{card.pk}"' in html
+    assert 'data-path="refund.amount_cents"' in html
+    assert f'id="card{card.pk}-p:refund.amount_cents"' in html  # form ids unique per card on a shared page
+    assert "csrfmiddlewaretoken" in html

@@ -83,6 +83,24 @@
     document.body.dispatchEvent(new CustomEvent("approvals-changed", { bubbles: true }));
   }
 
+  // Inline expansion: the card page's own partial (GET /approvals/<id>/ with HX-Request) in the row below.
+  function toggleExpand(row) {
+    if (!row) return;
+    const detail = document.getElementById("detail-" + row.dataset.pk);
+    const button = row.querySelector("[data-expand]");
+    if (!detail) return;
+    const open = detail.hidden;
+    detail.hidden = !open;
+    if (button) {
+      button.setAttribute("aria-expanded", String(open));
+      button.textContent = open ? "Collapse" : "Expand";
+    }
+    if (open && !detail.dataset.loaded) {
+      detail.dataset.loaded = "1";
+      window.htmx.ajax("GET", row.dataset.url, { target: detail.querySelector("td"), swap: "innerHTML" });
+    }
+  }
+
   function toggleHelp() {
     const dialog = help();
     if (!dialog) return;
@@ -128,6 +146,12 @@
   document.addEventListener("click", (event) => {
     const target = event.target;
     if (target.closest && target.closest("[data-inbox-help]")) { toggleHelp(); return; }
+    if (target.closest && target.closest("[data-expand]")) {
+      const expanding = target.closest("tr.card-row");
+      select(expanding, false);
+      toggleExpand(expanding);
+      return;
+    }
     const row = target.closest && target.closest("#inbox-rows tr.card-row");
     if (row && !target.closest("a, input, button")) select(row, false);
   });
@@ -136,6 +160,8 @@
     if (event.ctrlKey || event.metaKey || event.altKey) return;
     const target = event.target;
     if (target.closest && target.closest("input, textarea, select, [contenteditable]")) return;
+    // Enter and Space keep their own meaning on a focused link, button or summary.
+    if ((event.key === "Enter" || event.key === " ") && target.closest && target.closest("a, button, summary")) return;
     const dialog = help();
     if (dialog && dialog.open) {
       if (event.key === "?") { event.preventDefault(); dialog.close(); }
@@ -150,6 +176,7 @@
       case "r": if (row) window.location.assign(row.dataset.url + "#reject"); break;
       case "o": case "Enter": if (row) window.location.assign(row.dataset.url); else return; break;
       case "x": toggleTick(row); break;
+      case " ": toggleExpand(row); break;
       case "?": toggleHelp(); break;
       default: return;
     }

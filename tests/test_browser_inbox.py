@@ -126,3 +126,19 @@ def test_a_bulk_rejection_needs_a_comment_then_decides_each_card(console_server,
         assert Approval.objects.get(pk=card.pk).status == Approval.Status.REJECTED
     entries = AuditEntry.objects.filter(action="approval.reject", actor="reviewer")
     assert sorted(entries.values_list("approval_id", flat=True)) == sorted(c.pk for c in cards[:2])
+
+
+def test_a_row_expands_into_the_card_and_is_decided_there(console_server, page, reviewer):
+    card, other = park(), park(15_000)
+    log_in(page, console_server)
+    page.locator(f"#row-{card.pk} [data-expand]").click()
+    section = page.locator(f"#detail-{card.pk} #card-{card.pk}")
+    expect(section).to_have_attribute("data-status", "pending")
+    expect(section.locator(".card-amount")).to_have_text("125.00 EUR")
+    page.wait_for_timeout(5_500)  # a refresh of the rows keeps the expanded card open
+    expect(section).to_be_visible()
+
+    section.locator("button.card-button-approve").click()
+    expect(page.locator(f"#row-{card.pk}")).to_have_count(0)
+    expect(page.locator(f"#row-{other.pk}")).to_be_visible()
+    assert Approval.objects.get(pk=card.pk).status == Approval.Status.APPROVED

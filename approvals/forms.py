@@ -12,10 +12,12 @@ import json
 from typing import Any
 
 from django import forms
+from django.core.validators import RegexValidator
 
 from approvals.models import RejectReason
 
 COMMENT_MAX = 5000
+CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
 
 # Per workflow, the leaves a reviewer may change; the others are shown, and kept as proposed.
 EDITABLE = {
@@ -122,6 +124,8 @@ class EditForm(forms.Form):
         if isinstance(value, float):
             return forms.FloatField(label=label, initial=value)
         widget = forms.Textarea(attrs={"rows": 6}) if "\n" in value or len(value) > 120 else forms.TextInput()
+        if path.rsplit(".", 1)[-1] == "currency":
+            return forms.CharField(label=label, initial=value, widget=widget, validators=[CURRENCY])
         # An empty proposed string may stay empty; a non-empty one may not be blanked.
         return forms.CharField(label=label, initial=value, widget=widget, required=bool(value.strip()), strip=False)
 

@@ -385,6 +385,7 @@ REFUSED_EDITS = {
     "amount zero": ({"p:refund.amount_cents": "0"}, "p:refund.amount_cents"),
     "amount missing": ({"p:refund.amount_cents": ""}, "p:refund.amount_cents"),
     "subject blanked": ({"p:email.subject": ""}, "p:email.subject"),
+    "currency not a code": ({"p:refund.currency": "euros"}, "p:refund.currency"),
 }
 
 
@@ -573,3 +574,12 @@ def test_other_pages_can_include_the_card_partial(rf, card, bob):
     assert 'data-path="refund.amount_cents"' in html
     assert f'id="card{card.pk}-p:refund.amount_cents"' in html  # form ids unique per card on a shared page
     assert "csrfmiddlewaretoken" in html
+
+
+def test_a_preview_that_changes_nothing_offers_no_confirmation(client, card, bob):
+    client.force_login(bob)
+    response = post(client, card, decision="edit", preview="1", **edit_fields(card))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "Your edit changes nothing" in html
+    assert "card-button-confirm" not in html

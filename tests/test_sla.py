@@ -319,3 +319,25 @@ def test_the_escalation_email_goes_to_the_group(demo, leads, settings):
     assert mail.outbox[0].to == ["lena@example.com"]
     assert f"/approvals/{card.pk}/" in mail.outbox[0].body
     assert Notification.objects.get().status == "sent"
+
+
+def test_a_real_worker_fires_the_timer_from_the_database(start_worker):
+    """Durable: the timer is a job row, so a worker started after the card opened (a restart) still fires it,
+    and the run then ends as its workflow ends a rejection. (The deadline is one second away: no time is
+    moved here, the worker's clock runs.)"""
+    from tests.worker import wait_until
+
+    call_command("demo_setup", verbosity=0)
+    payments(escalation_policy="safe_default", sla=timedelta(seconds=1))
+    card = parked_card()
+    start_worker()
+    run = wait_until(
+        lambda: Run.objects.filter(pk=card.run_id, status=Run.Status.SUCCEEDED).first(),
+        timeout=30,
+        message="the run to end after its card's safe default",
+    )
+    assert run.result["outcome"] == "rejected" and run.result["by"] == "system"
+    assert Approval.objects.get(pk=card.pk).status == "rejected"
+    assert timer_jobs(card, status="succeeded").count() == 1
+    assert AuditEntry.objects.filter(action="sla.safe_default").count() == 1
+    assert sandbox.stats()["channels"]["payments"] == 0

@@ -214,6 +214,26 @@ def test_a_timer_that_finds_the_sweep_already_acted_does_nothing(demo):
     assert Decision.objects.count() == 1
 
 
+def test_a_timer_that_finds_the_deadline_moved_waits_for_the_new_one(demo, leads, settings):
+    """The sweep escalated first, while the card's timer still waited for the old deadline: that timer fires,
+    does nothing, and re-arms itself for the new deadline; the next deadline escalates again, once."""
+    settings.NOTIFY_BACKENDS = ["email"]
+    payments(escalation_policy="escalate", escalation_group=leads)
+    card = past_due(parked_card())
+    assert sla_sweep(timestamp=0) == 1
+    card.refresh_from_db()
+    assert timer_jobs(card).count() == 1  # the old timer still waits (one waiting timer per card)
+
+    assert fire_timer(card) is None
+    assert timer_jobs(card).get().scheduled_at == card.due_at
+    assert AuditEntry.objects.filter(action="sla.escalate").count() == 1
+
+    assert policy.apply_sla(card.pk, card.due_at + SECOND) == "escalate"  # the next deadline passes too
+    assert policy.apply_sla(card.pk, card.due_at + SECOND) is None
+    assert AuditEntry.objects.filter(action="sla.escalate").count() == 2
+    assert Notification.objects.count() == 2
+
+
 def race(n: int, work) -> list:
     """`work(i)` in n threads released together, each with its own database connection."""
     start = threading.Barrier(n)

@@ -196,7 +196,7 @@ class Inbox:
             open_cards_for(self.user, self.channels)
             .annotate(sla=sla_state_expression(self.channels, self.now))
             .values("channel_id", "risk", "run__workflow", "sla")
-            .annotate(n=Count("id"))
+            .annotate(n=Count("*"))
             .order_by()
         )
         names = {c.pk: c.name for c in self.channels}

@@ -66,10 +66,12 @@ def run_detail(request, pk):
     steps = list(Step.objects.filter(run=run).order_by("seq"))
     for step in steps:
         step.input_json, step.output_json = _pretty(step.input), _pretty(step.output)
-    from approvals.models import Decision  # the runs app's models know nothing of cards; this page shows them
+    # The runs app's models know nothing of cards; this page, on top of both apps, shows them.
+    from approvals.models import Decision, Notification
 
     cards = run.approvals.select_related("channel", "assigned_group").prefetch_related(
-        Prefetch("decisions", queryset=Decision.objects.select_related("actor").order_by("created_at"))
+        Prefetch("decisions", queryset=Decision.objects.select_related("actor").order_by("created_at")),
+        Prefetch("notifications", queryset=Notification.objects.select_related("group").order_by("created_at")),
     )
     cards = list(cards.order_by("created_at"))
     for card in cards:

@@ -184,3 +184,22 @@ def test_others_may_not_cancel(world, who, status):
 def test_cancel_is_post_only(world):
     response = as_user(world["users"]["carol"]).get(f"/runs/{world['parked'].pk}/cancel")
     assert response.status_code == 405
+
+
+def test_the_run_page_shows_an_escalation_and_a_failed_notification(world, settings):
+    from django.contrib.auth.models import Group
+
+    from approvals import policy
+    from approvals.models import Notification
+
+    settings.NOTIFY_BACKENDS = ["email"]
+    leads = Group.objects.create(name="payments-leads")
+    Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=leads)
+    card = Approval.objects.get(run=world["parked"])
+    policy.apply_sla(card.pk, card.due_at + card.channel.sla)
+    Notification.objects.update(status="failed", attempts=6, last_error="SMTPConnectError: <refused>")
+    html = as_user(world["users"]["carol"]).get(f"/runs/{world['parked'].pk}/").content.decode()
+    assert "escalated to payments-leads" in html
+    assert "sla.escalate via email to payments-leads" in html
+    assert 'class="notification-status">failed</span> after 6 attempts' in html
+    assert "SMTPConnectError: &lt;refused&gt;" in html

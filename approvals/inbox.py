@@ -172,8 +172,11 @@ class Inbox:
             cards = cards.filter(Q(due_at__gte=due_at) & (Q(due_at__gt=due_at) | Q(pk__gt=pk)))
         by_id = {c.pk: c for c in self.channels}
         rows = list(
-            cards.select_related("run")
-            .only("id", "channel_id", "risk", "status", "summary", "due_at", "version", "run__workflow", "run__id")
+            cards.select_related("run", "assigned_group")
+            .only(
+                *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
+                *("run__workflow", "run__id", "assigned_group__name"),
+            )
             .annotate(
                 amount_cents=KT("proposed__refund__amount_cents"),
                 currency=KT("proposed__refund__currency"),

@@ -145,6 +145,15 @@ def test_it_lists_only_open_cards_most_urgent_first(client, reviewers, payments)
     assert b"escalated" in response.content
 
 
+def test_an_escalated_card_names_its_group(client, reviewers, payments):
+    from django.contrib.auth.models import Group
+
+    c = card(payments, status="escalated")
+    Approval.objects.filter(pk=c.pk).update(assigned_group=Group.objects.create(name="payments-leads"))
+    client.force_login(reviewers["bob"])
+    assert b'title="escalated to payments-leads">escalated<' in client.get("/").content
+
+
 def test_a_reviewer_with_no_card_sees_an_empty_inbox(client, reviewers):
     client.force_login(reviewers["bob"])
     response = client.get("/")

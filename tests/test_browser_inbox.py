@@ -88,9 +88,9 @@ def test_cards_arriving_or_decided_elsewhere_show_without_a_reload(console_serve
     arrived = park(20_000)
     decided_elsewhere.decide(User.objects.get(username="admin"), "approve")
 
-    expect(page.locator(f"#row-{arrived.pk}")).to_be_visible(timeout=8_000)  # the 5 s poll
+    expect(page.locator(f"#row-{arrived.pk}")).to_be_visible(timeout=12_000)  # the 5 s poll
     expect(page.locator(f"#row-{decided_elsewhere.pk}")).to_have_count(0)
-    expect(page.locator(".inbox-facets [data-count=matching]")).to_have_text("1", timeout=8_000)
+    expect(page.locator(".inbox-facets [data-count=matching]")).to_have_text("1", timeout=12_000)
 
 
 def test_e_and_r_open_the_card_page(console_server, page, reviewer):

@@ -33,7 +33,7 @@ from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from approvals.api import decidable_channels
-from approvals.models import AlreadyDecided, Approval, Decision, DecisionError, StaleVersion
+from approvals.models import AlreadyDecided, Approval, Decision, DecisionError, RejectReason, StaleVersion
 from console import views as console_views
 from console.models import Channel
 
@@ -44,13 +44,7 @@ DUE_SOON_SHARE = 0.25  # of the channel's SLA
 DUE_SOON_MIN = timedelta(minutes=5)
 
 SLA_STATES = [("on_time", "On time"), ("due_soon", "Due soon"), ("breached", "Breached")]
-REJECT_REASONS = [
-    ("wrong_amount", "Wrong amount"),
-    ("wrong_recipient", "Wrong recipient"),
-    ("policy", "Policy"),
-    ("duplicate", "Duplicate"),
-    ("other", "Other"),
-]
+REJECT_REASONS = RejectReason.choices
 FACETS = ("channel", "risk", "workflow", "sla")
 
 

@@ -109,20 +109,7 @@ class AuditEntryAdmin(admin.ModelAdmin):
     list_display = ["id", "at", "actor", "actor_type", "action", "target", "channel"]
     list_display_links = ["id", "at"]
     show_full_result_count = False
-    fields = [
-        "at",
-        "actor_type",
-        "actor",
-        "action",
-        "target",
-        "run_id",
-        "approval_id",
-        "channel",
-        "data",
-        "trace_id",
-        "prev_hash",
-        "hash",
-    ]
+    fields = AuditEntry.COLUMNS[1:]
     readonly_fields = fields
 
     def has_add_permission(self, request):

@@ -39,21 +39,7 @@ EXPORT_CHUNK = 2000
 # expression index only for the same expression.
 COMMENT_DOCUMENT = "to_tsvector('english', coalesce(\"console_auditentry\".\"data\"->>'comment', ''))"
 
-CSV_COLUMNS = [
-    "id",
-    "at",
-    "actor_type",
-    "actor",
-    "action",
-    "target",
-    "run_id",
-    "approval_id",
-    "channel",
-    "data",
-    "trace_id",
-    "prev_hash",
-    "hash",
-]
+CSV_COLUMNS = AuditEntry.COLUMNS
 
 
 def _require_admin(request) -> None:

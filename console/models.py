@@ -319,6 +319,22 @@ class AuditEntry(models.Model):
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target}"
 
     GENESIS = "0" * 64
+    # Every column, in the order the admin page and the CSV export show them.
+    COLUMNS = (
+        "id",
+        "at",
+        "actor_type",
+        "actor",
+        "action",
+        "target",
+        "run_id",
+        "approval_id",
+        "channel",
+        "data",
+        "trace_id",
+        "prev_hash",
+        "hash",
+    )
 
     @classmethod
     def record(

@@ -18,7 +18,7 @@ from jobs.models import DeadLetter
 from runs import sandbox
 from runs.models import Receipt, Run, SandboxCall, Step
 from tests.engine_helpers import REFUND, SMALL_REFUND, model_calls
-from tests.worker import wait_until
+from tests.worker import settles_as, wait_with_logs, worker_logs
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +30,8 @@ def demo(transactional_db):
     call_command("demo_setup", verbosity=0)
 
 
-def _logs(workers) -> str:
-    return "\n".join(f"--- worker {i} (pid {w.pid}) ---\n{w.log()[-6000:]}" for i, w in enumerate(workers))
-
-
-def _wait(predicate, what: str, workers, timeout: float = 30):
-    try:
-        return wait_until(predicate, timeout=timeout, message=what)
-    except pytest.fail.Exception as exc:
-        pytest.fail(f"{exc}\n{_logs(workers)}")
-
-
 def _status(run: Run) -> str:
     return Run.objects.values_list("status", flat=True).get(pk=run.pk)
-
-
-def _settles_as(run: Run, expected: str, workers, timeout: float = 30) -> None:
-    """Wait until the run finishes or parks, then check it is `expected` (a run that failed fails the test
-    at once, with its error and the worker logs, rather than after a timeout)."""
-    _wait(
-        lambda: _status(run) not in (Run.Status.QUEUED, Run.Status.RUNNING), f"the run to {expected}", workers, timeout
-    )
-    run.refresh_from_db()
-    assert run.status == expected, f"run {run.status}: {run.error}\n{_logs(workers)}"
 
 
 def _calls(run: Run, system: str, operation: str | None = None) -> int:
@@ -65,9 +44,9 @@ def _kill_while_blocked(start_worker, run_input: dict, system: str, operation: s
     SIGKILL the worker there. Returns the run and the dead worker."""
     worker = start_worker()
     run, _ = Run.submit(workflow="refund", input=run_input)
-    _wait(lambda: _calls(run, system, operation) == 1, f"{system}.{operation} to be called", [worker])
+    wait_with_logs(lambda: _calls(run, system, operation) == 1, f"{system}.{operation} to be called", [worker])
     time.sleep(0.2)  # well inside the 120 s hang: the worker is blocked in the call
-    assert worker.proc.poll() is None, _logs([worker])
+    assert worker.proc.poll() is None, worker_logs([worker])
     worker.kill(signal.SIGKILL)
     assert worker.wait(10) == -signal.SIGKILL
     # What the crash left behind: a run still marked running, its step never finished.
@@ -92,7 +71,7 @@ def test_a_worker_killed_mid_step_resumes_from_its_checkpoint(demo, start_worker
     assert sandbox.stats() == {"channels": {"payments": 0, "email": 0, "crm": 1}, "duplicates": 0}
 
     second = start_worker()
-    _settles_as(run, Run.Status.SUCCEEDED, [dead, second])
+    settles_as(run, Run.Status.SUCCEEDED, [dead, second])
 
     run.refresh_from_db()
     assert run.result["status"] == "sent" and not run.error
@@ -110,11 +89,11 @@ def test_a_worker_killed_mid_step_before_a_gate_resumes_and_parks_once(demo, sta
     run, dead = _kill_while_blocked(start_worker, run_input, "model", "draft_refund")
 
     second = start_worker()
-    _settles_as(run, Run.Status.WAITING_HUMAN, [dead, second])
+    settles_as(run, Run.Status.WAITING_HUMAN, [dead, second])
     card = Approval.objects.get(run=run)
     assert card.kind == "action" and card.status == "pending" and card.proposed["refund"]["amount_cents"] == 12_500
     card.decide(bob, "approve")
-    _settles_as(run, Run.Status.SUCCEEDED, [dead, second])
+    settles_as(run, Run.Status.SUCCEEDED, [dead, second])
 
     assert model_calls(run, "classify") == 1 and model_calls(run, "draft_refund") == 2
     assert Approval.objects.filter(run=run).count() == 1
@@ -130,7 +109,7 @@ def test_a_payment_cut_off_before_its_receipt_is_reconciled_not_repeated(demo, s
     assert receipt.status == Receipt.Status.PENDING and not receipt.external_id
 
     second = start_worker()
-    _settles_as(run, Run.Status.SUCCEEDED, [dead, second])
+    settles_as(run, Run.Status.SUCCEEDED, [dead, second])
 
     (payment,) = SandboxCall.objects.filter(run_id=run.id, system="payments")
     receipt.refresh_from_db()
@@ -149,7 +128,7 @@ def test_an_email_cut_off_before_its_receipt_parks_for_a_person(demo, start_work
     run, dead = _kill_while_blocked(start_worker, run_input, "email", "notify_customer")
 
     second = start_worker()
-    _settles_as(run, Run.Status.WAITING_HUMAN, [dead, second])
+    settles_as(run, Run.Status.WAITING_HUMAN, [dead, second])
     card = Approval.objects.get(run=run)
     assert card.kind == "reconcile" and card.status == "pending" and card.channel.name == "email"
     assert card.step_seq == 5 and card.proposed["receipt"] == f"{run.id}:5:notify_customer"
@@ -161,7 +140,7 @@ def test_an_email_cut_off_before_its_receipt_parks_for_a_person(demo, start_work
     assert sandbox.stats()["duplicates"] == 0
 
     card.decide(bob, "approve", comment="the customer has it")
-    _settles_as(run, Run.Status.SUCCEEDED, [dead, second])
+    settles_as(run, Run.Status.SUCCEEDED, [dead, second])
 
     receipt = Receipt.objects.get(run=run, channel="email")
     assert receipt.status == Receipt.Status.DONE and receipt.reconciled

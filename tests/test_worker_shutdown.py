@@ -18,7 +18,7 @@ from jobs.models import DeadLetter
 from runs import sandbox
 from runs.models import Receipt, Run, Step
 from tests.engine_helpers import SMALL_REFUND, model_calls, queued_jobs
-from tests.worker import FAST_WORKER_ENV, wait_until
+from tests.worker import FAST_WORKER_ENV, settles_as, wait_with_logs, worker_logs
 
 pytestmark = pytest.mark.slow
 
@@ -31,29 +31,8 @@ def demo(transactional_db):
     call_command("demo_setup", verbosity=0)
 
 
-def _logs(workers) -> str:
-    return "\n".join(f"--- worker {i} (pid {w.pid}) ---\n{w.log()[-6000:]}" for i, w in enumerate(workers))
-
-
-def _wait(predicate, what: str, workers, timeout: float = 30):
-    try:
-        return wait_until(predicate, timeout=timeout, message=what)
-    except pytest.fail.Exception as exc:
-        pytest.fail(f"{exc}\n{_logs(workers)}")
-
-
 def _status(run: Run) -> str:
     return Run.objects.values_list("status", flat=True).get(pk=run.pk)
-
-
-def _settles_as(run: Run, expected: str, workers, timeout: float = 30) -> None:
-    """Wait until the run finishes or parks, then check it is `expected` (a run that failed fails the test
-    at once, with its error and the worker logs, rather than after a timeout)."""
-    _wait(
-        lambda: _status(run) not in (Run.Status.QUEUED, Run.Status.RUNNING), f"the run to {expected}", workers, timeout
-    )
-    run.refresh_from_db()
-    assert run.status == expected, f"run {run.status}: {run.error}\n{_logs(workers)}"
 
 
 @pytest.mark.parametrize(
@@ -68,22 +47,24 @@ def test_sigterm_mid_step_requeues_the_run_and_another_worker_finishes_it(demo, 
     run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {step: ["latency:1500"]}})
     first = start_worker()
     # The step row is checkpointed as running before its code runs: the worker is now inside the 1.5 s call.
-    _wait(lambda: Step.objects.filter(run=run, name=step, status="running").exists(), f"{step} to start", [first])
+    wait_with_logs(
+        lambda: Step.objects.filter(run=run, name=step, status="running").exists(), f"{step} to start", [first]
+    )
 
     signalled = time.monotonic()
     first.kill(signal.SIGTERM)
     try:
         code = first.wait(GRACEFUL_TIMEOUT + 2)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the worker did not exit within {GRACEFUL_TIMEOUT + 2} s of SIGTERM\n{_logs([first])}")
+        pytest.fail(f"the worker did not exit within {GRACEFUL_TIMEOUT + 2} s of SIGTERM\n{worker_logs([first])}")
     took = time.monotonic() - signalled
-    assert code == 0, _logs([first])
+    assert code == 0, worker_logs([first])
     # The engine stopped by itself after the step, before the graceful timeout had to abort the job.
-    assert took < GRACEFUL_TIMEOUT, f"exit took {took:.1f} s\n{_logs([first])}"
+    assert took < GRACEFUL_TIMEOUT, f"exit took {took:.1f} s\n{worker_logs([first])}"
 
     # Re-queued at the checkpoint after the step it was in, not failed, not counted as a failed attempt.
     run.refresh_from_db()
-    assert run.status == Run.Status.QUEUED, _logs([first])
+    assert run.status == Run.Status.QUEUED, worker_logs([first])
     assert run.cursor == checkpointed and run.attempt == 0 and not run.error
     steps = list(Step.objects.filter(run=run).order_by("seq").values_list("name", "status"))
     assert steps == [(name, "done") for name in STEPS[:checkpointed]]
@@ -94,7 +75,7 @@ def test_sigterm_mid_step_requeues_the_run_and_another_worker_finishes_it(demo, 
     assert not DeadLetter.objects.exists()
 
     second = start_worker()
-    _settles_as(run, Run.Status.SUCCEEDED, [first, second])
+    settles_as(run, Run.Status.SUCCEEDED, [first, second])
 
     steps = list(Step.objects.filter(run=run).order_by("seq").values_list("name", "status", "attempt"))
     assert steps == [(name, "done", 1) for name in STEPS]  # no step was started twice

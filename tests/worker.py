@@ -96,3 +96,30 @@ def wait_until(predicate: Callable[[], object], timeout: float = 30, interval: f
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {message or predicate}")
         time.sleep(interval)
+
+
+def worker_logs(workers) -> str:
+    return "\n".join(f"--- worker {i} (pid {w.pid}) ---\n{w.log()[-6000:]}" for i, w in enumerate(workers))
+
+
+def wait_with_logs(predicate, what: str, workers, timeout: float = 30):
+    """wait_until, failing with the workers' logs."""
+    try:
+        return wait_until(predicate, timeout=timeout, message=what)
+    except pytest.fail.Exception as exc:
+        pytest.fail(f"{exc}\n{worker_logs(workers)}")
+
+
+def settles_as(run, expected: str, workers, timeout: float = 30) -> None:
+    """Wait until the run finishes or parks, then check it is `expected` (a run that failed fails the test
+    at once, with its error and the worker logs, rather than after a timeout)."""
+    from runs.models import Run
+
+    def status() -> str:
+        return Run.objects.values_list("status", flat=True).get(pk=run.pk)
+
+    wait_with_logs(
+        lambda: status() not in (Run.Status.QUEUED, Run.Status.RUNNING), f"the run to {expected}", workers, timeout
+    )
+    run.refresh_from_db()
+    assert run.status == expected, f"run {run.status}: {run.error}\n{worker_logs(workers)}"

@@ -20,3 +20,19 @@ def test_a_real_worker_parks_and_finishes_a_refund(start_worker, bob):
     Approval.objects.get(run=run).decide(bob, "approve")
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED, message="the run to finish")
     assert sandbox.stats() == {"channels": {"payments": 1, "email": 1, "crm": 1}, "duplicates": 0}
+
+
+def test_a_real_worker_retries_a_retryable_fault_with_backoff_then_succeeds(start_worker):
+    from procrastinate.contrib.django.models import ProcrastinateJob
+
+    from runs.models import Step
+    from tests.engine_helpers import SMALL_REFUND
+
+    call_command("demo_setup", verbosity=0)
+    start_worker()
+    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429", "5xx"]}})
+    wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED, message="the run to finish")
+    assert Step.objects.get(run=run, name="classify").attempt == 3
+    job = ProcrastinateJob.objects.get(lock=f"run:{run.id}", task_name="advance_run")
+    assert job.attempts == 3  # the first try and two retries, each scheduled by the backoff strategy
+    assert sandbox.stats() == {"channels": {"payments": 1, "email": 1, "crm": 1}, "duplicates": 0}

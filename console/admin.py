@@ -44,8 +44,24 @@ def _audited_permissions_form(form_class, actor, holder_kind: str):
     return AuditedPermissionsForm
 
 
+class AuditedDeletion:
+    """Deleting from Django admin, one object or a selection, writes one audit entry per object
+    (`_record_deletion`) in the deletion's transaction."""
+
+    def delete_model(self, request, obj):
+        with transaction.atomic():
+            self._record_deletion(request, obj)
+            super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        with transaction.atomic():
+            for obj in queryset:
+                self._record_deletion(request, obj)
+            super().delete_queryset(request, queryset)
+
+
 @admin.register(Channel)
-class ChannelAdmin(GuardedModelAdmin):
+class ChannelAdmin(AuditedDeletion, GuardedModelAdmin):
     """Object permissions (approve_channel, operate_channel) are assigned from each channel's
     "Object permissions" page. Every change made here, to a channel or to its permissions, is audited."""
 
@@ -55,7 +71,12 @@ class ChannelAdmin(GuardedModelAdmin):
     def save_model(self, request, obj, form, change):
         # Django admin runs this inside the change form's transaction; the lock keeps "before" true.
         before = _channel_state(Channel.objects.select_for_update().get(pk=obj.pk)) if change else {}
-        super().save_model(request, obj, form, change)
+        if change:
+            # Only what the form edited: the kill switch columns of `obj` were read before the lock, and writing
+            # them back would undo a switch flipped in between.
+            obj.save(update_fields=form.changed_data)
+        else:
+            super().save_model(request, obj, form, change)
         after = _channel_state(obj)
         changed = {
             name: {"before": before.get(name), "after": value}
@@ -71,28 +92,14 @@ class ChannelAdmin(GuardedModelAdmin):
                 data={"changed": changed},
             )
 
-    def delete_model(self, request, obj):
-        with transaction.atomic():
-            AuditEntry.record(
-                "channel.delete",
-                actor=request.user,
-                target=f"channel:{obj.name}",
-                channel=obj.name,
-                data={"deleted": _channel_state(obj)},
-            )
-            super().delete_model(request, obj)
-
-    def delete_queryset(self, request, queryset):
-        with transaction.atomic():
-            for channel in queryset:
-                AuditEntry.record(
-                    "channel.delete",
-                    actor=request.user,
-                    target=f"channel:{channel.name}",
-                    channel=channel.name,
-                    data={"deleted": _channel_state(channel)},
-                )
-            super().delete_queryset(request, queryset)
+    def _record_deletion(self, request, channel) -> None:
+        AuditEntry.record(
+            "channel.delete",
+            actor=request.user,
+            target=f"channel:{channel.name}",
+            channel=channel.name,
+            data={"deleted": _channel_state(channel)},
+        )
 
     def get_obj_perms_manage_user_form(self, request):
         return _audited_permissions_form(super().get_obj_perms_manage_user_form(request), request.user, "user")
@@ -185,7 +192,7 @@ admin.site.unregister(Group)
 
 
 @admin.register(User)
-class AuditedUserAdmin(UserAdmin):
+class AuditedUserAdmin(AuditedDeletion, UserAdmin):
     """Django's user admin; every change to what a user may do (active, staff, superuser, roles, global
     permissions) is audited, in the transaction of the change form."""
 
@@ -205,17 +212,6 @@ class AuditedUserAdmin(UserAdmin):
                 data={"user": user.get_username(), "changed": changes},
             )
 
-    def delete_model(self, request, obj):
-        with transaction.atomic():
-            self._record_deletion(request, obj)
-            super().delete_model(request, obj)
-
-    def delete_queryset(self, request, queryset):
-        with transaction.atomic():
-            for user in queryset:
-                self._record_deletion(request, user)
-            super().delete_queryset(request, queryset)
-
     def _record_deletion(self, request, user) -> None:
         name = user.get_username()
         AuditEntry.record(
@@ -224,7 +220,7 @@ class AuditedUserAdmin(UserAdmin):
 
 
 @admin.register(Group)
-class AuditedGroupAdmin(GroupAdmin):
+class AuditedGroupAdmin(AuditedDeletion, GroupAdmin):
     """Django's group (role) admin; changes to a group's global permissions are audited."""
 
     def save_model(self, request, obj, form, change):
@@ -243,17 +239,6 @@ class AuditedGroupAdmin(GroupAdmin):
                 target=f"group:{group.name}",
                 data={"group": group.name, "changed": changes},
             )
-
-    def delete_model(self, request, obj):
-        with transaction.atomic():
-            self._record_deletion(request, obj)
-            super().delete_model(request, obj)
-
-    def delete_queryset(self, request, queryset):
-        with transaction.atomic():
-            for group in queryset:
-                self._record_deletion(request, group)
-            super().delete_queryset(request, queryset)
 
     def _record_deletion(self, request, group) -> None:
         AuditEntry.record(

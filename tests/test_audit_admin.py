@@ -215,3 +215,19 @@ def test_creating_and_deleting_users_and_groups_is_audited(admin_client, carol):
         ("group.delete", {"group": "auditors", "members": []}),
     ]
     call_command("audit_verify", verbosity=0)
+
+
+def test_editing_a_channel_does_not_undo_a_kill_switch_flipped_meanwhile(rf, alice, carol, payments):
+    from django.contrib import admin
+
+    stale = Channel.objects.get(pk=payments.pk)  # what the change form loaded: switch released
+    Channel.objects.get(pk=payments.pk).engage_kill_switch(carol, "refunds look wrong")
+    model_admin = admin.site._registry[Channel]
+    request = rf.post("/")
+    request.user = alice
+    form = model_admin.get_form(request, stale)(instance=stale, data=_form(stale, description="Refunds"))
+    assert form.is_valid(), form.errors
+    model_admin.save_model(request, form.save(commit=False), form, change=True)
+    payments.refresh_from_db()
+    assert payments.description == "Refunds"
+    assert payments.kill_switch_engaged and payments.kill_switch_reason == "refunds look wrong"

@@ -69,7 +69,7 @@ def list_cards(request, status: CardStatus = "pending"):
     cards = Approval.objects.filter(channel__in=decidable_channels(request.user)).select_related("channel")
     if status != "all":
         cards = cards.filter(status=status)
-    return cards.exclude(run__created_by=request.user).order_by("due_at")[:500]
+    return cards.exclude(run_created_by=request.user).order_by("due_at")[:500]
 
 
 @router.post("/approvals/{card_id}/decision", response=CardOut, summary="Approve, edit or reject a card")

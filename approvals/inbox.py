@@ -89,7 +89,7 @@ def open_cards_for(user, channels: list[Channel]) -> QuerySet[Approval]:
     not those they approved already (an open card they decided waits for a second person: two-person rule)."""
     return (
         Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels])
-        .exclude(run__created_by=user)
+        .exclude(run_created_by=user)
         .exclude(Exists(Decision.objects.filter(approval=OuterRef("pk"), actor=user)))
     )
 
@@ -144,7 +144,7 @@ class Inbox:
         if facet == "risk":
             return Q(risk=self.filters["risk"])
         if facet == "workflow":
-            return Q(run__workflow=self.filters["workflow"])
+            return Q(workflow=self.filters["workflow"])
         return sla_state_q(self.filters["sla"], self.channels, self.now)
 
     def cards(self) -> QuerySet[Approval]:
@@ -166,10 +166,10 @@ class Inbox:
             cards = cards.filter(Q(due_at__gte=due_at) & (Q(due_at__gt=due_at) | Q(pk__gt=pk)))
         by_id = {c.pk: c for c in self.channels}
         rows = list(
-            cards.select_related("run", "assigned_group")
+            cards.select_related("assigned_group")
             .only(
                 *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
-                *("run__workflow", "run__id", "assigned_group__name"),
+                *("workflow", "run_id", "assigned_group__name"),
             )
             .annotate(
                 amount_cents=KT("proposed__refund__amount_cents"),
@@ -192,13 +192,13 @@ class Inbox:
         groups = list(
             open_cards_for(self.user, self.channels)
             .annotate(sla=sla_state_expression(self.channels, self.now))
-            .values("channel_id", "risk", "run__workflow", "sla")
+            .values("channel_id", "risk", "workflow", "sla")
             .annotate(n=Count("*"))
             .order_by()
         )
         names = {c.pk: c.name for c in self.channels}
         for group in groups:
-            group["channel"], group["workflow"] = names[group["channel_id"]], group["run__workflow"]
+            group["channel"] = names[group["channel_id"]]
 
         def matches(group: dict, except_facet: str | None = None) -> bool:
             return all(group[f] == v for f, v in self.filters.items() if f != except_facet)

@@ -79,6 +79,12 @@ class Approval(models.Model):
     DECIDED = (Status.APPROVED, Status.EDITED, Status.REJECTED)
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
+    # Copied from the run when the card opens, so that the inbox filters and counts open cards without joining
+    # every one of them to its run.
+    workflow = models.CharField(max_length=100, blank=True)
+    run_created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+    )
     step_seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=16, default=Kind.ACTION)
     channel = models.ForeignKey(Channel, on_delete=models.PROTECT, related_name="approvals")
@@ -129,6 +135,11 @@ class Approval(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} card on {self.channel} for {self.run_id}#{self.step_seq} ({self.status})"
+
+    def save(self, *args, **kwargs):
+        if self._state.adding and not self.workflow:
+            self.workflow, self.run_created_by_id = self.run.workflow, self.run.created_by_id
+        super().save(*args, **kwargs)
 
     def decide(
         self,

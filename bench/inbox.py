@@ -49,10 +49,12 @@ FROM generate_series(%(first)s::bigint, %(last)s) AS i
 
 CARDS = """
 INSERT INTO approvals_approval
-    (run_id, step_seq, kind, channel_id, proposed, current, summary, rule_id, confidence, citations, risk, status,
-     args_hash, version, due_at, created_at, decided_at)
+    (run_id, workflow, run_created_by_id, step_seq, kind, channel_id, proposed, current, summary, rule_id,
+     confidence, citations, risk, status, args_hash, version, due_at, created_at, decided_at)
 SELECT
-    md5('bench-run-' || i)::uuid, 3, 'action',
+    md5('bench-run-' || i)::uuid,
+    (ARRAY['refund', 'refund', 'refund', 'dunning', 'kyc'])[1 + abs(hashint8extended(i, 1)) %% 5], %(agent)s,
+    3, 'action',
     (%(channels)s::bigint[])[1 + abs(hashint8extended(i, 2)) %% 3],
     jsonb_build_object(
         'refund', jsonb_build_object('customer_id', 'cus_' || i, 'amount_cents', 1000 + i %% 90000,

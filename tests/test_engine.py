@@ -363,3 +363,9 @@ def test_two_effects_in_one_step_are_two_writes(demo):
     assert run.status == Run.Status.SUCCEEDED
     assert sandbox.stats()["channels"]["email"] == 2
     assert len(set(run.result["ids"])) == 2
+
+
+def test_a_card_copies_its_runs_workflow_and_creator(demo, carol):
+    run = drive(Run.submit(workflow="refund", input=REFUND, created_by=carol)[0])
+    card = Approval.objects.get(run=run)
+    assert (card.workflow, card.run_created_by) == ("refund", carol)

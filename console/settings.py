@@ -30,6 +30,11 @@ if not DATABASE_URL:
 else:
     DATABASE_IS_EMBEDDED = False
 DATABASES = {"default": database_from_url(DATABASE_URL)}
+# Seconds a connection is kept between jobs or requests (0: one per unit of work). Workers gain from keeping them
+# (procrastinate closes them around each job as Django does around a request, health-checked before reuse);
+# under ASGI Django advises against it for the web server, so `make run` sets it for its worker only.
+DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 0)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # Two test sessions on one server (two checkouts, or CI jobs side by side) need two test database names.
 if test_database_name := env_str("TEST_DATABASE_NAME"):
     DATABASES["default"]["TEST"] = {"NAME": test_database_name}

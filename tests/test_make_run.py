@@ -79,7 +79,8 @@ def test_make_run_serves_and_ctrl_c_stops_everything(tmp_path):
         assert _get(run.base + "/") == 200  # redirected to the login page
         processes = run.processes()
         assert any("console.webserver" in " ".join(p.cmdline()) for p in processes)
-        assert any("procrastinate" in " ".join(p.cmdline()) for p in processes)
+        (worker,) = [p for p in processes if "procrastinate" in " ".join(p.cmdline())]
+        assert worker.environ()["DATABASE_CONN_MAX_AGE"] == "300"  # the worker keeps its connections
         with psycopg.connect(f"postgresql://postgres@/postgres?host={pgdata}", autocommit=True) as conn:
             conn.execute("CREATE TABLE kept (note text)")
     finally:

@@ -65,7 +65,8 @@ class Command(BaseCommand):
             )
         }
         if run_worker:
-            children["worker"] = self._spawn([sys.executable, "manage.py", "procrastinate", "worker"], env)
+            worker_env = {"DATABASE_CONN_MAX_AGE": "300", **env}  # unless the caller chose otherwise
+            children["worker"] = self._spawn([sys.executable, "manage.py", "procrastinate", "worker"], worker_env)
 
         url = f"http://{host}:{port}/"
         self.stdout.write(self.style.SUCCESS(f"Console: {url}"))

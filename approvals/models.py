@@ -223,10 +223,7 @@ class Approval(models.Model):
             )
             # Two-person rule: a first approval leaves the card open and the run parked.
             if complete and run.status in Run.PARKED:
-                run.status = Run.Status.QUEUED
-                run.pause_reason = ""
-                run.save(update_fields=["status", "pause_reason", "updated_at"])
-                run.enqueue()
+                run.resume()
         return card
 
 

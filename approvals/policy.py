@@ -152,10 +152,7 @@ def _safe_default(card: Approval, now: datetime) -> bool:
             },
         )
         if run.status in Run.PARKED:
-            run.status = Run.Status.QUEUED
-            run.pause_reason = ""
-            run.save(update_fields=["status", "pause_reason", "updated_at"])
-            run.enqueue()
+            run.resume()
     log.info("card rejected by its SLA's safe default", card_id=card.pk, channel=card.channel.name)
     return True
 

@@ -202,13 +202,18 @@ class Run(models.Model):
         assert connection.in_atomic_block
         count = 0
         for run in cls.paused_by(switch).select_for_update():
-            run.status = cls.Status.QUEUED
-            run.pause_reason = ""
-            run.paused_switch = ""
-            run.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
-            run.enqueue()
+            run.resume()
             count += 1
         return count
+
+    def resume(self) -> None:
+        """A parked run (a decision came, or its kill switch was released) goes back to the queue with its job,
+        in the caller's transaction."""
+        self.status = self.Status.QUEUED
+        self.pause_reason = ""
+        self.paused_switch = ""
+        self.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
+        self.enqueue()
 
     def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops

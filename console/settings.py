@@ -7,7 +7,7 @@ import socket
 import time
 from pathlib import Path
 
-from console import logs
+from console import logs, schedules
 from console.env import database_from_url, env_bool, env_float, env_int, env_list, env_secret, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -136,7 +136,8 @@ PROCRASTINATE_WORKER_DEFAULTS = {
 PROCRASTINATE_ON_APP_READY = "jobs.worker.on_app_ready" if env_bool("WORKER_KEEP_NOTIFICATIONS", True) else None
 # A job whose worker has sent no heartbeat for this long is requeued by the sweep (runs.tasks).
 STALLED_AFTER_SECONDS = env_float("STALLED_AFTER_SECONDS", 30)
-STALLED_SWEEP_CRON = env_str("STALLED_SWEEP_CRON", "*/10 * * * * *")  # sixth field: seconds
+# How often the sweep runs: a period in seconds, from which the cron expression of its periodic task is built.
+STALLED_SWEEP_SECONDS, STALLED_SWEEP_CRON = schedules.periodic_from_env("STALLED_SWEEP", default_seconds=10)
 
 # The engine.
 RUN_MAX_ATTEMPTS = env_int("RUN_MAX_ATTEMPTS", 3)
@@ -169,7 +170,7 @@ QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 
 # Approval SLAs (approvals.policy): the sweep that catches any open card past its deadline (the safety net
 # behind each card's own timer job), and the notifier that tells an escalation group about a card.
-SLA_SWEEP_CRON = env_str("SLA_SWEEP_CRON", "*/30 * * * * *")  # sixth field: seconds
+SLA_SWEEP_SECONDS, SLA_SWEEP_CRON = schedules.periodic_from_env("SLA_SWEEP", default_seconds=30)
 NOTIFY_BACKENDS = env_list("NOTIFY_BACKENDS", "email,webhook")  # the webhook only when its URL is set
 NOTIFY_WEBHOOK_URL = env_str("NOTIFY_WEBHOOK_URL")
 NOTIFY_WEBHOOK_SECRET = env_secret(
@@ -197,3 +198,6 @@ DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO")
 LOGGING = logs.django_logging(LOG_LEVEL)
 logs.configure_structlog()
+
+# Every periodic schedule (X_CRON) must run at its period (X_SECONDS), checked with croniter before start-up.
+schedules.check_settings(globals())

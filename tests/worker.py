@@ -28,7 +28,7 @@ def database_url(db: dict) -> str:
 FAST_WORKER_ENV = {
     "WORKER_HEARTBEAT_INTERVAL": "0.5",
     "STALLED_AFTER_SECONDS": "2",
-    "STALLED_SWEEP_CRON": "* * * * * *",  # every second
+    "STALLED_SWEEP_SECONDS": "1",
     "WORKER_POLL_INTERVAL": "0.2",
     "WORKER_SHUTDOWN_GRACEFUL_TIMEOUT": "5",
     "RETRY_BASE_SECONDS": "0.2",

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast lint format install clean
+.PHONY: run test test-fast browser lint format install clean
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -23,8 +23,25 @@ $(ASSETS_STAMP): package.json package-lock.json
 run: install
 	$(PY) manage.py serve
 
-# The whole suite, slow system tests included. `make test-fast` skips those.
-test: install
+# Browser tests drive Debian's Chromium through Playwright (tests/conftest.py). Installed here when missing and
+# we are root with apt (a fresh CI machine or container); otherwise one message says what to do.
+CHROMIUM ?= /usr/bin/chromium
+
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing Debian's chromium for the browser tests (apt-get install chromium)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi; \
+	if [ ! -x "$(CHROMIUM)" ]; then \
+		echo "The browser tests need Chromium at $(CHROMIUM) and it is not there. Install it as root" \
+			"(Debian/Ubuntu: 'sudo apt-get install chromium') and run 'make test' again," \
+			"or run 'make test-fast', which skips the browser and other slow tests." >&2; \
+		exit 1; \
+	fi
+
+# The whole suite, slow system and browser tests included. `make test-fast` skips those.
+test: install browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -1,0 +1,162 @@
+"""Chaos: refund runs submitted through the API while workers are SIGKILLed at random and replaced.
+
+The promise under test (README): nothing is lost, nothing happens twice. Every run ends `succeeded`, each
+paid once and emailed once, no job is left `doing`, and nothing lands in the dead-letter queue (every
+injected fault is one a run recovers from).
+
+Sizes: CHAOS_RUNS (200), CHAOS_SECONDS (60: how long workers are killed), CHAOS_WORKERS (3),
+CHAOS_SETTLE_SECONDS (120: how long the runs get to finish after the chaos), CHAOS_SEED.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from console.models import AuditEntry
+from jobs.models import DeadLetter
+from runs.models import Run, Step
+from tests.system.conftest import (
+    Approver,
+    describe_runs,
+    effects_per_run,
+    env_int,
+    jobs_doing,
+    percentile,
+    report,
+    sandbox_stats,
+)
+
+pytestmark = pytest.mark.slow
+
+RUNS = env_int("CHAOS_RUNS", 200)
+SECONDS = env_int("CHAOS_SECONDS", 60)
+WORKERS = env_int("CHAOS_WORKERS", 3)
+SETTLE_SECONDS = env_int("CHAOS_SETTLE_SECONDS", 120)
+SEED = env_int("CHAOS_SEED", 20240601)
+
+# Faults a run recovers from by itself (runs.sandbox): one per faulty run, so that a fault plus a crash in
+# the same step stays within the step's retry budget (RUN_MAX_ATTEMPTS = 3).
+RECOVERABLE_FAULTS = [
+    {"classify": ["latency:800"]},  # a slow model
+    {"classify": ["429"]},  # the model rate-limits
+    {"draft_refund": ["timeout"]},  # the model's answer is lost
+    {"lookup_customer": ["5xx"]},  # the CRM is down for a moment
+    {"lookup_customer": ["timeout"]},  # a read whose answer is lost: reads are retried
+    {"issue_refund": ["latency:1500"]},  # a slow payment: killed in the middle, it must not pay twice
+    {"issue_refund": ["429"]},  # the payment system refuses, nothing is applied
+    {"notify_customer": ["latency:600"]},  # a slow mail server
+]
+
+
+def chaos_input(i: int, rng: random.Random) -> dict:
+    gated = i % 3 == 0  # a third need a reviewer's approval
+    amount = (
+        rng.randrange(settings.AUTO_APPROVE_CENTS, 80_000) if gated else rng.randrange(100, settings.AUTO_APPROVE_CENTS)
+    )
+    run_input = {
+        "customer_id": f"cus_{1000 + i}",
+        "amount_cents": amount,
+        "currency": rng.choice(["EUR", "USD", "GBP"]),
+        "reason": rng.choice(["Item arrived damaged", "Charged twice for one order", "Wrong size delivered"]),
+    }
+    if rng.random() < 0.4:
+        run_input["faults"] = rng.choice(RECOVERABLE_FAULTS)
+    return run_input
+
+
+def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
+    rng = random.Random(SEED)
+    inputs = [chaos_input(i, rng) for i in range(RUNS)]
+    for _ in range(WORKERS - len(system.workers.alive)):
+        system.workers.start()
+    approver = Approver(system.reviewer)
+    approver.start()
+
+    # Runs arrive over most of the chaos window, so there is always work in flight when a worker dies.
+    submit_errors: list[str] = []
+
+    def submit_all():
+        spacing = SECONDS * 0.8 / RUNS
+        for run_input in inputs:
+            try:
+                system.submit(run_input, tenant=f"tenant-{len(system.submitted) % 4}")
+            except AssertionError as exc:
+                submit_errors.append(str(exc))
+            time.sleep(spacing)
+
+    started = time.monotonic()
+    submitter = threading.Thread(target=submit_all, name="submitter", daemon=True)
+    submitter.start()
+
+    kills: list[float] = []  # wall-clock times (seconds) of each SIGKILL
+    while time.monotonic() - started < SECONDS:
+        time.sleep(rng.uniform(1, 3))
+        victim = rng.choice(system.workers.alive)
+        victim.kill(signal.SIGKILL)
+        kills.append(timezone.now().timestamp())
+        victim.wait(10)
+        system.workers.start()
+    chaos_ended = time.monotonic()
+    submitter.join(60)
+    run_ids = list(system.submitted)
+
+    statuses = system.wait_for_runs(run_ids, timeout=SETTLE_SECONDS)
+    settled = time.monotonic()
+    approver.stop()
+
+    runs = list(Run.objects.filter(pk__in=run_ids).values("id", "status", "created_at", "finished_at"))
+    durations = [(r["finished_at"] - r["created_at"]).total_seconds() for r in runs if r["finished_at"]]
+    crash_claims = list(
+        AuditEntry.objects.filter(action="run.retry", data__cause="worker_crash").values_list("at", "run_id")
+    )
+    recoveries = []
+    for at, _ in crash_claims:
+        before = [k for k in kills if k <= at.timestamp()]
+        if before:
+            recoveries.append(at.timestamp() - max(before))
+    stats = sandbox_stats()
+    report(
+        "chaos",
+        runs_submitted=len(run_ids),
+        workers=WORKERS,
+        kills=len(kills),
+        statuses=dict(statuses),
+        interrupted_steps=Step.objects.filter(run_id__in=run_ids, attempt__gt=1).exclude(kind="gate").count(),
+        runs_reclaimed_after_a_crash=len(crash_claims),
+        recovery_kill_to_reclaim_p50_s=percentile(recoveries, 50),
+        recovery_kill_to_reclaim_max_s=max(recoveries, default=float("nan")),
+        run_end_to_end_p50_s=percentile(durations, 50),
+        run_end_to_end_p95_s=percentile(durations, 95),
+        run_end_to_end_max_s=max(durations, default=float("nan")),
+        cards_decided=dict(approver.decided),
+        decisions_refused=dict(approver.refused),
+        sandbox=stats,
+        settle_after_chaos_s=settled - chaos_ended,
+        total_s=settled - started,
+    )
+
+    assert not submit_errors, submit_errors[:5]
+    assert len(run_ids) == RUNS
+    assert not approver.errors, approver.errors[:5]
+    not_succeeded = [str(r["id"]) for r in runs if r["status"] != Run.Status.SUCCEEDED]
+    assert not not_succeeded, (
+        f"{len(not_succeeded)} of {RUNS} runs did not succeed within {SETTLE_SECONDS} s after the chaos "
+        f"({dict(statuses)}):\n{describe_runs(not_succeeded)}\n"
+        f"jobs doing: {jobs_doing()[:10]}\n"
+        f"worker log lines:\n{system.workers.grep('stalled', 'error', 'Error')}"
+    )
+    payments, emails = effects_per_run(run_ids, "payments"), effects_per_run(run_ids, "email")
+    assert set(payments.values()) == {1}, {r: n for r, n in payments.items() if n != 1}
+    assert set(emails.values()) == {1}, {r: n for r, n in emails.items() if n != 1}
+    assert stats["channels"]["payments"] == stats["channels"]["email"] == RUNS
+    assert stats["duplicates"] == 0
+    assert jobs_doing() == []
+    dead = list(DeadLetter.objects.values_list("run_id", "step", "error"))
+    assert dead == [], dead  # every injected fault is recoverable: none explains a dead letter

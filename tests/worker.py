@@ -1,4 +1,4 @@
-"""Real worker processes (`manage.py procrastinate worker`) on the test database, for system tests.
+"""Real worker processes (`manage.py worker`) on the test database, for system tests.
 
 Tests that use them need `transactional_db` (the worker only sees committed rows). Timings are shortened
 through the environment (heartbeats, stall detection, retry backoff) so crash tests finish in seconds."""
@@ -33,7 +33,7 @@ FAST_WORKER_ENV = {
     "WORKER_SHUTDOWN_GRACEFUL_TIMEOUT": "5",
     "RETRY_BASE_SECONDS": "0.2",
     "RETRY_CAP_SECONDS": "2",
-    "TENANT_WAIT_SECONDS": "0.2",
+    "OWNER_WAIT_SECONDS": "0.3",
 }
 
 
@@ -42,7 +42,7 @@ class Worker:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "manage.py", "procrastinate", "worker"],
+            [sys.executable, "manage.py", "worker"],
             cwd=settings.BASE_DIR,
             env=env,
             stdout=self._log,

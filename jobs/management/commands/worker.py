@@ -1,0 +1,63 @@
+"""`manage.py worker`: this app's worker (jobs/worker.py), with the options of `manage.py procrastinate worker`.
+
+Unlike procrastinate's command, it does not swap the app's Django connector for a plain psycopg one: the worker
+loop runs on a pool, but a task's sync `.defer()` stays on the task thread's Django connection, inside its
+transaction (WorkerConnector)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from procrastinate import cli
+from procrastinate.contrib.django import app
+from procrastinate.contrib.django.django_connector import DjangoConnector
+
+from jobs.worker import Worker, WorkerConnector
+
+
+class _Into:
+    """Stands in for argparse subparsers, so procrastinate's own `worker` options land on our parser."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return self.parser
+
+
+class Command(BaseCommand):
+    help = "Run a worker: jobs of the given queues (default: all), until SIGTERM or SIGINT."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        self._django_options = {action.dest for action in parser._actions}
+        # Options left unset fall back to PROCRASTINATE_WORKER_DEFAULTS, as with `manage.py procrastinate worker`.
+        parser.argument_default = argparse.SUPPRESS
+        try:
+            cli.configure_worker_parser(_Into(parser))  # type: ignore[arg-type]
+        finally:
+            parser.argument_default = None
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # psycopg_pool warns on every failed reconnection attempt; the worker logs an outage once when it starts
+        # and once when it ends (jobs.worker), and that is what an operator should read.
+        logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+        options = {k: v for k, v in options.items() if k not in self._django_options and k != "func"}
+        connector = app.connector
+        if not isinstance(connector, DjangoConnector):
+            raise CommandError(f"the procrastinate app has a {type(connector).__name__}, not a DjangoConnector")
+        with app.replace_connector(WorkerConnector.for_django(connector)):
+            asyncio.run(self._run(options))
+
+    async def _run(self, options: dict[str, Any]) -> None:
+        async with app.open_async():
+            app.perform_import_paths()
+            worker = app._worker(**options)
+            if not isinstance(worker, Worker):
+                # PROCRASTINATE_ON_APP_READY is off (WORKER_KEEP_NOTIFICATIONS=0, to measure without the latch):
+                # still our worker, with procrastinate's plain new-job event.
+                worker = Worker(app=app, keep_notifications=False, **{**app.worker_defaults, **options})
+            await worker.run()

@@ -7,7 +7,7 @@ from django.utils import timezone
 from approvals import policy
 from approvals.models import Approval
 from console.models import Channel
-from runs.gates import ApprovalRequest, Decision
+from runs.gates import ApprovalRequest, Decision, Kind
 from runs.workflow import Fatal
 
 
@@ -47,28 +47,38 @@ class CardBackend:
             .order_by("-decided_at")
             .first()
         )
-        if card is None:
-            return None
-        decisions = list(card.decisions.select_related("actor").order_by("created_at"))
-        last = decisions[-1]
-        # Under the two-person rule an edit may be followed by the second person's approval: the last edit
-        # is what executes, else the proposal as it stands.
-        edits = [d for d in decisions if d.decision == "edit"]
-        payload = {
-            Approval.Status.APPROVED: card.proposed,
-            Approval.Status.EDITED: edits[-1].payload if edits else None,
-        }
-        if card.status != Approval.Status.REJECTED:
-            deciders = [d for d in decisions if d.decision in ("approve", "edit")]
-        else:
-            deciders = [last]
-        return Decision(
-            decision=card.status,
-            payload=payload.get(card.status),
-            comment=last.comment,
-            reason=last.reason,
-            by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
+        return _decision_of(card) if card is not None else None
+
+    def decided(self, run, seq: int) -> Decision | None:
+        card = (
+            Approval.objects.filter(run=run, step_seq=seq, kind=Kind.ACTION, status__in=Approval.DECIDED)
+            .order_by("-decided_at")
+            .first()
         )
+        return _decision_of(card) if card is not None else None
 
     def close_pending(self, run, status: str) -> None:
         Approval.objects.filter(run=run, status__in=Approval.OPEN).update(status=status, decided_at=timezone.now())
+
+
+def _decision_of(card: Approval) -> Decision:
+    decisions = list(card.decisions.select_related("actor").order_by("created_at"))
+    last = decisions[-1]
+    # Under the two-person rule an edit may be followed by the second person's approval: the last edit
+    # is what executes, else the proposal as it stands.
+    edits = [d for d in decisions if d.decision == "edit"]
+    payload = {
+        Approval.Status.APPROVED: card.proposed,
+        Approval.Status.EDITED: edits[-1].payload if edits else None,
+    }
+    if card.status != Approval.Status.REJECTED:
+        deciders = [d for d in decisions if d.decision in ("approve", "edit")]
+    else:
+        deciders = [d for d in decisions if d.decision == "reject"]
+    return Decision(
+        decision=card.status,
+        payload=payload.get(card.status),
+        comment=last.comment,
+        reason=last.reason,
+        by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
+    )

@@ -63,6 +63,15 @@ class ApprovalStatus(models.TextChoices):
     CANCELLED = "cancelled"
 
 
+_OPEN = [ApprovalStatus.PENDING, ApprovalStatus.ESCALATED]
+
+
+class DecisionKind(models.TextChoices):
+    APPROVE = "approve"
+    EDIT = "edit"
+    REJECT = "reject"
+
+
 class Risk(models.TextChoices):
     LOW = "low"
     MEDIUM = "medium"
@@ -75,7 +84,7 @@ class Approval(models.Model):
     Status = ApprovalStatus
     Risk = Risk
 
-    OPEN = (Status.PENDING, Status.ESCALATED)
+    OPEN = tuple(_OPEN)
     DECIDED = (Status.APPROVED, Status.EDITED, Status.REJECTED)
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
@@ -86,7 +95,7 @@ class Approval(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     step_seq = models.PositiveIntegerField()
-    kind = models.CharField(max_length=16, default=Kind.ACTION)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.ACTION)
     channel = models.ForeignKey(Channel, on_delete=models.PROTECT, related_name="approvals")
     proposed = models.JSONField(encoder=DjangoJSONEncoder)
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
@@ -112,19 +121,16 @@ class Approval(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["run", "step_seq"],
-                condition=Q(status__in=["pending", "escalated"]),
+                condition=Q(status__in=_OPEN),
                 name="approvals_approval_one_open_per_step",
             ),
             models.CheckConstraint(
                 condition=Q(status__in=ApprovalStatus.values), name="approvals_approval_status_valid"
             ),
+            models.CheckConstraint(condition=Q(kind__in=Kind.values), name="approvals_approval_kind_valid"),
             models.CheckConstraint(
-                condition=Q(kind__in=[Kind.ACTION, Kind.RECONCILE, Kind.BUDGET]),
-                name="approvals_approval_kind_valid",
-            ),
-            models.CheckConstraint(
-                condition=Q(status__in=["pending", "escalated"], decided_at__isnull=True)
-                | (~Q(status__in=["pending", "escalated"]) & Q(decided_at__isnull=False)),
+                condition=Q(status__in=_OPEN, decided_at__isnull=True)
+                | (~Q(status__in=_OPEN) & Q(decided_at__isnull=False)),
                 name="approvals_approval_decided_iff_decided_at",
             ),
             models.CheckConstraint(
@@ -156,7 +162,8 @@ class Approval(models.Model):
 
         On a channel with `required_approvals = 2` a first approval (or edit) is recorded and the card stays
         open; a second one by a different person completes it (an edit among them is what executes); a
-        rejection by anyone ends it. Nobody decides a card of a run they started."""
+        rejection by anyone ends it, except on a reconcile card, where "it did not happen" (a rejection: the
+        write is done now) needs two people too. Nobody decides a card of a run they started."""
         status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
         if decision not in status:
             raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
@@ -166,21 +173,28 @@ class Approval(models.Model):
         if decision == "edit" and not isinstance(payload, dict):
             raise InvalidDecision("an edit needs the new payload (an object)")
         with transaction.atomic():
-            # The row lock orders this against the SLA timer's compare-and-swap (approvals.policy): whichever
-            # commits first wins, the other sees the card's new status.
-            card = Approval.objects.select_for_update().select_related("channel", "run").get(pk=self.pk)
+            # One lock order everywhere: the run, then its card (Run.cancel, the engine and the SLA policy do the
+            # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.policy):
+            # whichever commits first wins, the other sees the card's new status.
+            run = Run.objects.select_for_update().get(pk=self.run_id)
+            card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)
+            card.run = run
             if card.status not in self.OPEN:
                 raise AlreadyDecided(card)
             if version is not None and version != card.version:
                 raise StaleVersion(card, version)
-            if actor is not None and card.run.created_by_id == getattr(actor, "pk", None):
+            if actor is not None and run.created_by_id == getattr(actor, "pk", None):
                 raise NotAllowed("you started this run: someone else must decide its cards")
+            # The answers that count towards the two-person rule: approvals (and edits); on a reconcile card a
+            # rejection too, which means "it did not happen: do the write now", as risky as an approval.
+            counted = ["reject"] if decision == "reject" else ["approve", "edit"]
+            needs_two = card.channel.required_approvals > 1 and (decision != "reject" or card.kind == Kind.RECONCILE)
             approvals = []
-            if decision != "reject" and card.channel.required_approvals > 1:
-                approvals = list(card.decisions.filter(decision__in=["approve", "edit"]).order_by("created_at"))
+            if needs_two:
+                approvals = list(card.decisions.filter(decision__in=counted).order_by("created_at"))
                 if actor is not None and any(d.actor_id == actor.pk for d in approvals):
                     raise SecondApproverNeeded(
-                        "you already approved this card: the two-person rule needs a different person's approval"
+                        "you already answered this card: the two-person rule needs a different person's answer"
                     )
             Decision.objects.create(
                 approval=card,
@@ -190,15 +204,14 @@ class Approval(models.Model):
                 reason=reason or "",
                 payload=payload if decision == "edit" else None,
             )
-            approvals_given = len(approvals) + (decision != "reject")
-            complete = decision == "reject" or approvals_given >= card.channel.required_approvals
+            approvals_given = len(approvals) + 1
+            complete = not needs_two or approvals_given >= card.channel.required_approvals
             if complete:
                 edited = decision == "edit" or any(d.decision == "edit" for d in approvals)
                 card.status = self.Status.EDITED if edited and decision != "reject" else status[decision]
                 card.decided_at = timezone.now()
             card.version += 1
             card.save(update_fields=["status", "decided_at", "version"])
-            run = Run.objects.select_for_update().get(pk=card.run_id)
             AuditEntry.record(
                 f"approval.{decision}",
                 actor=actor,
@@ -215,9 +228,7 @@ class Approval(models.Model):
                     "proposed": card.proposed,
                     **({"payload": payload} if decision == "edit" else {}),
                     **(
-                        {"approvals": approvals_given, "required": card.channel.required_approvals}
-                        if card.channel.required_approvals > 1 and decision != "reject"
-                        else {}
+                        {"approvals": approvals_given, "required": card.channel.required_approvals} if needs_two else {}
                     ),
                 },
             )
@@ -232,7 +243,9 @@ class Decision(models.Model):
 
     approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="decisions")
     actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT)
-    decision = models.CharField(max_length=8)
+    Kind = DecisionKind
+
+    decision = models.CharField(max_length=8, choices=DecisionKind.choices)
     comment = models.TextField(blank=True)
     reason = models.CharField(max_length=32, blank=True)
     payload = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
@@ -241,13 +254,19 @@ class Decision(models.Model):
     class Meta:
         ordering = ["created_at"]
         constraints = [
+            models.CheckConstraint(condition=Q(decision__in=DecisionKind.values), name="approvals_decision_valid"),
             models.CheckConstraint(
-                condition=Q(decision__in=["approve", "edit", "reject"]), name="approvals_decision_valid"
-            ),
-            models.CheckConstraint(
-                condition=~Q(decision="reject") | ~Q(comment=""), name="approvals_decision_reject_has_comment"
+                condition=~Q(decision=DecisionKind.REJECT) | ~Q(comment=""),
+                name="approvals_decision_reject_has_comment",
             ),
         ]
+
+
+class NotificationStatus(models.TextChoices):
+    PENDING = "pending"
+    SENT = "sent"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # nothing to send to (an escalation group without email addresses)
 
 
 class Notification(models.Model):
@@ -255,11 +274,7 @@ class Notification(models.Model):
     own job on the `outbound` queue and retried there; one that keeps failing stays here as `failed`, with its
     last error, for a person to see in Django admin. It never blocks the decision or the escalation."""
 
-    class Status(models.TextChoices):
-        PENDING = "pending"
-        SENT = "sent"
-        FAILED = "failed"
-        SKIPPED = "skipped"  # nothing to send to (an escalation group without email addresses)
+    Status = NotificationStatus
 
     approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="notifications")
     event = models.CharField(max_length=32, default="sla.escalate")
@@ -277,7 +292,7 @@ class Notification(models.Model):
         indexes = [models.Index(fields=["status", "-created_at"], name="approvals_notification_status")]
         constraints = [
             models.CheckConstraint(
-                condition=Q(status__in=["pending", "sent", "failed", "skipped"]),
+                condition=Q(status__in=NotificationStatus.values),
                 name="approvals_notification_status_valid",
             ),
         ]

@@ -8,7 +8,7 @@ find nothing to do.
 - `escalate`: the card stays open (`escalated`, still decidable), is assigned to the channel's escalation
   group, gets a new deadline (due_at + the channel's SLA) with a new timer, and the group is notified.
 - `safe_default`: the card is rejected by `system` (no side effect happens) and the run is re-queued, so it
-  ends as its workflow says a rejection ends.
+  ends as its workflow says a rejection ends. Reconcile cards escalate instead (their rejection would act).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from procrastinate.exceptions import AlreadyEnqueued
 
 from approvals.models import Approval, Decision, Notification
 from console.models import AuditEntry, Channel
+from runs.gates import Kind
 from runs.models import Run
 
 log = structlog.get_logger("approvals.policy")
@@ -56,7 +57,9 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
     if card is None or card.status not in Approval.OPEN or card.due_at > now:
         return None
     channel: Channel = card.channel
-    if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT:
+    # A reconcile card is never auto-rejected: there a rejection means "it did not happen: do the write now",
+    # an ambiguous write done again with nobody deciding. It escalates instead.
+    if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind != Kind.RECONCILE:
         return "safe_default" if _safe_default(card, now) else None
     return "escalate" if _escalate(card, now) else None
 
@@ -127,14 +130,18 @@ def _notify(card: Approval, missed: datetime) -> None:
 
 def _safe_default(card: Approval, now: datetime) -> bool:
     with transaction.atomic():
+        # Same lock order as Approval.decide() and Run.cancel(): the run, then the card (the UPDATE below).
+        run = Run.objects.select_for_update().get(pk=card.run_id)
         swapped = _swap(card, now, status=Approval.Status.REJECTED, decided_at=timezone.now(), version=F("version") + 1)
         if not swapped:
             return False
         Decision.objects.create(
-            approval=card, actor=None, decision="reject", comment=SAFE_DEFAULT_COMMENT, reason=SAFE_DEFAULT_REASON
+            approval=card,
+            actor=None,
+            decision=Decision.Kind.REJECT,
+            comment=SAFE_DEFAULT_COMMENT,
+            reason=SAFE_DEFAULT_REASON,
         )
-        # Same lock order as Approval.decide(): the card (locked by the UPDATE above), then the run.
-        run = Run.objects.select_for_update().get(pk=card.run_id)
         AuditEntry.record(
             "sla.safe_default",
             actor=SYSTEM,

@@ -6,6 +6,11 @@ from django.db import models
 from django.db.models import Q
 
 
+class Resolution(models.TextChoices):
+    REQUEUED = "requeued"
+    RESOLVED = "resolved"
+
+
 class DeadLetter(models.Model):
     """A run that failed for good, with what the on-call person needs: the original input, the last error
     and its traceback, the attempts, the step, the trace id and the job id."""
@@ -25,7 +30,9 @@ class DeadLetter(models.Model):
     resolved_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
-    resolution = models.CharField(max_length=16, blank=True)  # requeued | resolved
+    Resolution = Resolution
+
+    resolution = models.CharField(max_length=16, blank=True, choices=Resolution.choices)
     note = models.TextField(blank=True)
 
     class Meta:
@@ -33,7 +40,7 @@ class DeadLetter(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(resolved_at__isnull=True, resolution="")
-                | Q(resolved_at__isnull=False, resolution__in=["requeued", "resolved"]),
+                | Q(resolved_at__isnull=False, resolution__in=Resolution.values),
                 name="jobs_deadletter_resolved_iff_resolution",
             ),
         ]

@@ -84,14 +84,8 @@ def requeue(letter: DeadLetter, user, note: str = "") -> Run:
             # A fresh budget: the engine counts a step's executions (and the new job's attempts start at 0).
             # The dead letter and the audit entry keep the count of the attempts that failed.
             Step.objects.filter(pk=step.pk).update(attempt=0)
-        run.status = Run.Status.QUEUED
-        run.finished_at = None
-        run.error = ""
-        run.attempt = 0
-        run.cancel_requested = False
-        run.save(update_fields=["status", "finished_at", "error", "attempt", "cancel_requested", "updated_at"])
-        run.enqueue()
-        _close(letter, user, "requeued", note)
+        run.requeue_failed()
+        _close(letter, user, DeadLetter.Resolution.REQUEUED, note)
         AuditEntry.record(
             "dead_letter.requeue",
             actor=user,
@@ -112,7 +106,7 @@ def resolve(letter: DeadLetter, user, note: str) -> DeadLetter:
         raise DeadLetterError("resolving a dead letter needs a note saying what was done about it")
     with transaction.atomic():
         letter = _lock_unresolved(letter.pk)
-        _close(letter, user, "resolved", note)
+        _close(letter, user, DeadLetter.Resolution.RESOLVED, note)
         AuditEntry.record(
             "dead_letter.resolve",
             actor=user,

@@ -18,18 +18,17 @@ from decimal import Decimal
 
 import structlog
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import F
+from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from console.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
-from runs import gates
+from runs import gates, ownership
 from runs import workflow as workflows
 from runs.gates import ApprovalRequest, canonical_hash
-from runs.models import Run, Step
+from runs.models import OwnershipLost, Run, Step
 from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, UnknownWorkflow, Workflow
 
 log = structlog.get_logger("runs.engine")
@@ -42,89 +41,98 @@ class JobInfo:
     job_id: int | None = None
     attempts: int = 0  # earlier attempts of this job
     should_stop: Callable[[], bool] = field(default=lambda: False)
+    worker: str | None = None
 
 
 def advance(run_id, job: JobInfo | None = None) -> None:
+    """Drive the run while holding its advisory lock (runs.ownership): a job that finds the lock held by a live
+    session leaves the run to it, however stale that owner's heartbeat looks, and tries again later."""
     job = job or JobInfo()
-    run = _claim(run_id)
-    if run is None:
-        return
-    with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
-        try:
-            _drive(run, workflows.get(run.workflow, run.workflow_version), job)
-        except (Fatal, UnknownWorkflow) as exc:
+    with ownership.hold(run_id) as held:
+        if not held:
+            _try_again_later(run_id, job)
+            return
+        run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
+        if run is None:
+            return
+        with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
+            if took_over:
+                # The previous owner's session ended with the run still running: it was killed or lost its
+                # connection. Its step resumes from the last checkpoint; a pending receipt is reconciled.
+                _record_retry(run, "worker_crash")
+            try:
+                _advance(run, job)
+            except OwnershipLost as exc:
+                log.warning("lost ownership of the run: stopping without writing", error=str(exc))
+
+
+def _advance(run: Run, job: JobInfo) -> None:
+    try:
+        _drive(run, workflows.get(run.workflow, run.workflow_version), job)
+    except (Fatal, UnknownWorkflow) as exc:
+        _fail(run, exc, job)
+    except OwnershipLost:
+        raise
+    except Exception as exc:
+        if _out_of_attempts(run, exc, job):
             _fail(run, exc, job)
-        except Exception as exc:
-            if _out_of_attempts(run, exc, job):
-                _fail(run, exc, job)
-                return
-            _wait_for_retry(run, exc, job)
-            _record_retry(run, exc=exc)
-            raise  # the job's retry strategy schedules the next attempt
+            return
+        _wait_for_retry(run, exc, job)
+        _record_retry(run, exc=exc)
+        raise  # the job's retry strategy schedules the next attempt
+
+
+def _try_again_later(run_id, job: JobInfo) -> None:
+    delay = settings.OWNER_WAIT_SECONDS
+    with transaction.atomic():
+        run = Run.objects.filter(pk=run_id).first()
+        if run is None or run.is_finished:
+            return
+        run.enqueue(delay=delay)
+    log.info(
+        "the run is driven by another live job: trying again later",
+        run_id=str(run_id),
+        job_id=job.job_id,
+        delay_s=delay,
+    )
 
 
 def _step_attempts(run: Run, job: JobInfo) -> int:
-    """Executions of the step at the cursor so far (a worker crash counts as one): the retry budget is per
-    step, not per job, which carries its attempts across steps."""
-    cursor = Run.objects.filter(pk=run.pk).values("cursor")[:1]
-    return Step.objects.filter(run=run, seq=cursor).values_list("attempt", flat=True).first() or job.attempts + 1
+    """Executions of the step at the cursor so far (a worker crash counts as one; a park does not): the retry
+    budget is per step, not per job, which carries its attempts across steps."""
+    return Step.objects.filter(run=run, seq=run.cursor).values_list("attempt", flat=True).first() or job.attempts + 1
 
 
 def _out_of_attempts(run: Run, exc: Exception, job: JobInfo) -> bool:
+    if job.attempts + 1 >= BackoffWithJitter.MAX_JOB_ATTEMPTS:
+        return True  # the job's last attempt: the run goes to the dead-letter queue, never left queued jobless
     if isinstance(exc, Ambiguous):
         # A write that may have happened is never given up on before it is reconciled: the next attempt asks
         # the tool's lookup, or a person, before anything else. Only the job backstop ends that.
-        return job.attempts + 1 >= BackoffWithJitter.MAX_JOB_ATTEMPTS
+        return False
     return _step_attempts(run, job) >= run.max_attempts
 
 
-def _claim(run_id) -> Run | None:
-    """Mark the run running, unless it has nothing to do or its tenant is at its cap (then it waits)."""
-    with transaction.atomic():
-        run = Run.objects.select_for_update().filter(pk=run_id).first()
-        if run is None or run.status not in (Run.Status.QUEUED, Run.Status.RUNNING):
-            return None  # parked, finished, or a duplicate job: nothing to do
-        if run.status == Run.Status.QUEUED:
-            if run.cancel_requested:
-                _finish(run, Run.Status.CANCELLED, {"outcome": "cancelled"})
-                return None
-            if not _tenant_has_room(run.tenant):
-                run.enqueue(delay=settings.TENANT_WAIT_SECONDS)
-                return None
-            run.status = Run.Status.RUNNING
-            run.save(update_fields=["status", "updated_at"])
-        else:  # still running: its worker died (killed, crashed, or outlived its shutdown timeout)
-            _record_retry(run, "worker_crash")
-        return run
-
-
-def _tenant_has_room(tenant: str) -> bool:
-    # Serialise claims of one tenant, or two workers could both see room for one more.
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
-    running = Run.objects.filter(tenant=tenant, status=Run.Status.RUNNING).count()
-    return running < settings.TENANT_MAX_RUNNING
-
-
 def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
+    outputs = _outputs(run)  # read once per job, then carried in memory
     while True:
-        run.refresh_from_db()
-        if run.status != Run.Status.RUNNING:
-            return
-        if run.cancel_requested:
-            _finish(run, Run.Status.CANCELLED, {"outcome": "cancelled"})
+        if Run.objects.filter(pk=run.pk, cancel_requested=True).exists():
+            with transaction.atomic():
+                run.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
+            log.info("run finished", status=Run.Status.CANCELLED)
             return
         if job.should_stop():
-            _requeue(run, "worker shutting down")
-            _record_retry(run, "shutdown")
+            with transaction.atomic():
+                run.release()
+                _record_retry(run, "shutdown")
+            log.info("run requeued", reason="worker shutting down")
             return
         if run.cursor >= len(workflow.steps):
-            last = Step.objects.filter(run=run).order_by("-seq").values_list("output", flat=True).first()
-            _finish(run, Run.Status.SUCCEEDED, last)
+            _finish(run, outputs.get(workflow.steps[-1].name) if workflow.steps else None)
             return
         if not _within_budget(run, workflow):
             return
-        if not _run_step(run, workflow, workflow.steps[run.cursor]):
+        if not _run_step(run, workflow, workflow.steps[run.cursor], outputs):
             return
 
 
@@ -132,53 +140,64 @@ def _outputs(run: Run) -> dict:
     return dict(Step.objects.filter(run=run, status=Step.Status.DONE).order_by("seq").values_list("name", "output"))
 
 
-def _run_step(run: Run, workflow: Workflow, step_def: StepDef) -> bool:
-    """Run (or resume) the step at the cursor. True when the run goes on, False when it parked or ended."""
-    seq = run.cursor
-    outputs = _outputs(run)
-    step_input = {"input": run.input, "outputs": outputs}
+def _start_step(run: Run, step_def: StepDef, seq: int, step_input: dict) -> Step:
+    """Record that the step starts (a crash must see it: it counts as an attempt), under the run's lock."""
     input_hash = canonical_hash(step_input)
     with transaction.atomic():
-        step, created = Step.objects.select_for_update().get_or_create(
-            run=run,
-            seq=seq,
-            defaults={
-                "name": step_def.name,
-                "kind": step_def.kind,
-                "input": step_input,
-                "input_hash": input_hash,
-                "started_at": timezone.now(),
-            },
-        )
-        if not created:
-            if step.input_hash != input_hash:
-                raise Fatal(
-                    f"the input of step {seq} ({step_def.name}) changed since it was checkpointed: "
-                    "refusing to re-run it on different input"
-                )
+        run.owned()
+        step = Step.objects.select_for_update().filter(run=run, seq=seq).first()
+        if step is None:
+            return Step.objects.create(
+                run=run,
+                seq=seq,
+                name=step_def.name,
+                kind=step_def.kind,
+                input=step_input,
+                input_hash=input_hash,
+                started_at=timezone.now(),
+            )
+        if step.input_hash != input_hash:
+            raise Fatal(
+                f"the input of step {seq} ({step_def.name}) changed since it was checkpointed: "
+                "refusing to re-run it on different input"
+            )
+        if step.status != Step.Status.WAITING:  # resuming after a park is not a new attempt
             step.attempt += 1
-            step.status, step.error, step.started_at = Step.Status.RUNNING, "", timezone.now()
-            step.save(update_fields=["attempt", "status", "error", "started_at"])
+        step.status, step.error, step.started_at = Step.Status.RUNNING, "", timezone.now()
+        step.save(update_fields=["attempt", "status", "error", "started_at"])
+        return step
 
+
+def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) -> bool:
+    """Run (or resume) the step at the cursor. True when the run goes on, False when it parked or ended."""
+    seq = run.cursor
+    step = _start_step(run, step_def, seq, {"input": run.input, "outputs": outputs})
     model, tools = _make("AGENT_MODEL", run, step_def), _make("AGENT_TOOLS", run, step_def)
     ctx = Context(run, step_def, seq, outputs, model=model, tools=tools)
     started = time.perf_counter()
     try:
-        output = step_def.fn(ctx)
+        decided = gates.backend().decided(run, seq) if step_def.kind == Step.Kind.GATE else None
+        # A decided gate is replayed from its card, never asked again: a person's answer stands even if the
+        # gate's code would now decide otherwise (a new auto-approve threshold after a deploy).
+        output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
-        _park(run, seq, park)
+        _park(run, seq, park, step)
         _log_step(step_def, seq, "parked", started, ctx, reason=park.reason)
         return False
+    except OwnershipLost:
+        raise
     except Exception as exc:
         status = Step.Status.UNKNOWN if isinstance(exc, Ambiguous) else Step.Status.FAILED
-        Step.objects.filter(pk=step.pk).update(
-            status=status,
-            error=f"{exc.__class__.__name__}: {exc}",
-            latency_ms=_ms(started),
-            tokens_in=ctx.usage.tokens_in,
-            tokens_out=ctx.usage.tokens_out,
-            cost=ctx.usage.cost,
-        )
+        with transaction.atomic():
+            run.owned()
+            Step.objects.filter(pk=step.pk).update(
+                status=status,
+                error=f"{exc.__class__.__name__}: {exc}",
+                latency_ms=_ms(started),
+                tokens_in=ctx.usage.tokens_in,
+                tokens_out=ctx.usage.tokens_out,
+                cost=ctx.usage.cost,
+            )
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
@@ -192,17 +211,8 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef) -> bool:
             tokens_out=ctx.usage.tokens_out,
             cost=ctx.usage.cost,
         )
-        moved = Run.objects.filter(pk=run.pk, cursor=seq, status=Run.Status.RUNNING).update(
-            cursor=seq + 1,
-            attempt=0,
-            error="",
-            updated_at=timezone.now(),
-            tokens_in=F("tokens_in") + ctx.usage.tokens_in,
-            tokens_out=F("tokens_out") + ctx.usage.tokens_out,
-            cost=F("cost") + ctx.usage.cost,
-        )
-        if not moved:
-            raise RuntimeError(f"run {run.id} moved while step {seq} ran")  # rolls the checkpoint back
+        run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's output back
+    outputs[step_def.name] = output
     _log_step(step_def, seq, "done", started, ctx)
 
     if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":
@@ -216,7 +226,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef) -> bool:
         if workflow.on_reject == "fail":
             _fail(run, Fatal(f"rejected at {step_def.name}: {output.get('comment', '')}"), JobInfo())
         else:
-            _finish(run, Run.Status.SUCCEEDED, result)
+            _finish(run, result)
         return False
     return True
 
@@ -240,55 +250,51 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
         _park(run, run.cursor, Park(f"cost limit {run.cost_limit} reached", request, paused=True))
         return False
     if decision.rejected:
-        _finish(
-            run,
-            Run.Status.CANCELLED,
-            {"outcome": "stopped at cost limit", "by": decision.by, "comment": decision.comment},
-        )
+        with transaction.atomic():
+            run.finish(
+                Run.Status.CANCELLED,
+                {"outcome": "stopped at cost limit", "by": decision.by, "comment": decision.comment},
+            )
         return False
-    Run.objects.filter(pk=run.pk).update(cost_limit=Decimal(str((decision.payload or {})["cost_limit"])))
+    run.cost_limit = Decimal(str((decision.payload or {})["cost_limit"]))
+    with transaction.atomic():
+        run.owned()
+        Run.objects.filter(pk=run.pk).update(cost_limit=run.cost_limit)
     return True
 
 
-def _park(run: Run, seq: int, park: Park) -> None:
+def _park(run: Run, seq: int, park: Park, step: Step | None = None) -> None:
     """Open the card (if any) and park the run, in one transaction."""
     with transaction.atomic():
         reason, paused_switch = park.reason, ""
+        if step is not None:
+            Step.objects.filter(pk=step.pk).update(status=Step.Status.WAITING)
         if park.kill_switch_channel is not None:
             # The switch was seen in the receipt's transaction, which has ended: re-check it under its lock
             # (FOR SHARE), or a release committed in between would miss this run and leave it paused for good.
             killed = Channel.killed_for_effects(park.kill_switch_channel)
             if killed is None:
-                Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, updated_at=timezone.now())
-                run.enqueue()
+                run.release()
                 return
             reason, paused_switch = killed.describe(park.kill_switch_channel), killed.switch
-        if park.request is not None:
+        parked = run.park(paused=park.paused, reason=reason, paused_switch=paused_switch)
+        if parked and park.request is not None:
             gates.backend().open(run, seq, park.request)
-        status = Run.Status.PAUSED if park.paused else Run.Status.WAITING_HUMAN
-        Run.objects.filter(pk=run.pk).update(
-            status=status, pause_reason=reason, paused_switch=paused_switch, updated_at=timezone.now()
-        )
 
 
-def _finish(run: Run, status: str, result) -> None:
+def _finish(run: Run, result) -> None:
     with transaction.atomic():
-        Run.objects.filter(pk=run.pk).update(
-            status=status, result=result, finished_at=timezone.now(), updated_at=timezone.now()
-        )
-        if status == Run.Status.CANCELLED:
-            gates.backend().close_pending(run, "cancelled")
-    log.info("run finished", status=status)
+        run.finish(Run.Status.SUCCEEDED, result)
+    log.info("run finished", status=Run.Status.SUCCEEDED)
 
 
 def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
     """The run failed for good: it goes to the dead-letter queue with what an on-call person needs."""
     step = Step.objects.filter(run=run, seq=run.cursor).first()
     error = f"{exc.__class__.__name__}: {exc}"
+    attempts = _step_attempts(run, job)
     with transaction.atomic():
-        Run.objects.filter(pk=run.pk).update(
-            status=Run.Status.FAILED, error=error, finished_at=timezone.now(), updated_at=timezone.now()
-        )
+        run.fail(error)
         DeadLetter.objects.create(
             run_id=run.id,
             workflow=run.workflow,
@@ -296,12 +302,11 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             error=error,
             error_class=exc.__class__.__name__,
             traceback="".join(traceback.format_exception(exc)),
-            attempts=_step_attempts(run, job),
+            attempts=attempts,
             step=step.name if step else "",
             trace_id=run.trace_id,
             job_id=job.job_id,
         )
-        gates.backend().close_pending(run, "cancelled")
         AuditEntry.record(
             "run.dead_letter",
             actor="engine",
@@ -310,25 +315,14 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             trace_id=run.trace_id,
             data={"error": error, "step": step.name if step else ""},
         )
-    log.error("run failed", error=error, step=step.name if step else None, attempts=_step_attempts(run, job))
+    log.error("run failed", error=error, step=step.name if step else None, attempts=attempts)
 
 
 def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:
     attempts = _step_attempts(run, job)
-    Run.objects.filter(pk=run.pk).update(
-        status=Run.Status.QUEUED,
-        attempt=attempts,
-        error=f"{exc.__class__.__name__}: {exc}",
-        updated_at=timezone.now(),
-    )
-    log.warning("step will be retried", error=str(exc), attempt=attempts)
-
-
-def _requeue(run: Run, reason: str) -> None:
     with transaction.atomic():
-        Run.objects.filter(pk=run.pk).update(status=Run.Status.QUEUED, updated_at=timezone.now())
-        run.enqueue()
-    log.info("run requeued", reason=reason)
+        run.retry_later(f"{exc.__class__.__name__}: {exc}", attempts)
+    log.warning("step will be retried", error=str(exc), attempt=attempts)
 
 
 def _record_retry(run: Run, cause: str = "", exc: BaseException | None = None) -> None:

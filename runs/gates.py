@@ -8,11 +8,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from django.db import models
+
 if TYPE_CHECKING:
     from runs.models import Run
 
 
-class Kind:
+class Kind(models.TextChoices):
+    """What a card asks."""
+
     ACTION = "action"  # approve what the agent wants to do
     RECONCILE = "reconcile"  # did an ambiguous write happen?
     BUDGET = "budget"  # the run crossed its cost limit: extend or stop
@@ -62,6 +66,10 @@ class GateBackend(Protocol):
 
     def decision(self, run: Run, seq: int, request: ApprovalRequest) -> Decision | None:
         """The decision taken on the card for exactly this request, if any."""
+
+    def decided(self, run: Run, seq: int) -> Decision | None:
+        """The decision taken on the gate at `seq` (its latest decided action card), whatever it asked: a
+        decided gate is replayed from it, never asked again."""
 
     def close_pending(self, run: Run, status: str) -> None:
         """Close the run's pending cards (cancelled, or the run failed)."""

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
 import uuid
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, models, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 
@@ -18,6 +18,15 @@ class IdempotencyConflict(Exception):
     pass
 
 
+class TransitionRefused(Exception):
+    """A run's state change whose compare-and-swap changed no row: the run is no longer in a state it may
+    leave that way, or the caller no longer owns it. The caller must stop acting for the run."""
+
+
+class OwnershipLost(TransitionRefused):
+    """The job no longer owns the run: another job took it over, or it was finished or cancelled meanwhile."""
+
+
 class RunStatus(models.TextChoices):
     QUEUED = "queued"
     RUNNING = "running"
@@ -26,6 +35,9 @@ class RunStatus(models.TextChoices):
     SUCCEEDED = "succeeded"
     FAILED = "failed"  # in the dead-letter queue
     CANCELLED = "cancelled"
+
+
+_FINISHED = [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
 
 
 class Run(models.Model):
@@ -55,6 +67,15 @@ class Run(models.Model):
         "releasing it resumes the run.",
     )
     cancel_requested = models.BooleanField(default=False)
+    owner = models.CharField(
+        max_length=200,
+        blank=True,
+        help_text="The job driving the run (worker/job/nonce), set when it is claimed; blank unless running. "
+        "Only a job holding the run's advisory lock (runs.ownership) claims it.",
+    )
+    waiting_for_slot_since = models.DateTimeField(
+        null=True, blank=True, help_text="Queued without a job until a run of its tenant leaves `running`."
+    )
     idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
     trace_id = models.CharField(max_length=32, default=new_trace_id)
     priority = models.IntegerField(default=0)
@@ -75,14 +96,27 @@ class Run(models.Model):
         indexes = [
             models.Index(fields=["status", "tenant"], name="runs_run_status_tenant"),
             models.Index(fields=["-created_at"], name="runs_run_created"),
-            models.Index(fields=["paused_switch"], condition=Q(status="paused"), name="runs_run_paused_switch"),
+            models.Index(fields=["paused_switch"], condition=Q(status=RunStatus.PAUSED), name="runs_run_paused_switch"),
+            models.Index(
+                fields=["tenant", "-priority", "created_at"],
+                condition=Q(status=RunStatus.QUEUED, waiting_for_slot_since__isnull=False),
+                name="runs_run_waiting_for_slot",
+            ),
         ]
         constraints = [
             models.CheckConstraint(condition=Q(status__in=RunStatus.values), name="runs_run_status_valid"),
             models.CheckConstraint(
-                condition=Q(status__in=["succeeded", "failed", "cancelled"], finished_at__isnull=False)
-                | (~Q(status__in=["succeeded", "failed", "cancelled"]) & Q(finished_at__isnull=True)),
+                condition=Q(status__in=_FINISHED, finished_at__isnull=False)
+                | (~Q(status__in=_FINISHED) & Q(finished_at__isnull=True)),
                 name="runs_run_finished_iff_finished_at",
+            ),
+            models.CheckConstraint(
+                condition=(Q(status=RunStatus.RUNNING) & ~Q(owner="")) | (~Q(status=RunStatus.RUNNING) & Q(owner="")),
+                name="runs_run_running_iff_owner",
+            ),
+            models.CheckConstraint(
+                condition=Q(waiting_for_slot_since__isnull=True) | Q(status=RunStatus.QUEUED),
+                name="runs_run_waits_for_slot_only_queued",
             ),
             models.CheckConstraint(
                 condition=Q(cost_limit__isnull=True) | Q(cost_limit__gte=0),
@@ -206,22 +240,143 @@ class Run(models.Model):
             count += 1
         return count
 
+    # The state machine. Every change of `status` goes through one of these methods, each a compare-and-swap
+    # from the states it may leave (and, for the owner's transitions, the owner token), raising
+    # TransitionRefused when no row changed. Owner transitions run under the run's advisory lock.
+
+    def _swap(self, leaving, *, by_owner: str | None = None, where: dict | None = None, **changes) -> None:
+        rows = Run.objects.filter(pk=self.pk, status__in=leaving, **(where or {}))
+        if by_owner is not None:
+            rows = rows.filter(owner=by_owner)
+        changes["updated_at"] = timezone.now()
+        if rows.update(**changes) != 1:
+            error = OwnershipLost if by_owner is not None else TransitionRefused
+            raise error(f"run {self.pk}: cannot go to {changes.get('status', 'its next step')} from its current state")
+        for name, value in changes.items():
+            if not hasattr(value, "resolve_expression"):
+                setattr(self, name, value)
+        if Run.Status.RUNNING in leaving and changes.get("status", Run.Status.RUNNING) != Run.Status.RUNNING:
+            Run.wake_waiting_for_slot(self.tenant)  # a slot of its tenant is free
+
+    @classmethod
+    def claim(cls, run_id, owner: str) -> tuple[Run | None, bool]:
+        """The job holding the run's advisory lock takes it: queued -> running, or running -> running under a
+        new owner (the previous owner's session ended, or it would still hold the lock: the run resumes from
+        its last checkpoint). Returns (run, took_over), or (None, False) when there is nothing to drive:
+        parked, finished, cancelled before it started, or waiting for a slot of its tenant."""
+        with transaction.atomic():
+            run = cls.objects.select_for_update().filter(pk=run_id).first()
+            if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
+                return None, False
+            if run.status == cls.Status.QUEUED:
+                if run.cancel_requested:
+                    run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
+                    run._close_cards("cancelled")
+                    return None, False
+                if not run._tenant_has_room():
+                    run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
+                    return None, False
+                run._swap([cls.Status.QUEUED], status=cls.Status.RUNNING, owner=owner, waiting_for_slot_since=None)
+                return run, False
+            run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner)
+            return run, True
+
+    def owned(self):
+        """This run's row while this job owns it: the guard every step write takes (FOR NO KEY UPDATE, which a
+        claim's FOR UPDATE waits for), inside the write's transaction. Raises OwnershipLost."""
+        assert connection.in_atomic_block
+        if not Run.objects.select_for_update(no_key=True).filter(pk=self.pk, owner=self.owner).exists():
+            raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner}")
+
+    def checkpoint(self, seq: int, usage) -> None:
+        """The step at `seq` is done: move the cursor past it and add its usage, in the transaction that
+        records the step's output."""
+        # Rounded as the column stores it, so the copy in memory stays equal to the row.
+        cost = Decimal(usage.cost).quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+        self._swap(
+            [Run.Status.RUNNING],
+            by_owner=self.owner,
+            where={"cursor": seq},
+            cursor=seq + 1,
+            attempt=0,
+            error="",
+            tokens_in=F("tokens_in") + usage.tokens_in,
+            tokens_out=F("tokens_out") + usage.tokens_out,
+            cost=F("cost") + cost,
+        )
+        self.tokens_in += usage.tokens_in
+        self.tokens_out += usage.tokens_out
+        self.cost += cost
+
+    def park(self, *, paused: bool, reason: str = "", paused_switch: str = "") -> bool:
+        """Wait for a person (waiting_human) or for a switch or budget (paused), in the transaction that opens
+        the card. A cancel requested while the step ran wins: the run ends cancelled instead, and False is
+        returned (open no card)."""
+        assert connection.in_atomic_block
+        self.owned()  # locks the row: a cancel committed before this is seen, a later one sees the park
+        if Run.objects.filter(pk=self.pk, cancel_requested=True).exists():
+            self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
+            return False
+        self._swap(
+            [Run.Status.RUNNING],
+            by_owner=self.owner,
+            status=Run.Status.PAUSED if paused else Run.Status.WAITING_HUMAN,
+            owner="",
+            pause_reason=reason,
+            paused_switch=paused_switch,
+        )
+        return True
+
+    def finish(self, status: str, result) -> None:
+        """Succeeded, or cancelled, by its owner."""
+        assert status in (Run.Status.SUCCEEDED, Run.Status.CANCELLED)
+        self._swap([Run.Status.RUNNING], by_owner=self.owner, **self._finished(status, result))
+        if status == Run.Status.CANCELLED:
+            self._close_cards("cancelled")
+
+    def fail(self, error: str) -> None:
+        """Failed for good (the caller writes its dead letter in the same transaction)."""
+        self._swap([Run.Status.RUNNING], by_owner=self.owner, **self._finished(Run.Status.FAILED, None), error=error)
+        self._close_cards("cancelled")
+
+    def retry_later(self, error: str, attempt: int) -> None:
+        """The step failed and will be retried by the same job (its retry strategy schedules it)."""
+        self._swap(
+            [Run.Status.RUNNING], by_owner=self.owner, status=Run.Status.QUEUED, owner="", error=error, attempt=attempt
+        )
+
+    def release(self, delay: float | None = None) -> None:
+        """The owner gives the run back to the queue with a new job (its worker is stopping, or the kill
+        switch that stopped an effect was released before the run could park)."""
+        self._swap([Run.Status.RUNNING], by_owner=self.owner, status=Run.Status.QUEUED, owner="")
+        self.enqueue(delay)
+
     def resume(self) -> None:
         """A parked run (a decision came, or its kill switch was released) goes back to the queue with its job,
         in the caller's transaction."""
-        self.status = self.Status.QUEUED
-        self.pause_reason = ""
-        self.paused_switch = ""
-        self.save(update_fields=["status", "pause_reason", "paused_switch", "updated_at"])
+        self._swap(Run.PARKED, status=Run.Status.QUEUED, pause_reason="", paused_switch="")
+        self.enqueue()
+
+    def requeue_failed(self) -> None:
+        """The dead-letter queue gives a failed run a fresh attempt budget, from its last checkpoint."""
+        self._swap(
+            [Run.Status.FAILED], status=Run.Status.QUEUED, finished_at=None, error="", attempt=0, cancel_requested=False
+        )
+        self.enqueue()
+
+    def recover(self, owner: str) -> None:
+        """A periodic sweep found this running run's lock free (its owner's session ended): back to the queue
+        with a job, unless it moved meanwhile. Called under the run's advisory lock."""
+        self._swap([Run.Status.RUNNING], by_owner=owner, status=Run.Status.QUEUED, owner="")
         self.enqueue()
 
     def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
-        between steps. Finished runs are left as they are."""
+        between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
         from console.models import AuditEntry
-        from runs import gates
 
         with transaction.atomic():
+            # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
@@ -233,14 +388,55 @@ class Run(models.Model):
                 trace_id=run.trace_id,
                 data={"status": run.status},
             )
+            Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
-                run.status = self.Status.CANCELLED
-                run.finished_at = timezone.now()
-                run.result = {"outcome": "cancelled"}
-                gates.backend().close_pending(run, "cancelled")
-            run.save()
+                run._swap(
+                    [self.Status.QUEUED, *self.PARKED],
+                    **run._finished(self.Status.CANCELLED, {"outcome": "cancelled"}),
+                    waiting_for_slot_since=None,
+                )
+                run._close_cards("cancelled")
             return run
+
+    @staticmethod
+    def _finished(status: str, result) -> dict:
+        return {"status": status, "owner": "", "result": result, "finished_at": timezone.now()}
+
+    def _close_cards(self, status: str) -> None:
+        from runs import gates
+
+        gates.backend().close_pending(self, status)
+
+    def _tenant_has_room(self) -> bool:
+        """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
+        first). The tenant's transaction lock serialises this with the wake-up in `leave_running`."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{self.tenant}"])
+        if Run.objects.filter(tenant=self.tenant, status=Run.Status.RUNNING).count() >= settings.TENANT_MAX_RUNNING:
+            return False
+        older = (
+            Run.waiting_for_slot(self.tenant)
+            .exclude(pk=self.pk)
+            .filter(Q(priority__gt=self.priority) | Q(priority=self.priority, created_at__lt=self.created_at))
+        )
+        return not older.exists()
+
+    @classmethod
+    def waiting_for_slot(cls, tenant: str):
+        return cls.objects.filter(
+            tenant=tenant, status=cls.Status.QUEUED, waiting_for_slot_since__isnull=False
+        ).order_by("-priority", "created_at")
+
+    @classmethod
+    def wake_waiting_for_slot(cls, tenant: str) -> None:
+        """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
+        job (in the caller's transaction)."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+        free = settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
+        for waiting in cls.waiting_for_slot(tenant)[: max(free, 0)]:
+            waiting.enqueue()
 
 
 class StepKind(models.TextChoices):
@@ -255,6 +451,7 @@ class StepStatus(models.TextChoices):
     DONE = "done"
     FAILED = "failed"
     UNKNOWN = "unknown"  # an effect whose outcome is not known (ambiguous write)
+    WAITING = "waiting"  # parked in this step: resuming it is not a new attempt
 
 
 class Step(models.Model):
@@ -287,7 +484,7 @@ class Step(models.Model):
             models.CheckConstraint(condition=Q(kind__in=StepKind.values), name="runs_step_kind_valid"),
             models.CheckConstraint(condition=Q(status__in=StepStatus.values), name="runs_step_status_valid"),
             models.CheckConstraint(
-                condition=~Q(status="done") | Q(ended_at__isnull=False), name="runs_step_done_has_ended_at"
+                condition=~Q(status=StepStatus.DONE) | Q(ended_at__isnull=False), name="runs_step_done_has_ended_at"
             ),
         ]
 
@@ -295,12 +492,15 @@ class Step(models.Model):
         return f"{self.run_id}#{self.seq} {self.name}"
 
 
+class ReceiptStatus(models.TextChoices):
+    PENDING = "pending"
+    DONE = "done"
+
+
 class Receipt(models.Model):
     """The idempotency record of one side effect: written before the call, completed after it."""
 
-    class Status(models.TextChoices):
-        PENDING = "pending"
-        DONE = "done"
+    Status = ReceiptStatus
 
     key = models.CharField(max_length=300, unique=True)
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="receipts")
@@ -315,9 +515,10 @@ class Receipt(models.Model):
 
     class Meta:
         constraints = [
-            models.CheckConstraint(condition=Q(status__in=["pending", "done"]), name="runs_receipt_status_valid"),
+            models.CheckConstraint(condition=Q(status__in=ReceiptStatus.values), name="runs_receipt_status_valid"),
             models.CheckConstraint(
-                condition=Q(status="pending", completed_at__isnull=True) | Q(status="done", completed_at__isnull=False),
+                condition=Q(status=ReceiptStatus.PENDING, completed_at__isnull=True)
+                | Q(status=ReceiptStatus.DONE, completed_at__isnull=False),
                 name="runs_receipt_done_iff_completed_at",
             ),
         ]
@@ -327,17 +528,29 @@ class Receipt(models.Model):
 
     def rearm(self) -> None:
         """Start a new attempt of this pending write (a person said the last one did not happen)."""
-        self.created_at = timezone.now()
-        Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).update(created_at=self.created_at)
+        with transaction.atomic():
+            self.run.owned()
+            self.created_at = timezone.now()
+            Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).update(created_at=self.created_at)
 
     def complete(self, response: dict, *, reconciled: bool = False) -> dict:
-        self.status = self.Status.DONE
-        self.external_id = str(response.get("id", ""))
-        self.response = response
-        self.reconciled = reconciled
-        self.completed_at = timezone.now()
-        self.save(update_fields=["status", "external_id", "response", "reconciled", "completed_at"])
+        """The write happened (its answer, or a reconciliation says so): recorded by the run's owner."""
+        with transaction.atomic():
+            self.run.owned()
+            self.status = self.Status.DONE
+            self.external_id = str(response.get("id", ""))
+            self.response = response
+            self.reconciled = reconciled
+            self.completed_at = timezone.now()
+            self.save(update_fields=["status", "external_id", "response", "reconciled", "completed_at"])
         return response
+
+    def discard(self) -> None:
+        """The tool says the call was not applied: forget the pending write, so the next attempt calls again.
+        Only the run's owner may (a successor that found it pending reconciles it instead)."""
+        with transaction.atomic():
+            self.run.owned()
+            Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).delete()
 
 
 class SandboxCall(models.Model):

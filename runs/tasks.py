@@ -4,10 +4,12 @@ import contextvars
 
 import structlog
 from django.conf import settings
+from procrastinate import exceptions
 from procrastinate.contrib.django import app
+from procrastinate.jobs import Status
 
 from jobs.retry import BackoffWithJitter
-from runs import engine
+from runs import engine, recovery
 
 log = structlog.get_logger("runs.tasks")
 
@@ -44,6 +46,7 @@ def advance_run(context, run_id: str) -> None:
             job_id=context.job.id,
             attempts=context.job.attempts,
             should_stop=lambda: context.should_abort() or _worker_stopping(),
+            worker=context.worker_name,
         ),
     )
 
@@ -51,16 +54,31 @@ def advance_run(context, run_id: str) -> None:
 @app.periodic(cron=settings.STALLED_SWEEP_CRON)
 @app.task(name="requeue_stalled_jobs", queue="maintenance", queueing_lock="requeue_stalled_jobs", pass_context=True)
 async def requeue_stalled_jobs(context, timestamp: int) -> None:
-    """Jobs whose worker stopped sending heartbeats (killed, or its machine died) go back to the queue; the
-    run then resumes from its last checkpoint."""
+    """Jobs whose worker stopped sending heartbeats (killed, or its machine died) go back to the queue. For
+    runs this is only a wake-up: a requeued job drives its run only if it can take the run's lock, which a
+    live owner still holds (runs.ownership), and runs whose owner died are also found by `recover_runs`."""
     manager = context.app.job_manager
     stalled = await manager.get_stalled_jobs(seconds_since_heartbeat=settings.STALLED_AFTER_SECONDS)
     for job in stalled:
-        await manager.retry_job(job)
+        try:
+            await manager.retry_job(job)
+        except exceptions.UniqueViolation:
+            # Another job of the same queueing lock already waits (a run re-enqueued meanwhile): that one
+            # carries on, and this one must leave `doing`, or its lock would keep the waiting one from starting.
+            await manager.finish_job_by_id_async(job.id, status=Status.FAILED, delete_job=False)
+            outcome = "finished: a newer job of its lock waits"
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stop the sweep for the others
+            log.exception("could not requeue a stalled job", job_id=job.id, task=job.task_name, error=str(exc))
+            continue
+        else:
+            outcome = "requeued"
         log.warning(
-            "requeued a stalled job",
-            job_id=job.id,
-            task=job.task_name,
-            job_lock=job.lock,
-            cause="worker crash",
+            "stalled job", outcome=outcome, job_id=job.id, task=job.task_name, job_lock=job.lock, cause="worker crash"
         )
+
+
+@app.periodic(cron=settings.STALLED_SWEEP_CRON)
+@app.task(name="runs.tasks.recover_runs", queue="maintenance", queueing_lock="recover_runs")
+def recover_runs(timestamp: int) -> dict[str, int]:
+    """Runs whose owner's session ended, and queued runs without a job, get a job (runs.recovery)."""
+    return recovery.sweep()

@@ -196,8 +196,15 @@ class Context:
             # The lookup is authoritative: the write did not happen, so it is safe to do it now.
         try:
             response = call(key)
-        except (Retryable, Fatal):
-            receipt.delete()  # the tool says the call was not applied
+        except Fatal:
+            receipt.discard()  # the tool says the call was refused, so not applied
+            raise
+        except Retryable:
+            # A 5xx or a timeout the tool calls retryable may still have been applied. With a lookup, the
+            # receipt stays pending and the next attempt asks before calling again; without one, the tool's
+            # word that it was not applied is all there is.
+            if lookup is None:
+                receipt.discard()
             raise
         except Exception as exc:  # noqa: BLE001 - whatever else happened, the write may have been applied
             raise Ambiguous(f"{channel} call {key} ended with {exc.__class__.__name__}: {exc}") from exc
@@ -238,16 +245,30 @@ class Context:
 
 
 def _open_receipt(run: Run, seq: int, channel: str, key: str):
-    """Insert the receipt (or find the one an earlier attempt wrote), checking the channel's kill switch in
-    the same transaction: an engaged switch that has committed stops every effect not already past here."""
+    """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner and the
+    channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
+    already past here."""
     from console.models import Channel
     from runs.models import Receipt
 
+    if _inside_a_transaction():
+        raise Fatal(
+            f"ctx.effect() on {channel} was called inside transaction.atomic(): its receipt must commit before "
+            "the call, so call it outside any transaction"
+        )
     with transaction.atomic():
+        run.owned()
         if (killed := Channel.killed_for_effects(channel)) is not None:
             raise Park(killed.describe(channel), paused=True, kill_switch_channel=channel)
         receipt, created = Receipt.objects.get_or_create(
             key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
         )
+    receipt.run = run  # the owner's copy: its writes name this owner
     receipt.fresh = created
     return receipt
+
+
+def _inside_a_transaction() -> bool:
+    # The test suite wraps each test in transactions of its own (marked by Django's TestCase): those aside.
+    connection = transaction.get_connection()
+    return any(not getattr(block, "_from_testcase", False) for block in connection.atomic_blocks)

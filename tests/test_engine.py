@@ -4,7 +4,9 @@ from decimal import Decimal
 
 import pytest
 from django.core.management import call_command
+from django.db import transaction
 from django.utils import timezone
+from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
@@ -221,15 +223,39 @@ def test_a_rejected_budget_stops_the_run(demo, bob):
     assert sandbox.stats()["channels"]["payments"] == 0
 
 
-def test_a_tenant_at_its_cap_waits(demo, settings):
+def _jobs_consumed(*runs: Run) -> None:
+    """In-process drives do not take their jobs from the queue: drop them, as a worker would have."""
+    ProcrastinateJob.objects.filter(lock__in=[f"run:{run.pk}" for run in runs]).delete()
+
+
+def test_a_tenant_at_its_cap_waits_for_a_slot_without_a_job_and_is_woken_oldest_first(demo, settings):
     settings.TENANT_MAX_RUNNING = 1
     busy, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
-    Run.objects.filter(pk=busy.pk).update(status="running")
-    waiting, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    Run.objects.filter(pk=busy.pk).update(status="running", owner="another-worker")
+    first, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    second, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     other, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="globex")
-    assert drive(waiting).status == Run.Status.QUEUED  # not rejected: it waits for a later job
-    assert queued_jobs(waiting) == 1
-    assert drive(other).status == Run.Status.SUCCEEDED
+    _jobs_consumed(busy, first, second)
+
+    # Not rejected, and not re-enqueued every second: it waits, with no job, for a slot.
+    for run in (second, first):
+        run = drive(run)
+        assert run.status == Run.Status.QUEUED and run.waiting_for_slot_since is not None
+        assert queued_jobs(run) == 0
+    assert drive(other).status == Run.Status.SUCCEEDED  # another tenant is not held up
+
+    # The busy run leaves `running`: the oldest waiting run gets the slot's job, the other keeps waiting.
+    busy.refresh_from_db()
+    with transaction.atomic():
+        busy.finish(Run.Status.SUCCEEDED, {})
+    assert (queued_jobs(first), queued_jobs(second)) == (1, 0)
+    # A stray job of the newer run does not jump the queue.
+    assert drive(second).status == Run.Status.QUEUED
+    _jobs_consumed(first)
+    assert drive(first).status == Run.Status.SUCCEEDED
+    assert queued_jobs(second) == 1  # woken when `first` finished
+    _jobs_consumed(second)
+    assert drive(second).status == Run.Status.SUCCEEDED
 
 
 def test_a_killed_channel_parks_the_run_before_the_effect(demo):

@@ -169,7 +169,8 @@ def test_a_release_between_the_check_and_the_park_does_not_strand_the_run(demo, 
     """The effect saw the switch in its receipt's transaction; the run parks in another one. If the release
     committed in between, it found nothing to resume: parking must notice and queue the run instead."""
     run = submit(1)[0]
-    Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING)
+    Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, owner="its-worker")
+    run.refresh_from_db()  # the owner's copy
     engine._park(run, 5, Park("kill switch engaged on email: gone", paused=True, kill_switch_channel="email"))
     run.refresh_from_db()
     assert run.status == Run.Status.QUEUED and queued_jobs(run) == 1

@@ -153,7 +153,7 @@ def test_step_errors_and_retries_by_cause(client, demo):
     assert drive(run, attempts=2).status == Run.Status.SUCCEEDED
     # A worker that died mid-run: its run is still `running` when the next job claims it.
     crashed = _submit()
-    Run.objects.filter(pk=crashed.pk).update(status=Run.Status.RUNNING)
+    Run.objects.filter(pk=crashed.pk).update(status=Run.Status.RUNNING, owner="a-dead-worker")
     assert drive(crashed).status == Run.Status.SUCCEEDED
     # A worker shutting down hands its run back between steps.
     stopped = _submit()
@@ -184,7 +184,7 @@ def test_duplicates_blocked_by_receipts(client, demo):
     run = drive(_submit())
     Step.objects.filter(run=run, name="notify_customer").delete()
     Step.objects.filter(run=run, name="issue_refund").update(status="running", output=None, ended_at=None)
-    Run.objects.filter(pk=run.pk).update(status="running", cursor=4, finished_at=None)
+    Run.objects.filter(pk=run.pk).update(status="running", owner="a-dead-worker", cursor=4, finished_at=None)
     assert drive(run).status == Run.Status.SUCCEEDED
     assert Step.objects.get(run=run, name="issue_refund").attempt == 2
     # Reconciled: the payment's answer was lost; the lookup found it.

@@ -1,0 +1,122 @@
+"""The invariants behind "nothing is lost", checked by a periodic sweep rather than assumed:
+
+1. A `running` run is held by its owner (runs.ownership). A running run whose advisory lock is free lost its
+   owner's session (the worker was SIGKILLed, crashed, or lost its connection): the sweep takes the lock itself,
+   so nobody else can claim meanwhile, and puts the run back in the queue with a job. The dead job's row, still
+   `doing`, is finished as failed in the same transaction, since procrastinate fetches no job of a lock while
+   another of the same lock is `doing`. No heartbeat is read: a stalled heartbeat never makes a run ownerless.
+2. Every queued run has a job that will advance it: a queued run with neither a waiting nor a running job (a
+   job lost with a restored backup, a retry strategy that gave up, a bug) gets one. A run waiting for a slot of
+   its tenant has no job on purpose and is left alone while its tenant is full.
+
+Each repair is an audited `run.retry` (cause `owner_gone` or `no_job`), so /metrics counts them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import structlog
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import CharField, Count, Exists, OuterRef, Value
+from django.db.models.functions import Cast, Concat
+from django.utils import timezone
+from procrastinate.contrib.django.models import ProcrastinateJob
+
+from console.models import AuditEntry
+from runs import ownership
+from runs.models import Run, TransitionRefused
+
+log = structlog.get_logger("runs.recovery")
+
+# A queued run younger than this is not yet suspected of having lost its job.
+GRACE = timedelta(seconds=5)
+
+
+def _job_of(run_ref, status: str):
+    # procrastinate's own partial indexes: queueing_lock for todo jobs, lock for doing ones (Run.enqueue sets
+    # both to "run:<id>").
+    column = "queueing_lock" if status == "todo" else "lock"
+    lock = Concat(Value("run:"), Cast(run_ref, output_field=CharField()))
+    return ProcrastinateJob.objects.filter(**{column: lock}, status=status).values("pk")
+
+
+def sweep(limit: int = 200) -> dict[str, int]:
+    """Repair what the two invariants say is wrong; returns how many runs of each kind were repaired."""
+    repaired = {"owner_gone": 0, "no_job": 0}
+    running = Run.objects.filter(status=Run.Status.RUNNING).values_list("pk", "owner")[:limit]
+    for run_id, owner in running:
+        if _recover_ownerless(run_id, owner):
+            repaired["owner_gone"] += 1
+    for run in _jobless_queued_runs(limit):
+        if _give_a_job(run):
+            repaired["no_job"] += 1
+    if any(repaired.values()):
+        log.warning("recovered runs", **repaired)
+    return repaired
+
+
+def _recover_ownerless(run_id, owner: str) -> bool:
+    with ownership.hold(run_id) as taken:
+        if not taken:
+            return False  # its owner is alive (or another sweep is here)
+        with transaction.atomic():
+            run = Run.objects.filter(pk=run_id).first()
+            if run is None:
+                return False
+            with connection.cursor() as cursor:
+                for job_id in ProcrastinateJob.objects.filter(lock=f"run:{run_id}", status="doing").values_list(
+                    "pk", flat=True
+                ):
+                    cursor.execute("SELECT procrastinate_finish_job_v1(%s, 'failed', false)", [job_id])
+            try:
+                run.recover(owner)  # a compare-and-swap on (running, that owner): it may have moved meanwhile
+            except TransitionRefused:
+                transaction.set_rollback(True)
+                return False
+            _audit(run, "owner_gone", {"previous_owner": owner})
+    log.warning("a running run had lost its owner: requeued", run_id=str(run_id), previous_owner=owner)
+    return True
+
+
+def _jobless_queued_runs(limit: int) -> list[Run]:
+    stale = timezone.now() - GRACE
+    runs = (
+        Run.objects.filter(status=Run.Status.QUEUED, updated_at__lt=stale)
+        .exclude(Exists(_job_of(OuterRef("pk"), "todo")))
+        .exclude(Exists(_job_of(OuterRef("pk"), "doing")))
+        .order_by("-priority", "created_at")[:limit]
+    )
+    runs = list(runs)
+    waiting_tenants = {run.tenant for run in runs if run.waiting_for_slot_since is not None}
+    full = {
+        row["tenant"]
+        for row in Run.objects.filter(tenant__in=waiting_tenants, status=Run.Status.RUNNING)
+        .values("tenant")
+        .annotate(n=Count("pk"))
+        if row["n"] >= settings.TENANT_MAX_RUNNING
+    }
+    return [run for run in runs if not (run.waiting_for_slot_since is not None and run.tenant in full)]
+
+
+def _give_a_job(run: Run) -> bool:
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().filter(pk=run.pk, status=Run.Status.QUEUED).first()
+        if locked is None:
+            return False
+        locked.enqueue()
+        _audit(locked, "no_job", {})
+    log.warning("a queued run had no job: gave it one", run_id=str(run.pk))
+    return True
+
+
+def _audit(run: Run, cause: str, data: dict) -> None:
+    AuditEntry.record(
+        "run.retry",
+        actor="engine",
+        target=f"run:{run.id}",
+        run_id=run.id,
+        trace_id=run.trace_id,
+        data={"cause": cause, "step": "", **data},
+    )

@@ -144,7 +144,8 @@ RUN_MAX_ATTEMPTS = env_int("RUN_MAX_ATTEMPTS", 3)
 RETRY_BASE_SECONDS = env_float("RETRY_BASE_SECONDS", 1.0)
 RETRY_CAP_SECONDS = env_float("RETRY_CAP_SECONDS", 60.0)
 TENANT_MAX_RUNNING = env_int("TENANT_MAX_RUNNING", 8)
-TENANT_WAIT_SECONDS = env_float("TENANT_WAIT_SECONDS", 1.0)
+# A job that finds its run driven by another live job (runs.ownership) tries again after this long.
+OWNER_WAIT_SECONDS = env_float("OWNER_WAIT_SECONDS", 2.0)
 AGENT_MODEL = env_str("AGENT_MODEL", "runs.llm.model_for_run")
 AGENT_TOOLS = env_str("AGENT_TOOLS", "runs.sandbox.Tools")
 # Modules that register workflows, imported at start-up besides runs.demo.

@@ -1,0 +1,136 @@
+"""A rolling deploy under load: every worker in turn gets SIGTERM while a new one starts.
+
+A worker told to stop takes no new job, finishes (or releases) its current step, re-queues the run and exits
+within its graceful timeout. One run has a slow payment (longer than STALLED_AFTER_SECONDS, shorter than the
+graceful timeout) in flight when the deploy starts: the worker draining it must still pay exactly once, and
+no other worker may take the run over while it does. No run is lost, none paid or emailed twice.
+
+Sizes: ROLLING_RUNS (60), ROLLING_ROUNDS (2: how many times every worker is replaced), ROLLING_SETTLE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from django.conf import settings
+
+from jobs.models import DeadLetter
+from runs.models import Run, Step
+from tests.system.conftest import (
+    GRACEFUL_TIMEOUT,
+    STALLED_AFTER,
+    Approver,
+    describe_runs,
+    effects_per_run,
+    env_int,
+    jobs_doing,
+    report,
+    sandbox_stats,
+)
+from tests.worker import wait_until
+
+pytestmark = pytest.mark.slow
+
+RUNS = env_int("ROLLING_RUNS", 60)
+ROUNDS = env_int("ROLLING_ROUNDS", 2)
+SETTLE_SECONDS = env_int("ROLLING_SETTLE_SECONDS", 90)
+# Longer than a stalled worker's silence (STALLED_AFTER_SECONDS, 2 s), within the graceful timeout (5 s).
+LONG_PAYMENT_MS = int((STALLED_AFTER + 1) * 1000)
+
+
+def refund(i: int) -> dict:
+    return {
+        "customer_id": f"cus_{2000 + i}",
+        "amount_cents": settings.AUTO_APPROVE_CENTS + 500 if i % 4 == 0 else 900 + i,
+        "currency": "EUR",
+        "reason": "Wrong size delivered",
+        # Steps slow enough that a SIGTERM finds runs in the middle of one.
+        "faults": {["classify", "draft_refund", "issue_refund", "notify_customer"][i % 4]: ["latency:400"]},
+    }
+
+
+def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system):
+    assert STALLED_AFTER < LONG_PAYMENT_MS / 1000 < GRACEFUL_TIMEOUT - 1
+    approver = Approver(system.reviewer)
+    approver.start()
+    started = time.monotonic()
+    long_run = system.submit(
+        {
+            "customer_id": "cus_slow",
+            "amount_cents": 1500,
+            "currency": "EUR",
+            "reason": "Charged twice for one order",
+            "faults": {"issue_refund": [f"latency:{LONG_PAYMENT_MS}"]},
+        }
+    )
+
+    def submit_all():
+        for i in range(RUNS - 1):
+            system.submit(refund(i))
+            time.sleep(0.1)
+
+    submitter = threading.Thread(target=submit_all, name="submitter", daemon=True)
+    submitter.start()
+    wait_until(
+        lambda: Step.objects.filter(run_id=long_run, name="issue_refund", status="running").exists(),
+        timeout=30,
+        message="the slow payment to start",
+    )
+
+    exits = []  # (worker number, exit code, seconds from SIGTERM to exit)
+    for _ in range(ROUNDS):
+        for old in list(system.workers.alive):
+            system.workers.start()
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            old.kill(signal.SIGTERM)
+            try:
+                code = old.wait(GRACEFUL_TIMEOUT + 30)
+            except subprocess.TimeoutExpired:
+                code = None
+            exits.append((old.number, code, time.monotonic() - signalled))
+    submitter.join(60)
+    run_ids = list(system.submitted)
+    statuses = system.wait_for_runs(run_ids, timeout=SETTLE_SECONDS)
+    settled = time.monotonic()
+    approver.stop()
+
+    stats = sandbox_stats()
+    payments, emails = effects_per_run(run_ids, "payments"), effects_per_run(run_ids, "email")
+    report(
+        "rolling deploy",
+        runs=len(run_ids),
+        workers_replaced=len(exits),
+        exit_seconds=[round(took, 2) for _, _, took in exits],
+        exit_codes=[code for _, code, _ in exits],
+        statuses=dict(statuses),
+        long_run=Run.objects.values_list("status", flat=True).get(pk=long_run),
+        long_run_payments=payments[long_run],
+        steps_requeued_by_shutdown=Step.objects.filter(run_id__in=run_ids, attempt__gt=1).exclude(kind="gate").count(),
+        cards_decided=dict(approver.decided),
+        sandbox=stats,
+        total_s=settled - started,
+    )
+
+    assert not approver.errors, approver.errors[:5]
+    slow_exits = [(n, code, round(took, 2)) for n, code, took in exits if code != 0 or took > GRACEFUL_TIMEOUT]
+    assert not slow_exits, (
+        f"workers (number, exit code, seconds) that did not exit cleanly within the {GRACEFUL_TIMEOUT} s "
+        f"graceful timeout: {slow_exits}\n{system.workers.logs([system.workers.all[n] for n, _, _ in slow_exits])}"
+    )
+    assert payments[long_run] == 1, (
+        f"the slow payment was made {payments[long_run]} times\n{describe_runs([long_run])}\n"
+        f"{system.workers.grep(long_run, 'stalled')}"
+    )
+    not_succeeded = list(Run.objects.filter(pk__in=run_ids).exclude(status="succeeded").values_list("pk", flat=True))
+    assert not not_succeeded, f"{dict(statuses)}\n{describe_runs(not_succeeded)}"
+    assert len(run_ids) == RUNS
+    assert {r: n for r, n in payments.items() if n != 1} == {}
+    assert {r: n for r, n in emails.items() if n != 1} == {}
+    assert stats["duplicates"] == 0
+    assert jobs_doing() == []
+    assert list(DeadLetter.objects.values_list("run_id", "error")) == []

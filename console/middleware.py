@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
 import uuid
 
 import structlog
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import JsonResponse
+from django.core.signals import got_request_exception
+from django.db import InterfaceError, OperationalError
+from django.http import HttpResponse, JsonResponse
 
 log = structlog.get_logger("console.request")
 
@@ -65,3 +68,66 @@ class ApiBodyLimitMiddleware:
                     {"error": "too_large", "detail": f"The body is larger than {limit} bytes."}, status=413
                 )
         return self.get_response(request)
+
+
+_UNAVAILABLE_PAGE = """<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>Temporarily unavailable</title></head>
+<body>
+<h1>Temporarily unavailable</h1>
+<p>The console cannot reach its database right now. Nothing you did was lost; try again in a few seconds.</p>
+</body>
+</html>
+"""
+RETRY_AFTER_SECONDS = 5
+
+
+def _database_unavailable(exc: BaseException) -> bool:
+    from jobs.worker import is_connection_error
+
+    # Django's InterfaceError ("connection already closed") may carry no driver error to look into.
+    return isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc))
+
+
+def _remember_database_outage(sender, request=None, **kwargs) -> None:
+    # Sent by Django while it turns an exception raised anywhere in the stack (a view, or a middleware such as
+    # the session's) into a 500 response: the exception being handled is the one to look at.
+    exc = sys.exception()
+    if request is not None and exc is not None and _database_unavailable(exc):
+        request.database_unavailable = exc
+
+
+class DatabaseUnavailableMiddleware:
+    """While the database cannot be reached, answers 503 (JSON under /api/, a static page elsewhere: rendering a
+    template would need the session, hence the database) instead of a 500; the next request after the database
+    is back is served normally, since Django opens a new connection per request and health-checks kept ones.
+
+    Placed early (after RequestIdMiddleware), so the session and authentication middlewares are inside it."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        got_request_exception.connect(_remember_database_outage, dispatch_uid="console.database_unavailable")
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        exc = getattr(request, "database_unavailable", None)
+        if exc is not None and response.status_code == 500:
+            return self._unavailable(request, exc)
+        return response
+
+    def process_exception(self, request, exception):
+        if _database_unavailable(exception):
+            return self._unavailable(request, exception)
+        return None
+
+    def _unavailable(self, request, exc: BaseException):
+        log.warning("database unavailable", path=request.path, error=f"{type(exc).__name__}: {exc}".strip()[:300])
+        if request.path.startswith("/api/"):
+            response = JsonResponse(
+                {"error": "database_unavailable", "detail": "The database cannot be reached; try again shortly."},
+                status=503,
+            )
+        else:
+            response = HttpResponse(_UNAVAILABLE_PAGE, status=503, content_type="text/html; charset=utf-8")
+        response["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response

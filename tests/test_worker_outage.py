@@ -195,3 +195,64 @@ def test_readyz_is_503_while_the_database_is_down_and_200_once_it_is_back(privat
     finally:
         web.stop()
         worker.stop()
+
+
+MIDDLEWARE_WITH_OUTAGE = [
+    settings.MIDDLEWARE[0],
+    "console.middleware.DatabaseUnavailableMiddleware",
+    *[name for name in settings.MIDDLEWARE[1:] if name != "console.middleware.DatabaseUnavailableMiddleware"],
+]
+
+
+@pytest.fixture
+def unreachable_database(transactional_db, django_db_blocker):
+    """Point Django's connection at a socket where no server listens (a real connection failure in the driver);
+    `come_back()` points it back. (connection.settings_dict is settings.DATABASES["default"] itself.)"""
+    from django.db import connection
+
+    with django_db_blocker.unblock():
+        connection.close()
+        saved = dict(connection.settings_dict)
+        nowhere = tempfile.mkdtemp(prefix="test_worker_nopg_")
+        connection.settings_dict["HOST"] = nowhere
+        connection.settings_dict["PORT"] = ""
+
+        def come_back() -> None:
+            connection.settings_dict.update(HOST=saved["HOST"], PORT=saved["PORT"])
+
+        try:
+            yield come_back
+        finally:
+            connection.close()
+            shutil.rmtree(nowhere, ignore_errors=True)
+            connection.settings_dict.clear()
+            connection.settings_dict.update(saved)
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "json_body"),
+    [
+        ("/api/me", {"Authorization": "Bearer nope"}, True),  # the view's authentication queries the database
+        ("/", {}, False),  # the session middleware does, for a request with a session cookie
+    ],
+)
+def test_requests_get_a_503_while_the_database_is_unreachable_then_recover(
+    unreachable_database, settings, path, headers, json_body
+):
+    from django.test import Client
+
+    settings.MIDDLEWARE = MIDDLEWARE_WITH_OUTAGE
+    client = Client(raise_request_exception=False)
+    client.cookies["sessionid"] = "a" * 32
+
+    response = client.get(path, headers=headers)
+    assert response.status_code == 503 and response["Retry-After"]
+    if json_body:
+        assert response.json()["error"] == "database_unavailable"
+    else:
+        assert response["Content-Type"].startswith("text/html") and b"Temporarily unavailable" in response.content
+
+    # The database comes back: the very next request is served (a 401 or a login redirect, not a 503).
+    unreachable_database()
+    response = client.get(path, headers=headers)
+    assert response.status_code == (401 if json_body else 302), response.content[:300]

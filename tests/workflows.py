@@ -33,3 +33,26 @@ reject_fails = register(Workflow("test_reject_fails", on_reject="fail"))
 @reject_fails.gate("payments")
 def ask(ctx):
     return ctx.gate(proposed={"do": "it"}, summary="please")
+
+
+# A step that asks a person, while someone cancels the run during the step.
+cancel_then_gate = register(Workflow("test_cancel_then_gate"))
+
+
+@cancel_then_gate.gate("payments")
+def ask_while_cancelled(ctx):
+    Run.objects.get(pk=ctx.run.pk).cancel()
+    return ctx.gate(proposed={"do": "it"}, summary="please")
+
+
+# An effect inside the step's own transaction: its receipt would not commit before the call.
+effect_in_atomic = register(Workflow("test_effect_in_atomic"))
+effect_in_atomic_calls: list[str] = []
+
+
+@effect_in_atomic.effect("payments")
+def pay_inside_atomic(ctx):
+    from django.db import transaction
+
+    with transaction.atomic():
+        return ctx.effect(lambda key: effect_in_atomic_calls.append(key) or {"id": key})

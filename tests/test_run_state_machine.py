@@ -1,0 +1,317 @@
+"""The run's state machine and the defects the ownership review found, each driven in the test process (a
+worker's job is `engine.advance`), on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection, connections, transaction
+from django.utils import timezone
+from procrastinate import psycopg_connector
+from procrastinate.contrib.django import app
+from procrastinate.contrib.django.models import ProcrastinateJob
+
+import tests.workflows  # noqa: F401 - registers the test workflows
+from approvals import policy
+from approvals.models import Approval, SecondApproverNeeded
+from console.models import AuditEntry, Channel
+from jobs.models import DeadLetter
+from runs import ownership, recovery, sandbox
+from runs.models import OwnershipLost, Receipt, Run, SandboxCall, Step, TransitionRefused
+from runs.tasks import requeue_stalled_jobs
+from runs.workflow import Ambiguous, Retryable
+from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
+from tests.worker import database_url
+
+
+@pytest.fixture
+def demo(db):
+    call_command("demo_setup", verbosity=0)
+
+
+def _faults(faults: dict, base=SMALL_REFUND) -> dict:
+    return {**base, "faults": faults}
+
+
+def _reconcile_card(faults_base=SMALL_REFUND) -> tuple[Run, Approval]:
+    """A run whose email send timed out (maybe sent): it parks with a reconcile card."""
+    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}, faults_base))
+    with pytest.raises(Ambiguous):
+        drive(run)
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.WAITING_HUMAN
+    return run, Approval.objects.get(run=run, kind="reconcile")
+
+
+# --- transitions ------------------------------------------------------------------------------------------------
+
+
+def test_it_refuses_a_transition_from_a_state_the_run_is_not_in(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    with pytest.raises(TransitionRefused):
+        run.resume()  # queued, not parked
+    run.owner = "nobody"
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        run.finish(Run.Status.SUCCEEDED, {})
+    assert Run.objects.get(pk=run.pk).status == Run.Status.QUEUED
+
+
+def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, took_over = Run.claim(run.pk, "job-a")
+    assert claimed.owner == "job-a" and not took_over
+    # Job b takes over (job a's session ended, or b would not hold the lock).
+    taken, took_over = Run.claim(run.pk, "job-b")
+    assert took_over and taken.owner == "job-b"
+    from runs.workflow import Usage
+
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        claimed.checkpoint(0, Usage())
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        claimed.park(paused=True)
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        claimed.fail("boom")
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        claimed.retry_later("boom", 1)
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        claimed.release()
+    assert Run.objects.values_list("status", "owner", "cursor").get(pk=run.pk) == (Run.Status.RUNNING, "job-b", 0)
+
+
+def test_a_running_run_must_have_an_owner(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    from django.db import IntegrityError
+
+    with transaction.atomic(), pytest.raises(IntegrityError):
+        Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING)
+
+
+# --- defects found by review --------------------------------------------------------------------------------------
+
+
+def test_a_decided_gate_is_replayed_from_its_card_even_if_the_gate_would_now_decide_otherwise(demo, bob, settings):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    Approval.objects.get(run=run).decide(bob, "reject", comment="not this customer")
+    # A deploy raises the auto-approve amount above this refund before the run resumes.
+    settings.AUTO_APPROVE_CENTS = 10**9
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED and run.result["outcome"] == "rejected"
+    assert Step.objects.get(run=run, name="approve_refund").output["decision"] == "rejected"
+    assert sandbox.stats()["channels"]["payments"] == 0
+
+
+def test_the_sla_safe_default_escalates_a_reconcile_card_instead_of_rejecting_it(demo):
+    Channel.objects.filter(name="email").update(escalation_policy=Channel.EscalationPolicy.SAFE_DEFAULT)
+    run, card = _reconcile_card()
+    Approval.objects.filter(pk=card.pk).update(due_at=timezone.now() - timedelta(minutes=1))
+    assert policy.apply_sla(card.pk) == "escalate"
+    card.refresh_from_db()
+    assert card.status == Approval.Status.ESCALATED and not card.decisions.exists()
+    assert Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN
+    assert SandboxCall.objects.filter(system="email").count() == 1  # nothing sent again
+
+
+def test_on_a_two_person_channel_it_did_not_happen_needs_two_people(demo, bob, alice):
+    Channel.objects.filter(name="email").update(required_approvals=2)
+    run, card = _reconcile_card()
+    card.decide(bob, "reject", comment="not in the mail log")
+    card.refresh_from_db()
+    assert card.status == Approval.Status.PENDING and Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN
+    with pytest.raises(SecondApproverNeeded):
+        card.decide(bob, "reject", comment="really not")
+    card.decide(alice, "reject", comment="confirmed: not sent")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    assert SandboxCall.objects.filter(system="email", applied=True).count() == 2  # the one they asked for
+
+
+def test_a_retryable_failure_of_an_effect_with_a_lookup_keeps_its_receipt_and_asks_first(demo):
+    run, _ = Run.submit(workflow="refund", input=_faults({"issue_refund": ["5xx"]}))
+    with pytest.raises(Retryable):
+        drive(run)
+    receipt = Receipt.objects.get(run=run, channel="payments")
+    assert receipt.status == Receipt.Status.PENDING  # the 503 may have been applied: not forgotten
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.SUCCEEDED
+    assert SandboxCall.objects.filter(system="payments", applied=True).count() == 1
+    assert sandbox.stats()["duplicates"] == 0
+
+
+def test_a_retryable_failure_of_an_effect_without_a_lookup_forgets_its_receipt(demo):
+    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["5xx"]}))
+    with pytest.raises(Retryable):
+        drive(run)
+    assert not Receipt.objects.filter(run=run, channel="email").exists()
+    assert drive(run, attempts=1).status == Run.Status.SUCCEEDED
+    assert SandboxCall.objects.filter(system="email", applied=True).count() == 1
+
+
+def test_a_park_is_not_an_attempt(demo, carol):
+    payments = Channel.objects.get(name="payments")
+    run, _ = Run.submit(workflow="refund", input=_faults({"issue_refund": ["429", "429"]}))
+    for _ in range(2):  # parked twice by the switch...
+        payments.engage_kill_switch(carol, "incident")
+        assert drive(run).status == Run.Status.PAUSED
+        payments.release_kill_switch(carol, "all clear")
+    # ...then two 429s: with RUN_MAX_ATTEMPTS = 3 the third execution succeeds.
+    for attempts in range(2):
+        with pytest.raises(Retryable):
+            drive(run, attempts=attempts)
+    run = drive(run, attempts=2)
+    assert run.status == Run.Status.SUCCEEDED and not DeadLetter.objects.exists()
+    assert Step.objects.get(run=run, name="issue_refund").attempt == 3
+
+
+def test_the_jobs_last_attempt_sends_the_run_to_the_dead_letter_queue_not_back_to_the_queue(demo):
+    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}))
+    run = drive(run, attempts=9)  # the retry strategy's backstop: no 10th attempt would come
+    assert run.status == Run.Status.FAILED
+    assert DeadLetter.objects.get(run_id=run.id).error_class == "Ambiguous"
+
+
+def test_a_cancel_requested_while_a_step_ran_wins_over_its_park(demo):
+    run = drive(Run.submit(workflow="test_cancel_then_gate", input={})[0])
+    assert run.status == Run.Status.CANCELLED
+    assert not Approval.objects.filter(run=run, status__in=Approval.OPEN).exists()
+
+
+def test_an_effect_inside_the_steps_own_transaction_is_refused(demo):
+    tests.workflows.effect_in_atomic_calls.clear()
+    run = drive(Run.submit(workflow="test_effect_in_atomic", input={})[0])
+    assert run.status == Run.Status.FAILED and "inside transaction.atomic()" in run.error
+    assert tests.workflows.effect_in_atomic_calls == [] and not Receipt.objects.exists()
+
+
+# --- the recovery sweep ---------------------------------------------------------------------------------------------
+
+
+def _age(run: Run) -> None:
+    Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(minutes=1))
+
+
+def _retry_causes(run: Run) -> list[str]:
+    return [e.data["cause"] for e in AuditEntry.objects.filter(action="run.retry", run_id=run.id)]
+
+
+def test_the_sweep_gives_a_job_to_a_queued_run_that_has_none(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()  # lost, e.g. with a restored backup
+    assert recovery.sweep() == {"owner_gone": 0, "no_job": 0}  # too recent to suspect
+    _age(run)
+    assert recovery.sweep() == {"owner_gone": 0, "no_job": 1}
+    assert queued_jobs(run) == 1 and _retry_causes(run) == ["no_job"]
+    _age(run)
+    assert recovery.sweep() == {"owner_gone": 0, "no_job": 0}
+
+
+def test_the_sweep_requeues_a_running_run_whose_owner_is_gone_and_frees_its_dead_job(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
+    with connection.cursor() as cursor:  # the dead worker's job, still `doing`
+        cursor.execute(
+            "INSERT INTO procrastinate_jobs (queue_name, task_name, lock, args, status)"
+            " VALUES ('agent', 'advance_run', %s, '{}', 'doing') RETURNING id",
+            [f"run:{run.pk}"],
+        )
+        dead_job = cursor.fetchone()[0]
+    Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, owner="worker-that-died")
+    assert recovery.sweep()["owner_gone"] == 1
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.QUEUED, "")
+    assert ProcrastinateJob.objects.get(pk=dead_job).status == "failed"
+    assert queued_jobs(run) == 1 and _retry_causes(run) == ["owner_gone"]
+    assert drive(run).status == Run.Status.SUCCEEDED
+
+
+def test_the_sweep_leaves_a_run_whose_owner_holds_its_lock_however_old_it_looks(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    Run.objects.filter(pk=run.pk).update(
+        status=Run.Status.RUNNING, owner="slow-but-alive", updated_at=timezone.now() - timedelta(hours=1)
+    )
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
+        owner_session.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(run.pk)])
+        assert recovery.sweep()["owner_gone"] == 0
+        assert Run.objects.get(pk=run.pk).owner == "slow-but-alive"
+    # The owner's session ended: now it is gone.
+    assert recovery.sweep()["owner_gone"] == 1
+
+
+def test_a_job_that_finds_the_run_locked_by_a_live_session_leaves_it_and_tries_again_later(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(run.pk)])
+        run = drive(run)
+        assert run.status == Run.Status.QUEUED and not Step.objects.filter(run=run).exists()
+        job = ProcrastinateJob.objects.get(lock=f"run:{run.pk}", status="todo")
+        assert job.scheduled_at > timezone.now()  # after OWNER_WAIT_SECONDS
+
+
+# --- the stalled-job sweep ------------------------------------------------------------------------------------------
+
+
+def _insert_job(cursor, lock: str, status: str) -> int:
+    cursor.execute(
+        "INSERT INTO procrastinate_jobs (queue_name, task_name, lock, queueing_lock, args, status)"
+        " VALUES ('agent', 'advance_run', %s, %s, '{}', %s) RETURNING id",
+        [lock, lock, status],
+    )
+    return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_queueing_lock_collision_does_not_stop_the_stalled_sweep_nor_wedge_the_run():
+    with connection.cursor() as cursor:
+        colliding = _insert_job(cursor, "run:a", "doing")  # no worker: stalled
+        waiting = _insert_job(cursor, "run:a", "todo")  # a newer job of the same run already waits
+        other = _insert_job(cursor, "run:b", "doing")  # stalled too, after it in the sweep
+    connector = psycopg_connector.PsycopgConnector(conninfo=database_url(connection.settings_dict))
+
+    async def sweep():
+        with app.replace_connector(connector) as sweeping_app:
+            await sweeping_app.open_async()
+            try:
+                await requeue_stalled_jobs.func(type("Context", (), {"app": sweeping_app})(), timestamp=0)
+            finally:
+                await sweeping_app.close_async()
+
+    asyncio.run(sweep())
+    statuses = dict(ProcrastinateJob.objects.filter(pk__in=[colliding, waiting, other]).values_list("pk", "status"))
+    assert statuses == {colliding: "failed", waiting: "todo", other: "todo"}
+
+
+# --- one lock order -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
+    call_command("demo_setup", verbosity=0)
+    errors: list[BaseException] = []
+    for _ in range(8):
+        run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+        card = Approval.objects.get(run=run)
+        start = threading.Barrier(2)
+
+        def act(action):
+            try:
+                start.wait()
+                action()
+            except Exception as exc:  # noqa: BLE001 - collected and checked below
+                errors.append(exc)
+            finally:
+                connections.close_all()
+
+        threads = [
+            threading.Thread(target=act, args=(lambda card=card: card.decide(bob, "approve"),)),
+            threading.Thread(target=act, args=(lambda run=run: run.cancel(),)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    # Whichever wins, the other sees its outcome (AlreadyDecided, or a finished run): never a deadlock.
+    assert not [e for e in errors if "deadlock" in str(e).lower()], errors

@@ -296,7 +296,7 @@ def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
         card = Approval.objects.get(run=run)
         start = threading.Barrier(2)
 
-        def act(action):
+        def act(action, start=start):
             try:
                 start.wait()
                 action()

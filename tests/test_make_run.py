@@ -79,7 +79,8 @@ def test_make_run_serves_and_ctrl_c_stops_everything(tmp_path):
         assert _get(run.base + "/") == 200  # redirected to the login page
         processes = run.processes()
         assert any("console.webserver" in " ".join(p.cmdline()) for p in processes)
-        (worker,) = [p for p in processes if "procrastinate" in " ".join(p.cmdline())]
+        # `manage.py worker` (or `manage.py procrastinate worker` before that command existed)
+        (worker,) = [p for p in processes if p.cmdline()[1:2] == ["manage.py"] and p.cmdline()[-1] == "worker"]
         assert worker.environ()["DATABASE_CONN_MAX_AGE"] == "300"  # the worker keeps its connections
         with psycopg.connect(f"postgresql://postgres@/postgres?host={pgdata}", autocommit=True) as conn:
             conn.execute("CREATE TABLE kept (note text)")

@@ -23,6 +23,8 @@ from console.models import AuditEntry
 from jobs.models import DeadLetter
 from runs.models import Run, Step
 from tests.system.conftest import (
+    STALLED_AFTER,
+    SYSTEM_ENV,
     Approver,
     describe_runs,
     effects_per_run,
@@ -116,11 +118,19 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     crash_claims = list(
         AuditEntry.objects.filter(action="run.retry", data__cause="worker_crash").values_list("at", "run_id")
     )
-    recoveries = []
-    for at, _ in crash_claims:
-        before = [k for k in kills if k <= at.timestamp()]
-        if before:
-            recoveries.append(at.timestamp() - max(before))
+    # The kill that interrupted a run is the last one at least (STALLED_AFTER - heartbeat interval) before
+    # the run was claimed again: the sweep cannot see a dead worker sooner than that.
+    blind = STALLED_AFTER - float(SYSTEM_ENV["WORKER_HEARTBEAT_INTERVAL"])
+    reclaim, next_step = [], []
+    for at, run_id in crash_claims:
+        before = [k for k in kills if k <= at.timestamp() - blind]
+        if not before:
+            continue
+        killed_at = max(before)
+        reclaim.append(at.timestamp() - killed_at)
+        done = Step.objects.filter(run_id=run_id, status="done", ended_at__gte=at).order_by("ended_at").first()
+        if done is not None:
+            next_step.append(done.ended_at.timestamp() - killed_at)
     stats = sandbox_stats()
     report(
         "chaos",
@@ -130,8 +140,10 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
         statuses=dict(statuses),
         interrupted_steps=Step.objects.filter(run_id__in=run_ids, attempt__gt=1).exclude(kind="gate").count(),
         runs_reclaimed_after_a_crash=len(crash_claims),
-        recovery_kill_to_reclaim_p50_s=percentile(recoveries, 50),
-        recovery_kill_to_reclaim_max_s=max(recoveries, default=float("nan")),
+        recovery_kill_to_reclaim_p50_s=percentile(reclaim, 50),
+        recovery_kill_to_reclaim_max_s=max(reclaim, default=float("nan")),
+        recovery_kill_to_next_step_done_p50_s=percentile(next_step, 50),
+        recovery_kill_to_next_step_done_max_s=max(next_step, default=float("nan")),
         run_end_to_end_p50_s=percentile(durations, 50),
         run_end_to_end_p95_s=percentile(durations, 95),
         run_end_to_end_max_s=max(durations, default=float("nan")),

@@ -60,11 +60,14 @@ class Backoff:
     """1 s, 2 s, 4 s ... up to 30 s between restarts; back to 1 s after something stayed up for a minute."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.delay = FIRST_BACKOFF_SECONDS
 
     def next(self, stayed_up: float) -> float:
         if stayed_up >= STABLE_AFTER_SECONDS:
-            self.delay = FIRST_BACKOFF_SECONDS
+            self.reset()
         delay, self.delay = self.delay, min(self.delay * 2, MAX_BACKOFF_SECONDS)
         return delay
 
@@ -192,6 +195,8 @@ class EmbeddedDatabase:
             return
         if self.down_since is None:
             self.down_since = now
+            if now - self.up_since >= STABLE_AFTER_SECONDS:
+                self.backoff.reset()
             log.error(
                 "the embedded PostgreSQL is not running; starting it again",
                 pgdata=str(self.pgdata),
@@ -200,7 +205,7 @@ class EmbeddedDatabase:
         try:
             self._start_again()
         except Exception as exc:  # any failure: report it and try again later
-            delay = self.backoff.next(now - self.up_since)
+            delay = self.backoff.next(stayed_up=0)
             self.next_check = time.monotonic() + delay
             log.error(
                 f"could not start the embedded PostgreSQL; trying again in {delay:g} s",

@@ -77,7 +77,8 @@ def _is_database_error(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    root = list(utils.causes(exc))[-1]
+    # The deepest error is the driver's, which says what happened; a cancellation in the chain says nothing.
+    root = [error for error in utils.causes(exc) if isinstance(error, Exception)][-1]
     return f"{type(root).__name__}: {str(root).strip()}"[:300]
 
 
@@ -135,6 +136,15 @@ class WorkerConnector(PsycopgConnector):
 
     def get_sync_connector(self) -> DjangoConnector:
         return self.django_connector
+
+    async def open_async(self, pool: psycopg_pool.AsyncConnectionPool | None = None) -> None:
+        if self._async_pool or pool:
+            await super().open_async(pool)
+            return
+        self._async_pool = await self._create_pool(self._pool_args)
+        # procrastinate waits (30 s, then fails) for the pool's first connections: with the database down, the
+        # worker must start anyway, and wait it out like any other outage.
+        await self._async_pool.open(wait=False)
 
 
 class NotificationLatch(asyncio.Event):
@@ -465,9 +475,11 @@ class Worker(procrastinate_worker.Worker):
 
         assert self.worker_id is not None
         try:
-            await self.app.job_manager.unregister_worker(self.worker_id)
+            unregister = self.app.job_manager.unregister_worker(self.worker_id)
+            # In an outage, do not keep SIGTERM waiting for a pool timeout: the row is only a courtesy.
+            await asyncio.wait_for(unregister, timeout=1 if self._outage.ongoing else None)
         except Exception as exc:
-            if not _is_database_error(exc):
+            if not _is_database_error(exc):  # (a TimeoutError is an OSError: counted as one)
                 raise
             # The row stays; its heartbeat goes stale and other workers prune it.
             log.warning("could not unregister the worker", worker_id=self.worker_id, error=_describe(exc))

@@ -1,11 +1,12 @@
 """Chaos: refund runs submitted through the API while workers are SIGKILLed at random and replaced.
 
 The promise under test (README): nothing is lost, nothing happens twice. Every run ends `succeeded`, each
-paid once and emailed once, no job is left `doing`, and nothing lands in the dead-letter queue (every
-injected fault is one a run recovers from).
+paid once and emailed once, no job is left `doing`. Besides them a few runs meet a fault no retry fixes (the
+CRM refuses the read): each of those, and nothing else, lands in the dead-letter queue, once.
 
-Sizes: CHAOS_RUNS (200), CHAOS_SECONDS (60: how long workers are killed), CHAOS_WORKERS (3),
-CHAOS_SETTLE_SECONDS (120: how long the runs get to finish after the chaos), CHAOS_SEED.
+Sizes: CHAOS_RUNS (200), CHAOS_REFUSED (4: runs with an unrecoverable fault, on top), CHAOS_SECONDS (60: how
+long workers are killed), CHAOS_WORKERS (3), CHAOS_SETTLE_SECONDS (120: how long the runs get to finish
+after the chaos), CHAOS_SEED.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.system.conftest import (
 pytestmark = pytest.mark.slow
 
 RUNS = env_int("CHAOS_RUNS", 200)
+REFUSED = env_int("CHAOS_REFUSED", 4)
 SECONDS = env_int("CHAOS_SECONDS", 60)
 WORKERS = env_int("CHAOS_WORKERS", 3)
 SETTLE_SECONDS = env_int("CHAOS_SETTLE_SECONDS", 120)
@@ -76,6 +78,10 @@ def chaos_input(i: int, rng: random.Random) -> dict:
 def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     rng = random.Random(SEED)
     inputs = [chaos_input(i, rng) for i in range(RUNS)]
+    # Runs the CRM refuses for good (`fatal`: no retry), spread among the others.
+    refused_inputs = [{**chaos_input(RUNS + i, rng), "faults": {"lookup_customer": ["fatal"]}} for i in range(REFUSED)]
+    for i, run_input in enumerate(refused_inputs):
+        inputs.insert((i + 1) * len(inputs) // (REFUSED + 1), run_input)
     for _ in range(WORKERS - len(system.workers.alive)):
         system.workers.start()
     approver = Approver(system.reviewer)
@@ -83,12 +89,15 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
 
     # Runs arrive over most of the chaos window, so there is always work in flight when a worker dies.
     submit_errors: list[str] = []
+    refused_ids: set[str] = set()
 
     def submit_all():
-        spacing = SECONDS * 0.8 / RUNS
+        spacing = SECONDS * 0.8 / len(inputs)
         for run_input in inputs:
             try:
-                system.submit(run_input, tenant=f"tenant-{len(system.submitted) % 4}")
+                run_id = system.submit(run_input, tenant=f"tenant-{len(system.submitted) % 4}")
+                if any(run_input is refused for refused in refused_inputs):
+                    refused_ids.add(run_id)
             except AssertionError as exc:
                 submit_errors.append(str(exc))
             time.sleep(spacing)
@@ -107,13 +116,15 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
         system.workers.start()
     chaos_ended = time.monotonic()
     submitter.join(60)
-    run_ids = list(system.submitted)
+    submitted = list(system.submitted)
+    run_ids = [run_id for run_id in submitted if run_id not in refused_ids]
 
-    statuses = system.wait_for_runs(run_ids, timeout=SETTLE_SECONDS)
+    statuses = system.wait_for_runs(submitted, timeout=SETTLE_SECONDS)
     settled = time.monotonic()
     approver.stop()
 
     runs = list(Run.objects.filter(pk__in=run_ids).values("id", "status", "created_at", "finished_at"))
+    dead = list(DeadLetter.objects.values_list("run_id", "step", "error"))
     durations = [(r["finished_at"] - r["created_at"]).total_seconds() for r in runs if r["finished_at"]]
     crash_claims = list(
         AuditEntry.objects.filter(action="run.retry", data__cause="worker_crash").values_list("at", "run_id")
@@ -134,7 +145,8 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     stats = sandbox_stats()
     report(
         "chaos",
-        runs_submitted=len(run_ids),
+        runs_submitted=len(submitted),
+        runs_refused_by_design=len(refused_ids),
         workers=WORKERS,
         kills=len(kills),
         statuses=dict(statuses),
@@ -147,6 +159,7 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
         run_end_to_end_p50_s=percentile(durations, 50),
         run_end_to_end_p95_s=percentile(durations, 95),
         run_end_to_end_max_s=max(durations, default=float("nan")),
+        dead_letters=len(dead),
         cards_decided=dict(approver.decided),
         decisions_refused=dict(approver.refused),
         sandbox=stats,
@@ -155,7 +168,7 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     )
 
     assert not submit_errors, submit_errors[:5]
-    assert len(run_ids) == RUNS
+    assert len(run_ids) == RUNS and len(refused_ids) == REFUSED
     assert not approver.errors, approver.errors[:5]
     not_succeeded = [str(r["id"]) for r in runs if r["status"] != Run.Status.SUCCEEDED]
     assert not not_succeeded, (
@@ -170,5 +183,10 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     assert stats["channels"]["payments"] == stats["channels"]["email"] == RUNS
     assert stats["duplicates"] == 0
     assert jobs_doing() == []
-    dead = list(DeadLetter.objects.values_list("run_id", "step", "error"))
-    assert dead == [], dead  # every injected fault is recoverable: none explains a dead letter
+    # A dead letter is explained by an unrecoverable fault: one per refused run, none for any other.
+    assert sorted(str(run_id) for run_id, _, _ in dead) == sorted(refused_ids), dead
+    assert {(step, error) for _, step, error in dead} <= {
+        ("lookup_customer", "Fatal: crm.lookup_customer: 400 Bad Request (refused)")
+    }, dead
+    assert set(Run.objects.filter(pk__in=refused_ids).values_list("status", flat=True)) <= {Run.Status.FAILED}
+    assert set(effects_per_run(list(refused_ids), "payments").values()) <= {0}

@@ -126,7 +126,7 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
     assert not approver.errors, approver.errors[:5]
     assert payments[slow_run] == 1, (
         f"the slow payment was made {payments[slow_run]} times\n{describe_runs([slow_run])}\n"
-        f"{system.workers.grep(slow_run, 'stalled', 'shutdown', 'Stop')}"
+        f"{system.workers.grep(slow_run, 'requeued a stalled job', 'Stop requested', 'after graceful timeout')}"
     )
 
     def allowed(worker, left: float) -> float:

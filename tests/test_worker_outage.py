@@ -167,6 +167,26 @@ def test_a_worker_outlives_a_database_restart(private_server, tmp_path):
         worker.stop()
 
 
+def test_a_worker_started_while_the_database_is_down_waits_for_it(private_server, tmp_path):
+    server = private_server
+    server.stop()
+    try:
+        worker = Worker(_env(server.url), tmp_path / "worker.log")
+        # Registration fails (after the pool's timeout): the worker says so, and stays.
+        wait_until(lambda: _events(worker, "database unreachable"), message=f"the outage line\n{worker.log()}")
+        time.sleep(DOWN_SECONDS)
+        assert worker.proc.poll() is None, worker.log()
+    finally:
+        server.start()
+    try:
+        wait_until(lambda: _heartbeat(server), message=f"the worker to register\n{worker.log()}")
+        job = server.defer("late start")
+        wait_until(lambda: server.job_status(job) == "succeeded", message=f"the job\n{worker.log()}")
+        assert len(_events(worker, "database reachable again")) == 1, worker.log()
+    finally:
+        worker.stop()
+
+
 def _get(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:

@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 import time
+from collections import Counter
 
 import pytest
 from django.conf import settings
@@ -126,15 +127,21 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     runs = list(Run.objects.filter(pk__in=run_ids).values("id", "status", "created_at", "finished_at"))
     dead = list(DeadLetter.objects.values_list("run_id", "step", "error"))
     durations = [(r["finished_at"] - r["created_at"]).total_seconds() for r in runs if r["finished_at"]]
+    # Runs taken back from a dead worker: found by the stalled-job sweep once the worker's heartbeats stop
+    # (`worker_crash`), or, where the engine holds each run by a session lock, as soon as the dead session
+    # released it (`owner_gone`).
     crash_claims = list(
-        AuditEntry.objects.filter(action="run.retry", data__cause="worker_crash").values_list("at", "run_id")
+        AuditEntry.objects.filter(action="run.retry", data__cause__in=["worker_crash", "owner_gone"]).values_list(
+            "at", "run_id", "data__cause"
+        )
     )
-    # The kill that interrupted a run is the last one at least (STALLED_AFTER - heartbeat interval) before
-    # the run was claimed again: the sweep cannot see a dead worker sooner than that.
-    blind = STALLED_AFTER - float(SYSTEM_ENV["WORKER_HEARTBEAT_INTERVAL"])
+    # The kill that stopped a run is taken to be the last one before it was taken back, at least
+    # (STALLED_AFTER - heartbeat interval) before for the heartbeat sweep, which cannot see a dead worker
+    # sooner (an approximation: kills are 1-3 s apart).
+    blind = {"worker_crash": STALLED_AFTER - float(SYSTEM_ENV["WORKER_HEARTBEAT_INTERVAL"]), "owner_gone": 0.0}
     reclaim, next_step = [], []
-    for at, run_id in crash_claims:
-        before = [k for k in kills if k <= at.timestamp() - blind]
+    for at, run_id, cause in crash_claims:
+        before = [k for k in kills if k <= at.timestamp() - blind[cause]]
         if not before:
             continue
         killed_at = max(before)
@@ -152,6 +159,9 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
         statuses=dict(statuses),
         interrupted_steps=Step.objects.filter(run_id__in=run_ids, attempt__gt=1).exclude(kind="gate").count(),
         runs_reclaimed_after_a_crash=len(crash_claims),
+        retries_by_cause=dict(
+            Counter(AuditEntry.objects.filter(action="run.retry").values_list("data__cause", flat=True))
+        ),
         recovery_kill_to_reclaim_p50_s=percentile(reclaim, 50),
         recovery_kill_to_reclaim_max_s=max(reclaim, default=float("nan")),
         recovery_kill_to_next_step_done_p50_s=percentile(next_step, 50),

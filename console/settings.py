@@ -59,6 +59,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
+    # Outside the session and auth middlewares, whose own queries fail first during an outage.
+    "console.middleware.DatabaseUnavailableMiddleware",
     "console.middleware.ApiBodyLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",

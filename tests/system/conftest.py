@@ -200,14 +200,21 @@ class WebServer(ConsoleServer):
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 30
+        try:
+            self._wait_until_up(timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_until_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=1):
                     return
             except OSError:
                 assert self.proc.poll() is None, f"the web server exited at start-up:\n{self.log()[-3000:]}"
-                assert time.monotonic() < deadline, "the web server did not answer within 30 s"
+                assert time.monotonic() < deadline, f"the web server did not answer within {timeout} s"
                 time.sleep(0.1)
 
     def log(self) -> str:
@@ -219,7 +226,8 @@ class WebServer(ConsoleServer):
         return "\n".join(line[-3000:] for line in lines[-limit:])
 
     def stop(self) -> None:
-        super().stop()
+        if self.proc.poll() is None:
+            super().stop()
         self._log.close()
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.db import DataError
 from django.http import Http404, HttpRequest
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
 from console.models import ApiToken
+from console.safe_input import SafeJsonParser, UnsafeJson
 
 
 class BearerToken(HttpBearer):
@@ -20,7 +22,13 @@ class BearerToken(HttpBearer):
         return user
 
 
-api = NinjaAPI(title="HITL approval console", version="1", auth=BearerToken(), urls_namespace="api")
+api = NinjaAPI(
+    title="HITL approval console",
+    version="1",
+    auth=BearerToken(),
+    urls_namespace="api",
+    parser=SafeJsonParser(),
+)
 
 
 def error(request, status: int, error_code: str, detail) -> object:
@@ -41,6 +49,10 @@ def _invalid(request, exc):
 
 @api.exception_handler(HttpError)
 def _http_error(request, exc):
+    # ninja wraps whatever the body parser raised in a 400 "Cannot parse request body"; a body that parsed
+    # but holds a value we refuse is a 422 naming the field, like any other invalid field.
+    if isinstance(exc.__cause__, UnsafeJson):
+        return error(request, 422, "invalid", exc.__cause__.errors())
     return error(request, exc.status_code, _ERROR_CODES.get(exc.status_code, "error"), str(exc))
 
 
@@ -63,6 +75,13 @@ def _not_found(request, exc):
 @api.exception_handler(RequestDataTooBig)
 def _too_large(request, exc):
     return error(request, 413, "too_large", f"The body is larger than {settings.API_MAX_BODY_BYTES} bytes.")
+
+
+@api.exception_handler(DataError)
+def _data_error(request, exc):
+    # A value PostgreSQL refuses (out of range, too long, not encodable) is the client's, not a server fault.
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "A value was refused by the database."
+    return error(request, 400, "bad_request", f"The database refused a value: {detail}")
 
 
 def _mount_app_routers() -> None:

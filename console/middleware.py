@@ -9,8 +9,11 @@ import structlog
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.signals import got_request_exception
-from django.db import InterfaceError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import HttpResponse, JsonResponse
+from django.utils.html import escape
+
+from console.safe_input import unsafe_char
 
 log = structlog.get_logger("console.request")
 
@@ -68,6 +71,81 @@ class ApiBodyLimitMiddleware:
                     {"error": "too_large", "detail": f"The body is larger than {limit} bytes."}, status=413
                 )
         return self.get_response(request)
+
+
+_BAD_REQUEST_PAGE = """<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>Bad request</title></head>
+<body>
+<h1>Bad request</h1>
+<p>{detail}</p>
+</body>
+</html>
+"""
+_FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def _unsafe_input(request) -> str | None:
+    """What in the request cannot be stored (a NUL character, a lone surrogate) and where, or None.
+
+    JSON bodies of the API are checked by its parser (console.safe_input), which names the field."""
+    if why := unsafe_char(request.path):
+        return f"The path contains {why}."
+    for where, items in (
+        ("query parameter", request.GET.lists()),
+        ("cookie", ((name, [value]) for name, value in request.COOKIES.items())),
+        ("header", ((name, [value]) for name, value in request.headers.items())),
+    ):
+        for name, values in items:
+            for text in (name, *values):
+                if why := unsafe_char(text):
+                    return f"The {where} {_quoted(name)} contains {why}."
+    if (
+        request.method == "POST"
+        and not request.path.startswith("/api/")
+        and request.content_type in _FORM_CONTENT_TYPES
+    ):
+        for name, values in request.POST.lists():
+            for text in (name, *values):
+                if why := unsafe_char(text):
+                    return f"The form field {_quoted(name)} contains {why}."
+    return None
+
+
+def _quoted(name: str) -> str:
+    # The name itself may be what holds the NUL: show it escaped, never raw.
+    return ascii(name) if unsafe_char(name) else f"'{name}'"
+
+
+def bad_request(request, detail: str) -> HttpResponse:
+    """400 in the shape the caller reads: JSON under /api/, an HTML fragment for htmx (swapped into the form
+    that sent it), a small static page otherwise (no template: nothing here should touch the session)."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": "bad_request", "detail": detail}, status=400)
+    if request.headers.get("HX-Request"):
+        return HttpResponse(f'<p class="message error">{escape(detail)}</p>', status=400)
+    return HttpResponse(_BAD_REQUEST_PAGE.format(detail=escape(detail)), status=400)
+
+
+class SafeInputMiddleware:
+    """Answers 400, before any view or query sees it, a request whose path, query string, cookies, headers or
+    form fields hold what PostgreSQL cannot store (a NUL character; a lone surrogate); and turns a DataError
+    (a value PostgreSQL refused) raised by a console page into a 400 as well. The API maps DataError itself."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        if detail := _unsafe_input(request):
+            log.info("unsafe input refused", path=ascii(request.path)[:200], detail=detail)
+            return bad_request(request, detail)
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if isinstance(exception, DataError):
+            log.info("database refused a value", path=request.path, error=str(exception).strip()[:300])
+            return bad_request(request, "A value in the request was refused by the database.")
+        return None
 
 
 _UNAVAILABLE_PAGE = """<!doctype html>

@@ -62,6 +62,8 @@ MIDDLEWARE = [
     # Outside the session and auth middlewares, whose own queries fail first during an outage.
     "console.middleware.DatabaseUnavailableMiddleware",
     "console.middleware.ApiBodyLimitMiddleware",
+    # Before the session middleware: a NUL in a cookie or query string must not reach a query.
+    "console.middleware.SafeInputMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -47,9 +47,10 @@ class RequestIdMiddleware:
 
 
 class ApiBodyLimitMiddleware:
-    """Refuses API requests whose declared body is larger than API_MAX_BODY_BYTES with 413, before anything
-    reads the body. A body without a Content-Length (`Transfer-Encoding: chunked`, which uvicorn passes on) is
-    measured once read: Django reads at most DATA_UPLOAD_MAX_MEMORY_SIZE of it."""
+    """Refuses API requests whose declared body is larger than API_MAX_BODY_BYTES with 413, before a view reads
+    the body. Under ASGI (the production server) console.body_limit has already refused such a body while it
+    arrived, since Django's handler reads the whole body before any middleware; this keeps the same answer for
+    callers that do not come through ASGI, such as Django's test client."""
 
     def __init__(self, get_response):
         self.get_response = get_response

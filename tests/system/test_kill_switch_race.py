@@ -2,7 +2,8 @@
 
 From the moment the switch commits no email starts: an email whose receipt was written before the switch
 (already past the check, in flight) may still arrive, none other does. Every run that had not reached its
-email parks as `paused` on the switch; releasing it lets them finish, one email each.
+email parks as `paused` on the switch, as do runs submitted while it is engaged; releasing it lets them
+finish, one email each.
 
 Sizes: KILL_SWITCH_RUNS (40).
 """
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 RUNS = env_int("KILL_SWITCH_RUNS", 40)
 ENGAGE_AFTER_EMAILS = max(1, RUNS // 8)
+ARRIVALS = 5
 
 
 def refund(i: int) -> dict:
@@ -46,6 +48,9 @@ def test_no_email_starts_after_the_email_kill_switch_commits(system):
     assert response.status == 200, response
     assert response.body["engaged"] is True and response.body["changed"] is True
     emails_at_switch = emails()
+    # Runs that arrive while the switch is engaged pay, then park before their email.
+    arrivals = [system.submit(refund(RUNS + i)) for i in range(ARRIVALS)]
+    run_ids += arrivals
 
     # Every run either sent its email (in flight at the switch, or before) or parks on the switch.
     parked = system.wait_for_runs(run_ids, timeout=30, until=[Run.Status.SUCCEEDED, Run.Status.PAUSED])
@@ -59,6 +64,7 @@ def test_no_email_starts_after_the_email_kill_switch_commits(system):
     )
     paused = list(Run.objects.filter(pk__in=run_ids, status=Run.Status.PAUSED).values_list("pk", "paused_switch"))
     emails_of_paused_runs = effects_per_run([str(pk) for pk, _ in paused], "email")
+    arrivals_paused = Run.objects.filter(pk__in=arrivals, status=Run.Status.PAUSED).count()
 
     released = system.ops.post("/api/channels/email/kill-switch", {"engaged": False, "reason": "template fixed"})
     assert released.status == 200, released
@@ -66,7 +72,8 @@ def test_no_email_starts_after_the_email_kill_switch_commits(system):
     stats = sandbox_stats()
     report(
         "email kill switch race",
-        runs=RUNS,
+        runs=len(run_ids),
+        runs_submitted_while_engaged=ARRIVALS,
         emails_before_the_switch=emails_at_switch,
         emails_in_flight_after_the_switch=len(in_flight),
         emails_while_engaged=emails_while_engaged,
@@ -82,15 +89,16 @@ def test_no_email_starts_after_the_email_kill_switch_commits(system):
     assert late == [], "email receipts written after the kill switch had committed"
     # What arrived after the switch had started before it: its receipt was written before the switch.
     assert Receipt.objects.filter(key__in=in_flight, created_at__lte=committed).count() == len(in_flight)
-    assert sum(parked.values()) == RUNS, describe_runs(
+    assert sum(parked.values()) == len(run_ids), describe_runs(
         Run.objects.filter(pk__in=run_ids).exclude(status__in=["succeeded", "paused"]).values_list("pk", flat=True)
     )
     assert paused, "the switch came after every email: the burst was too short to race it"
     assert {switch for _, switch in paused} == {"email"}
     assert emails_while_engaged == parked[Run.Status.SUCCEEDED]
     assert set(emails_of_paused_runs.values()) == {0}
+    assert arrivals_paused == ARRIVALS
 
-    assert finished == {Run.Status.SUCCEEDED: RUNS}, describe_runs(
+    assert finished == {Run.Status.SUCCEEDED: len(run_ids)}, describe_runs(
         Run.objects.filter(pk__in=run_ids).exclude(status="succeeded").values_list("pk", flat=True)
     )
     assert set(effects_per_run(run_ids, "email").values()) == {1}

@@ -6,9 +6,9 @@ from typing import Literal
 from django.shortcuts import get_object_or_404
 from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
-from ninja.errors import HttpError
+from ninja.errors import HttpError, ValidationError
 
-from approvals.models import AlreadyDecided, Approval, DecisionError
+from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
 from console.models import Channel
 
 router = Router(tags=["approvals"])
@@ -88,5 +88,9 @@ def decide(request, card_id: int, body: DecisionIn):
         )
     except AlreadyDecided as exc:
         raise HttpError(409, str(exc)) from None
+    except InvalidDecision as exc:
+        if exc.errors:
+            raise ValidationError(exc.errors) from None  # 422, each field's error
+        raise HttpError(exc.status, str(exc)) from None
     except DecisionError as exc:
         raise HttpError(exc.status, str(exc)) from None

@@ -1,8 +1,9 @@
 """The card's decision forms: reject (comment + reason) and edit (the proposed payload, field by field).
 
-The edit form is built from the card's `proposed` object: one field per leaf, of the leaf's own type (an int stays
-an int), so that what executes has the shape the gate proposed. Cards whose payload is not a flat-enough object
-get one JSON textarea instead, checked against the proposal the same way (same keys, same types).
+The edit form is built from the card's `proposed` object and its gate's declaration (approvals.edits): one field
+per editable leaf, of the leaf's own type (an int stays an int); the other leaves are shown as they are. Cards
+whose payload is not a flat-enough object get one JSON textarea instead. Either way the payload is checked by the
+same validator that Approval.decide() applies, so the form refuses exactly what the API refuses.
 """
 
 from __future__ import annotations
@@ -14,15 +15,11 @@ from typing import Any
 from django import forms
 from django.core.validators import RegexValidator
 
+from approvals import edits
 from approvals.models import RejectReason
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
-
-# Per workflow, the leaves a reviewer may change; the others are shown, and kept as proposed.
-EDITABLE = {
-    "refund": ("refund.amount_cents", "refund.currency", "email.subject", "email.body"),
-}
 
 
 class RejectForm(forms.Form):
@@ -59,44 +56,21 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, str | int | float | bool) and value is not None
 
 
-def type_errors(proposed: Any, edited: Any, path: str = "") -> list[str]:
-    """Where `edited` does not keep the shape of `proposed`: a missing key, or a value of another type."""
-    where = path or "the payload"
-    if isinstance(proposed, dict):
-        if not isinstance(edited, dict):
-            return [f"{where} must be an object"]
-        errors = []
-        for key, value in proposed.items():
-            child = f"{path}.{key}" if path else str(key)
-            if key not in edited:
-                errors.append(f"{child} is required")
-            else:
-                errors += type_errors(value, edited[key], child)
-        return errors
-    if proposed is None:
-        return []
-    expected = type(proposed)
-    if expected is float and type(edited) is int:
-        return []  # 10 for 10.0 is the same number
-    if type(edited) is not expected:
-        names = {bool: "true or false", int: "a whole number", float: "a number", str: "text", list: "a list"}
-        return [f"{where} must be {names.get(expected, expected.__name__)}"]
-    return []
-
-
 class EditForm(forms.Form):
     """The proposed payload as editable fields (`p:<path>`), or one JSON textarea (`payload_json`)."""
 
     comment = forms.CharField(max_length=COMMENT_MAX, required=False, widget=forms.Textarea(attrs={"rows": 2}))
 
-    def __init__(self, proposed: dict, workflow: str = "", *args, **kwargs):
+    def __init__(self, card, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.proposed = proposed
+        self.card = card
+        self.proposed = proposed = card.proposed
         leaves = _leaves(proposed) if isinstance(proposed, dict) else []
         self.structured = bool(leaves) and all(_is_scalar(value) for _, value in leaves)
         paths = [path for path, _ in leaves]
-        # The workflow's editable leaves when this payload has them (its action card), else every leaf.
-        self.editable = [path for path in EDITABLE.get(workflow, ()) if path in paths] or paths
+        # The gate's editable leaves when it declares them, else every leaf (whose shape may not change).
+        declared = edits.editable_paths(card)
+        self.editable = [path for path in declared if path in paths] if declared is not None else paths
         self.fixed: list[tuple[str, Any]] = []
         if not self.structured:
             self.fields["payload_json"] = forms.CharField(
@@ -148,8 +122,7 @@ class EditForm(forms.Form):
                     if isinstance(new, str):
                         new = new.replace("\r\n", "\n")
                     _set(payload, path, new)
-            cleaned["payload"] = payload
-            return cleaned
+            return self._checked(cleaned, payload)
         raw = cleaned.get("payload_json")
         if raw is None:
             return cleaned
@@ -158,9 +131,15 @@ class EditForm(forms.Form):
         except ValueError as exc:
             self.add_error("payload_json", f"Not valid JSON: {exc}")
             return cleaned
-        errors = type_errors(self.proposed, payload)
-        if errors:
-            self.add_error("payload_json", "; ".join(errors))
+        return self._checked(cleaned, payload)
+
+    def _checked(self, cleaned: dict, payload) -> dict:
+        """The one validator of edits (approvals.edits), each error on its field when it has one."""
+        if self.errors:
             return cleaned
-        cleaned["payload"] = payload
+        for error in edits.edit_errors(self.card, payload):
+            name = f"p:{error['loc']}"
+            self.add_error(name if name in self.fields else None, f"{error['loc']} {error['msg']}")
+        if not self.errors:
+            cleaned["payload"] = payload
         return cleaned

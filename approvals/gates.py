@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from approvals import policy
+from approvals import edits, policy
 from approvals.models import Approval
 from console.models import Channel
 from runs.gates import ApprovalRequest, Decision, Kind
@@ -23,7 +23,10 @@ class CardBackend:
                 return  # parked again on the same question (a resumed job): keep the card
             open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
             open_card.save(update_fields=["status", "decided_at"])
+        spec = edits.gate_spec(Approval(run=run, step_seq=seq, kind=request.kind))
+        display = spec.display.values(request.proposed) if spec is not None else {}
         card = Approval.objects.create(
+            **display,
             run=run,
             step_seq=seq,
             kind=request.kind,
@@ -72,7 +75,9 @@ def _decision_of(card: Approval) -> Decision:
         Approval.Status.EDITED: edits[-1].payload if edits else None,
     }
     if card.status != Approval.Status.REJECTED:
-        deciders = [d for d in decisions if d.decision in ("approve", "edit")]
+        # Those who approved what executes: from its last change on (an edit restarts the two-person count).
+        last_edit = max((i for i, d in enumerate(decisions) if d.decision == "edit"), default=0)
+        deciders = [d for d in decisions[last_edit:] if d.decision in ("approve", "edit")]
     else:
         deciders = [d for d in decisions if d.decision == "reject"]
     return Decision(

@@ -23,7 +23,6 @@ from urllib.parse import urlencode
 
 from django import forms
 from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Value, When
-from django.db.models.fields.json import KT
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -169,19 +168,15 @@ class Inbox:
             cards.select_related("assigned_group")
             .only(
                 *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
-                *("workflow", "run_id", "assigned_group__name"),
+                *("workflow", "run_id", "assigned_group__name", "headline", "amount_minor", "currency"),
             )
-            .annotate(
-                amount_cents=KT("proposed__refund__amount_cents"),
-                currency=KT("proposed__refund__currency"),
-                sla_state=sla_state_expression(self.channels, self.now),
-            )
+            .annotate(sla_state=sla_state_expression(self.channels, self.now))
             .order_by("due_at", "id")[: PER_PAGE + 1]
         )
         for card in rows:
             card.channel = by_id[card.channel_id]  # no join: the channels are loaded already
             card.remaining = card.due_at - self.now
-            card.amount = _amount(card.amount_cents)
+            card.amount = _amount(card.amount_minor)
         more = len(rows) > PER_PAGE
         rows = rows[:PER_PAGE]
         return rows, (format_cursor(rows[-1]) if more else None)

@@ -7,6 +7,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from approvals import edits
 from console.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
@@ -20,6 +21,10 @@ class DecisionError(Exception):
 
 class InvalidDecision(DecisionError):
     status = 422
+
+    def __init__(self, message: str, errors: list[dict] | None = None):
+        super().__init__(message)
+        self.errors = errors or []  # an edit's field errors, {loc, msg}
 
 
 class AlreadyDecided(DecisionError):
@@ -100,6 +105,11 @@ class Approval(models.Model):
     proposed = models.JSONField(encoder=DjangoJSONEncoder)
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     summary = models.TextField(blank=True)
+    # Display hints from the gate's declaration (runs.workflow.Display), copied when the card opens so that the
+    # inbox shows any workflow's headline and amount without knowing its proposal's shape.
+    headline = models.CharField(max_length=300, blank=True)
+    amount_minor = models.BigIntegerField(null=True, blank=True, help_text="An amount in minor units (cents).")
+    currency = models.CharField(max_length=3, blank=True)
     rule_id = models.CharField(max_length=100, blank=True)
     confidence = models.FloatField(null=True, blank=True)
     citations = models.JSONField(default=list, blank=True)
@@ -160,10 +170,13 @@ class Approval(models.Model):
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
         decision, updates the card and re-queues the run with its job, all in one transaction.
 
-        On a channel with `required_approvals = 2` a first approval (or edit) is recorded and the card stays
-        open; a second one by a different person completes it (an edit among them is what executes); a
-        rejection by anyone ends it, except on a reconcile card, where "it did not happen" (a rejection: the
-        write is done now) needs two people too. Nobody decides a card of a run they started."""
+        An edit must pass the card's validator (approvals.edits: the gate's declared schema, editable leaves and
+        bounds), or nothing is written. On a channel with `required_approvals = 2` what executes needs the
+        approvals of two different people given after its last change: an approval or an edit is recorded and
+        the card stays open until a second person approves it as it stands (an edit restarts the count, its
+        author counting as one); a rejection by anyone ends it, except on a reconcile card, where "it did not
+        happen" (a rejection: the write is done now) needs two people too. Nobody decides a card of a run they
+        started."""
         status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
         if decision not in status:
             raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
@@ -185,17 +198,23 @@ class Approval(models.Model):
                 raise StaleVersion(card, version)
             if actor is not None and run.created_by_id == getattr(actor, "pk", None):
                 raise NotAllowed("you started this run: someone else must decide its cards")
-            # The answers that count towards the two-person rule: approvals (and edits); on a reconcile card a
-            # rejection too, which means "it did not happen: do the write now", as risky as an approval.
-            counted = ["reject"] if decision == "reject" else ["approve", "edit"]
+            if decision == "edit" and (errors := edits.edit_errors(card, payload)):
+                raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+            earlier = list(card.decisions.order_by("created_at", "pk"))
+            # The two-person rule: on an action card, what executes needs approvals from two different people given
+            # after its last change (an edit resets the count; the editor counts as one). On a reconcile card a
+            # rejection counts too: it means "it did not happen: do the write now", as risky as an approval.
             needs_two = card.channel.required_approvals > 1 and (decision != "reject" or card.kind == Kind.RECONCILE)
-            approvals = []
-            if needs_two:
-                approvals = list(card.decisions.filter(decision__in=counted).order_by("created_at"))
-                if actor is not None and any(d.actor_id == actor.pk for d in approvals):
-                    raise SecondApproverNeeded(
-                        "you already answered this card: the two-person rule needs a different person's answer"
-                    )
+            counted: list[Decision] = []
+            if needs_two and decision == "reject":
+                counted = [d for d in earlier if d.decision == Decision.Kind.REJECT]
+            elif needs_two and decision == "approve":
+                last_edit = max((i for i, d in enumerate(earlier) if d.decision == Decision.Kind.EDIT), default=0)
+                counted = [d for d in earlier[last_edit:] if d.decision in (Decision.Kind.APPROVE, Decision.Kind.EDIT)]
+            if actor is not None and any(d.actor_id == actor.pk for d in counted):
+                raise SecondApproverNeeded(
+                    "you already answered this card as it stands: the two-person rule needs a different person"
+                )
             Decision.objects.create(
                 approval=card,
                 actor=actor,
@@ -204,10 +223,10 @@ class Approval(models.Model):
                 reason=reason or "",
                 payload=payload if decision == "edit" else None,
             )
-            approvals_given = len(approvals) + 1
+            approvals_given = len(counted) + 1
             complete = not needs_two or approvals_given >= card.channel.required_approvals
             if complete:
-                edited = decision == "edit" or any(d.decision == "edit" for d in approvals)
+                edited = decision == "edit" or any(d.decision == Decision.Kind.EDIT for d in earlier)
                 card.status = self.Status.EDITED if edited and decision != "reject" else status[decision]
                 card.decided_at = timezone.now()
             card.version += 1

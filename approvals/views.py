@@ -114,13 +114,10 @@ def _citations(citations) -> list[dict]:
 
 
 def _amount(card: Approval) -> str:
-    proposed = card.proposed if isinstance(card.proposed, dict) else {}
-    refund = proposed.get("refund") if isinstance(proposed.get("refund"), dict) else {}
-    source = refund if "amount_cents" in refund else (card.run.input if isinstance(card.run.input, dict) else {})
-    cents, currency = source.get("amount_cents"), source.get("currency", "")
-    if not isinstance(cents, int) or isinstance(cents, bool):
+    """The amount the gate declared for its card's display, if any."""
+    if card.amount_minor is None:
         return ""
-    return f"{cents / 100:,.2f} {currency}".strip()
+    return f"{card.amount_minor / 100:,.2f} {card.currency}".strip()
 
 
 def prepare(card: Approval, user, **state) -> Approval:
@@ -153,7 +150,7 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
     card.labels = LABELS.get(card.kind, LABELS[Kind.ACTION])
-    card.edit_form = state.get("edit_form") or EditForm(card.proposed, card.run.workflow)
+    card.edit_form = state.get("edit_form") or EditForm(card)
     card.reject_form = state.get("reject_form") or RejectForm()
     for form in (card.edit_form, card.reject_form):
         form.auto_id = f"card{card.pk}-%s"  # unique ids when a page shows several cards (the inbox)
@@ -214,7 +211,7 @@ def decide(request, pk: int):
         elif decision == "edit":
             if card.kind == Kind.RECONCILE:
                 raise InvalidDecision("A reconcile card is approved or rejected, not edited.")
-            form = EditForm(card.proposed, card.run.workflow, request.POST)
+            form = EditForm(card, request.POST)
             if not form.is_valid():
                 state.update(edit_form=form, opened="edit")
             elif request.POST.get("preview"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from decimal import Decimal, InvalidOperation
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
@@ -45,6 +46,18 @@ def env_float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+
+
+def env_decimal(name: str, default: str) -> Decimal:
+    raw = os.environ.get(name)
+    value = default if raw is None or raw.strip() == "" else raw
+    try:
+        number = Decimal(value)
+    except InvalidOperation:
+        raise ImproperlyConfigured(f"{name} must be a decimal number, got {raw!r}") from None
+    if not number.is_finite():
+        raise ImproperlyConfigured(f"{name} must be a finite decimal number, got {raw!r}")
+    return number
 
 
 def env_list(name: str, default: str = "") -> list[str]:

@@ -5,10 +5,23 @@ from __future__ import annotations
 import os
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
+
 from console import logs, schedules
-from console.env import database_from_url, env_bool, env_float, env_int, env_list, env_secret, env_str
+from console.env import (
+    database_from_url,
+    env_bool,
+    env_decimal,
+    env_float,
+    env_int,
+    env_list,
+    env_secret,
+    env_str,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -50,6 +63,9 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_htmx",
     "guardian",
+    # Serves /api/docs (Swagger UI) from ninja's bundled static files instead of a CDN.
+    "ninja",
+    "axes",  # login throttling (see the security block below)
     "procrastinate.contrib.django",
     "console",
     "jobs",
@@ -65,6 +81,7 @@ MIDDLEWARE = [
     # Before the session middleware: a NUL in a cookie or query string must not reach a query.
     "console.middleware.SafeInputMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -74,6 +91,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: answers a locked-out login attempt with 429.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "console.urls"
@@ -96,6 +115,8 @@ TEMPLATES = [
 ]
 
 AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out login before any other backend checks the password.
+    "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
     "guardian.backends.ObjectPermissionBackend",
 ]
@@ -158,6 +179,8 @@ WORKFLOW_MODULES = ["runs.demo", *env_list("WORKFLOW_MODULES")]
 MODEL_BASE_URL = env_str("MODEL_BASE_URL")
 MODEL_API_KEY = env_str("MODEL_API_KEY")
 MODEL_NAME = env_str("MODEL_NAME", "gpt-4o-mini")
+# A budget card may raise a run's cost limit to at most this (approvals.edits).
+BUDGET_CEILING = env_decimal("BUDGET_CEILING", "100")
 # The demo's refund gate approves by itself below this amount.
 AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
 
@@ -170,6 +193,13 @@ READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
 
 # /metrics: a scraper sends "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback clients may scrape.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
+# The audit log: with a key, each entry's hash is an HMAC, which someone who can write to the database but does
+# not have this key cannot recompute (console.models.AuditEntry). Keep it out of the database and its backups.
+AUDIT_HMAC_KEY = env_str("AUDIT_HMAC_KEY")
+if 0 < len(AUDIT_HMAC_KEY) < 32:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("AUDIT_HMAC_KEY must be at least 32 characters (e.g. `openssl rand -hex 32`)")
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 
@@ -196,6 +226,55 @@ MAILERS = {
     }
 }
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
+
+# --- Security headers, HTTPS and login throttling ----------------------------------------------------------
+# (Kept together; README "Running in production".) Outside development the console is served over HTTPS only.
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEVELOPMENT)
+# Probes and scrapers speak plain HTTP to the process itself, from inside the network.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEVELOPMENT else 365 * 24 * 3600)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+# Behind a proxy that terminates TLS: the header it sets and the value meaning HTTPS, as "X-Forwarded-Proto=https".
+# Only set it when the proxy always sets (or strips) that header: a client could send it otherwise.
+if _proxy_ssl_header := env_str("SECURE_PROXY_SSL_HEADER"):
+    _name, _, _value = (part.strip() for part in _proxy_ssl_header.partition("="))
+    if not (_name and _value):
+        raise ImproperlyConfigured(f"SECURE_PROXY_SSL_HEADER must look like X-Forwarded-Proto=https, got {_proxy_ssl_header!r}")
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + _name.upper().replace("-", "_"), _value)
+# Every page's scripts and styles come from our own static files (htmx, console.js, ninja's Swagger UI): no
+# inline script or handler, no eval (so no hx-on attributes), no CDN. Enforced outside development; reported
+# only (browser console) in development, so a new inline handler shows up before it breaks a deployment.
+_CSP_POLICY = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF],
+    "style-src": [CSP.SELF],
+    "img-src": [CSP.SELF, "data:"],  # Swagger UI's icons are data: URLs in its stylesheet
+    "font-src": [CSP.SELF],
+    "connect-src": [CSP.SELF],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "form-action": [CSP.SELF],
+    "frame-ancestors": [CSP.NONE],
+}
+SECURE_CSP = {} if DEVELOPMENT else _CSP_POLICY
+SECURE_CSP_REPORT_ONLY = _CSP_POLICY if DEVELOPMENT else {}
+# Login throttling (django-axes, database handler: counts are shared by every web process). After
+# LOGIN_FAILURE_LIMIT failed logins from one IP address, or for one username, within LOGIN_LOCKOUT_SECONDS,
+# further attempts get 429 without their password being checked, until that long after the last failure.
+# A successful login resets its counts. Behind a proxy, uvicorn takes the client's address from
+# X-Forwarded-For only when the proxy is in FORWARDED_ALLOW_IPS (uvicorn's default: 127.0.0.1).
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(seconds=env_int("LOGIN_LOCKOUT_SECONDS", 15 * 60))
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]  # each on its own, not the pair
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_DISABLE_ACCESS_LOG = True  # successful logins are not axes' business; its table would grow for ever
+AXES_VERBOSE = False
+# The demo's fault injection (`faults` in a refund's input: 429s, timeouts, a worker made to hang for days) is
+# honoured in development only (runs.sandbox).
+DEMO_FAULTS_ENABLED = DEVELOPMENT
+# --- end of security headers, HTTPS and login throttling ----------------------------------------------------
 
 # Demo logins (development only: demo_setup refuses to run outside development).
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")

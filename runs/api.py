@@ -6,11 +6,11 @@ from decimal import Decimal
 
 from django.shortcuts import get_object_or_404
 from ninja import Field, Router, Schema, Status
-from ninja.errors import HttpError
+from ninja.errors import HttpError, ValidationError
 
 from console.models import Role
 from runs.models import IdempotencyConflict, Run
-from runs.workflow import UnknownWorkflow
+from runs.workflow import InvalidInput, UnknownWorkflow
 
 router = Router(tags=["runs"])
 
@@ -130,6 +130,8 @@ def create_run(request, body: RunIn):
         )
     except UnknownWorkflow as exc:
         raise HttpError(422, str(exc)) from None
+    except InvalidInput as exc:
+        raise ValidationError(exc.errors) from None
     except IdempotencyConflict as exc:
         raise HttpError(409, str(exc)) from None
     return Status(202 if created else 200, {"id": run.id, "status": run.status, "url": f"/api/runs/{run.id}"})

@@ -7,12 +7,65 @@ issue_refund (effect on payments) -> notify_customer (effect on email).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from django.conf import settings
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from runs.currencies import check_currency
 from runs.gates import ApprovalRequest
-from runs.workflow import Fatal, Workflow, register
+from runs.workflow import Display, Fatal, Workflow, register
 
-refund = register(Workflow("refund", version=1, description="Refund a customer, with a person's sign-off."))
+Currency = Annotated[StrictStr, AfterValidator(check_currency)]
+Cents = Annotated[StrictInt, Field(gt=0, le=100_000_000)]  # up to one million in major units
+
+
+class RefundInput(BaseModel):
+    """What a caller submits (POST /api/runs, webhooks, demo_traffic): validated before the run exists."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    customer_id: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+    amount_cents: Cents
+    currency: Currency
+    reason: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
+    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (runs.sandbox), development only
+
+
+class RefundOrder(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    customer_id: StrictStr
+    amount_cents: Cents
+    currency: Currency
+    reason: StrictStr
+
+
+class CustomerEmail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    to: Annotated[StrictStr, Field(pattern=r"^[^@\s]+@[^@\s]+$")]
+    subject: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    body: Annotated[StrictStr, Field(min_length=1, max_length=10_000)]
+
+
+class RefundProposal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    refund: RefundOrder
+    email: CustomerEmail
+
+
+def _no_more_than_proposed(proposed: dict, edited: dict) -> list[dict]:
+    """A reviewer may lower the refund, never raise it (the agent's draft is the ceiling they signed off)."""
+    if edited["refund"]["amount_cents"] > proposed["refund"]["amount_cents"]:
+        return [{"loc": "refund.amount_cents", "msg": "may not be more than the proposed amount"}]
+    return []
+
+
+refund = register(
+    Workflow("refund", version=1, description="Refund a customer, with a person's sign-off.", input_schema=RefundInput)
+)
 
 
 @refund.compute
@@ -43,11 +96,33 @@ def draft_refund(ctx):
     )
 
 
-@refund.gate("payments")
+def _matches_the_request(order: dict, draft: dict) -> bool:
+    """The model's draft is what was asked for: the same customer and currency, and no more than requested."""
+    amount = draft.get("amount_cents")
+    return (
+        draft.get("customer_id") == order["customer_id"]
+        and draft.get("currency") == order["currency"]
+        and isinstance(amount, int)
+        and not isinstance(amount, bool)
+        and 0 < amount <= order["amount_cents"]
+    )
+
+
+@refund.gate(
+    "payments",
+    proposal=RefundProposal,
+    editable=("refund.amount_cents", "refund.currency", "email.subject", "email.body"),
+    check_edit=_no_more_than_proposed,
+    display=Display(headline="refund.reason", amount_minor="refund.amount_cents", currency="refund.currency"),
+)
 def approve_refund(ctx):
     draft = ctx.outputs["draft_refund"]
     proposal = {"refund": draft["refund"], "email": draft["email"]}
-    if draft["refund"]["amount_cents"] < settings.AUTO_APPROVE_CENTS:
+    # Never auto-approve on the model's output alone: only a draft that matches the request, below the amount.
+    if (
+        _matches_the_request(ctx.input, draft["refund"])
+        and draft["refund"]["amount_cents"] < settings.AUTO_APPROVE_CENTS
+    ):
         return {
             "decision": "auto",
             "payload": proposal,

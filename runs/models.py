@@ -173,10 +173,11 @@ class Run(models.Model):
         """Create a run and queue its first job in one transaction; no agent work happens here.
 
         The same idempotency key gives back the same run (created=False); the same key with a different
-        request raises IdempotencyConflict."""
+        request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput."""
         from runs import workflow as workflows
 
         definition = workflows.get(workflow)  # raises UnknownWorkflow
+        definition.validate_input(input)  # raises InvalidInput: nothing is written
         try:
             with transaction.atomic():
                 run = cls.objects.create(

@@ -9,6 +9,8 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
 from runs import gates
 from runs.gates import ApprovalRequest, Decision
@@ -52,12 +54,102 @@ class Park(Exception):
 StepFn = Callable[["Context"], Any]
 
 
+class InvalidInput(ValueError):
+    """A run's input (or an edit of a proposal) that its schema refuses: `errors` is a list of {loc, msg}."""
+
+    def __init__(self, errors: list[dict]):
+        super().__init__("; ".join(f"{e['loc']}: {e['msg']}" for e in errors))
+        self.errors = errors
+
+
+def schema_errors(schema: type[BaseModel], value: Any, prefix: str = "") -> list[dict]:
+    """The field errors of `value` against a pydantic model, each {loc: "a.b", msg}; [] when it is valid."""
+    try:
+        schema.model_validate(value)
+    except PydanticValidationError as exc:
+        return [
+            {"loc": ".".join(str(part) for part in (prefix, *error["loc"]) if part != ""), "msg": error["msg"]}
+            for error in exc.errors(include_url=False, include_context=False, include_input=False)
+        ]
+    return []
+
+
+@dataclass(frozen=True)
+class Display:
+    """How a gate's card shows its proposal: paths into it (dotted) for the headline and the amount column."""
+
+    headline: str | None = None
+    amount_minor: str | None = None  # an amount in minor units (cents)
+    currency: str | None = None
+
+    def values(self, proposed: Any) -> dict:
+        return {
+            "headline": str(leaf(proposed, self.headline) or "")[:300],
+            "amount_minor": _int_or_none(leaf(proposed, self.amount_minor)),
+            "currency": str(leaf(proposed, self.currency) or "")[:3],
+        }
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """What a person may do with a gate's proposal: its schema, the leaves they may edit (dotted paths), a check
+    of an edit against the proposal (bounds such as "no more than proposed"), and display hints. One validator,
+    `edit_errors`, serves the card form, the API and bulk decisions (approvals.models.Approval.decide)."""
+
+    proposal: type[BaseModel] | None = None
+    editable: tuple[str, ...] = ()
+    check_edit: Callable[[dict, dict], list[dict]] | None = None
+    display: Display = field(default_factory=Display)
+
+    def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
+        if not isinstance(edited, dict):
+            return [{"loc": "payload", "msg": "must be an object"}]
+        errors = [
+            {"loc": path, "msg": "may not be changed"}
+            for path in sorted(set(leaves(proposed)) | set(leaves(edited)))
+            if path not in self.editable and leaf(proposed, path, _MISSING) != leaf(edited, path, _MISSING)
+        ]
+        if self.proposal is not None:
+            errors += schema_errors(self.proposal, edited)
+        if not errors and self.check_edit is not None:
+            errors += self.check_edit(proposed, edited)
+        return errors
+
+
+_MISSING = object()
+
+
+def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a JSON object by dotted path (a non-empty object is not a leaf; lists are)."""
+    if not isinstance(value, dict) or (not value and prefix):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def leaf(value: Any, path: str | None, default: Any = None) -> Any:
+    if not path:
+        return default
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63 else None
+
+
 @dataclass(frozen=True)
 class StepDef:
     name: str
     kind: str  # compute | read | effect | gate
     fn: StepFn
     channel: str | None = None
+    gate: GateSpec | None = None
 
 
 @dataclass
@@ -72,14 +164,20 @@ class Workflow:
     version: int = 1
     on_reject: str = "succeed"
     description: str = ""
+    input_schema: type[BaseModel] | None = None
     steps: list[StepDef] = field(default_factory=list)
 
-    def _add(self, kind: str, channel: str | None = None, name: str | None = None):
+    def validate_input(self, value: Any) -> None:
+        """Raises InvalidInput with the field errors when the input does not fit the workflow's schema."""
+        if self.input_schema is not None and (errors := schema_errors(self.input_schema, value, "input")):
+            raise InvalidInput(errors)
+
+    def _add(self, kind: str, channel: str | None = None, name: str | None = None, gate: GateSpec | None = None):
         def decorator(fn: StepFn) -> StepFn:
             step_name = name or fn.__name__
             if any(s.name == step_name for s in self.steps):
                 raise ValueError(f"{self.name}: two steps are named {step_name!r}")
-            self.steps.append(StepDef(step_name, kind, fn, channel))
+            self.steps.append(StepDef(step_name, kind, fn, channel, gate))
             return fn
 
         return decorator
@@ -96,9 +194,23 @@ class Workflow:
         """A side effect on `channel`: the step must go through `ctx.effect(...)`."""
         return self._add("effect", channel=channel, name=name)
 
-    def gate(self, channel: str, *, name: str | None = None):
-        """A person's sign-off on `channel`: the step returns `ctx.gate(...)` (or decides by itself)."""
-        return self._add("gate", channel=channel, name=name)
+    def gate(
+        self,
+        channel: str,
+        *,
+        name: str | None = None,
+        proposal: type[BaseModel] | None = None,
+        editable: tuple[str, ...] = (),
+        check_edit: Callable[[dict, dict], list[dict]] | None = None,
+        display: Display | None = None,
+    ):
+        """A person's sign-off on `channel`: the step returns `ctx.gate(...)` (or decides by itself).
+
+        `proposal` (a pydantic model) is the shape of what the gate proposes; `editable` the dotted paths of the
+        leaves a person may change (nothing else may change); `check_edit(proposed, edited)` returns further
+        errors ({loc, msg}) such as bounds relative to the proposal; `display` the card's headline and amount."""
+        spec = GateSpec(proposal, tuple(editable), check_edit, display or Display())
+        return self._add("gate", channel=channel, name=name, gate=spec)
 
 
 class UnknownWorkflow(LookupError):

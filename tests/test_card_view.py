@@ -413,7 +413,11 @@ def test_a_tampered_confirmation_cannot_change_fields_that_are_not_editable(clie
 
 
 def _generic_card(agent, proposed, current=None, kind="action") -> Approval:
+    """A card of a gate that declares nothing (tests.workflows' test_reject_fails): any values, same shape."""
+    import tests.workflows  # noqa: F401 - registers test_reject_fails
+
     card = park(agent)
+    Run.objects.filter(pk=card.run_id).update(workflow="test_reject_fails")
     Approval.objects.filter(pk=card.pk).update(proposed=proposed, current=current, kind=kind)
     card.refresh_from_db()
     return card

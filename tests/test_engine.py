@@ -14,7 +14,7 @@ from console.models import Channel
 from jobs.models import DeadLetter
 from runs import sandbox
 from runs.models import IdempotencyConflict, Receipt, Run, SandboxCall, Step
-from runs.workflow import Ambiguous, Retryable
+from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
 
 
@@ -157,10 +157,11 @@ def test_an_unclassified_error_is_retried(db):
     assert run.status == Run.Status.QUEUED and not DeadLetter.objects.exists()
 
 
-def test_bad_input_is_fatal(demo):
-    run = drive(Run.submit(workflow="refund", input={"customer_id": "c1"})[0])
-    assert run.status == Run.Status.FAILED
-    assert "has no 'amount_cents'" in DeadLetter.objects.get(run_id=run.id).error
+def test_bad_input_is_refused_before_the_run_exists(demo):
+    with pytest.raises(InvalidInput) as refused:
+        Run.submit(workflow="refund", input={"customer_id": "c1"})
+    assert {e["loc"] for e in refused.value.errors} == {"input.amount_cents", "input.currency", "input.reason"}
+    assert not Run.objects.exists() and not ProcrastinateJob.objects.exists()
 
 
 def test_cancel_ends_a_parked_run_and_closes_its_card(demo):

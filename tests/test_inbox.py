@@ -57,6 +57,9 @@ def card(
         step_seq=next(_seq),
         channel=channel,
         proposed=proposed,
+        # As the refund gate's display hints set them when a card opens (approvals.gates).
+        amount_minor=amount,
+        currency="EUR" if amount is not None else "",
         summary=summary,
         risk=risk,
         status=status,

@@ -70,11 +70,13 @@ def test_the_same_person_twice_is_refused(demo):
     card.decide(demo["reviewer"], "approve")
     with pytest.raises(SecondApproverNeeded, match="different person"):
         card.decide(demo["reviewer"], "approve")
+    # Their own edit restarts the count with them as its one approver: still nobody else's yes.
+    card.decide(demo["reviewer"], "edit", payload=card.proposed)
     with pytest.raises(SecondApproverNeeded):
-        card.decide(demo["reviewer"], "edit", payload=card.proposed)
+        card.decide(demo["reviewer"], "approve")
     card.refresh_from_db()
     run.refresh_from_db()
-    assert card.status == "pending" and Decision.objects.count() == 1
+    assert card.status == "pending" and Decision.objects.count() == 2
     assert run.status == Run.Status.WAITING_HUMAN
 
 

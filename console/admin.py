@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.contrib.admin.utils import unquote
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
 from django.contrib.auth.models import Group, User
 from django.db import transaction
 from guardian.admin import GuardedModelAdmin
 
 from console.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
+from console.passwords import record_password_change
 
 
 def _channel_state(channel: Channel) -> dict:
@@ -130,13 +132,31 @@ class AuditEntryAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(AuditedDeletion, admin.ModelAdmin):
+    """Tokens are issued by `manage.py create_api_token` (which shows the secret once) and revoked here with the
+    "Revoke" action; both are audited. Nothing else about a token can be changed, and a revocation is final."""
+
     list_display = ["prefix", "user", "created_at", "last_used_at", "revoked_at"]
-    readonly_fields = ["user", "digest", "prefix", "created_at", "last_used_at"]
-    fields = ["user", "prefix", "digest", "created_at", "last_used_at", "revoked_at"]
+    list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
+    readonly_fields = fields = ["user", "prefix", "digest", "created_at", "last_used_at", "revoked_at"]
+    actions = ["revoke"]
 
     def has_add_permission(self, request):
-        return False  # tokens are issued by `manage.py create_api_token`, which shows the secret once
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_revoke_permission(self, request):
+        return request.user.has_perm("console.change_apitoken")
+
+    @admin.action(description="Revoke selected tokens", permissions=["revoke"])
+    def revoke(self, request, queryset):
+        revoked = sum(token.revoke(request.user) for token in queryset.select_related("user"))
+        self.message_user(request, f"Revoked {revoked} token(s).")
+
+    def _record_deletion(self, request, token) -> None:
+        token._audit("api_token.delete", request.user)
 
 
 @admin.register(GlobalKillSwitch)
@@ -195,6 +215,17 @@ admin.site.unregister(Group)
 class AuditedUserAdmin(AuditedDeletion, UserAdmin):
     """Django's user admin; every change to what a user may do (active, staff, superuser, roles, global
     permissions) is audited, in the transaction of the change form."""
+
+    def user_change_password(self, request, id, form_url=""):
+        # Django's view saves the form itself; whether it changed the password is read back in its transaction.
+        with transaction.atomic():
+            user = self.get_object(request, unquote(id))
+            response = super().user_change_password(request, id, form_url)
+            if user is not None:
+                changed = User.objects.get(pk=user.pk)
+                if changed.password != user.password:
+                    record_password_change(changed, by=request.user)
+        return response
 
     def save_model(self, request, obj, form, change):
         # Groups and permissions are saved after this, in save_related: take the "before" of both now.

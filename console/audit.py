@@ -235,6 +235,8 @@ def _csv_row(entry: AuditEntry) -> list:
         _text_cell(entry.trace_id),
         entry.prev_hash,
         entry.hash,
+        entry.hash_scheme,
+        entry.hmac_key_id,
     ]
 
 

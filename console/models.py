@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import logging
 import secrets
 from datetime import timedelta
 from typing import NamedTuple
 
 from django.conf import settings
 from django.contrib.auth.models import Group
+from django.core.exceptions import ImproperlyConfigured
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, models, transaction
 from django.dispatch import Signal
@@ -249,10 +252,32 @@ class ApiToken(models.Model):
         return f"{self.prefix}… ({self.user})"
 
     @classmethod
-    def issue(cls, user) -> tuple[ApiToken, str]:
+    def issue(cls, user, *, by=None) -> tuple[ApiToken, str]:
+        """A new token for `user` and its secret (shown once, never stored), audited as issued `by` a person
+        or a component (default: system)."""
         raw = "hitl_" + secrets.token_urlsafe(32)
-        token = cls.objects.create(user=user, digest=_digest(raw), prefix=raw[5:13])
+        with transaction.atomic():
+            token = cls.objects.create(user=user, digest=_digest(raw), prefix=raw[5:13])
+            token._audit("api_token.create", by)
         return token, raw
+
+    def revoke(self, by) -> bool:
+        """Refuse this token from now on, audited. Idempotent: False (and no entry) when it already was."""
+        with transaction.atomic():
+            now = timezone.now()
+            if not ApiToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(revoked_at=now):
+                self.refresh_from_db(fields=["revoked_at"])
+                return False
+            self.revoked_at = now
+            self._audit("api_token.revoke", by)
+        return True
+
+    def _audit(self, action: str, by) -> None:
+        # The prefix tells tokens apart (it is shown in admin); the token and its digest never reach the log.
+        name = self.user.get_username()
+        AuditEntry.record(
+            action, actor=by, target=f"user:{name}", data={"user": name, "token_id": self.pk, "prefix": self.prefix}
+        )
 
     @classmethod
     def authenticate(cls, raw: str):
@@ -279,13 +304,36 @@ class ActorType(models.TextChoices):
 # One lock for every append: an entry's prev_hash is the hash of the entry committed just before it.
 _AUDIT_CHAIN_LOCK = 0x41554454  # "AUDT"
 
+logger = logging.getLogger(__name__)
+
+
+class HashScheme(models.TextChoices):
+    """How an entry's `hash` was made. SHA-256 can be recomputed by anyone who can write to the database;
+    an HMAC needs AUDIT_HMAC_KEY, which is kept out of it."""
+
+    SHA256 = "sha256", "SHA-256"
+    HMAC_SHA256 = "hmac-sha256", "HMAC-SHA256"
+
+
+def audit_hmac_key() -> bytes | None:
+    """AUDIT_HMAC_KEY, or None when it is not set."""
+    key = getattr(settings, "AUDIT_HMAC_KEY", "")
+    return key.encode() if key else None
+
+
+def audit_key_id(key: bytes) -> str:
+    """A name for a key, stored with each entry it signs: which key signed an entry, without revealing it. (It
+    tells an attacker nothing the entries' HMACs do not: both are HMACs under the key.)"""
+    return hmac.new(key, b"console.auditentry key id", hashlib.sha256).hexdigest()[:16]
+
 
 class AuditEntry(models.Model):
-    """Append-only and tamper-evident: each entry's `hash` covers its content and the previous entry's hash,
-    and a database trigger (migration console.0004) refuses UPDATE and DELETE. `manage.py audit_verify`
-    recomputes the chain."""
+    """Append-only and tamper-evident: each entry's `hash` covers its content and the previous entry's hash
+    (an HMAC when AUDIT_HMAC_KEY is set), and database triggers (migrations console.0004 and 0009) refuse
+    UPDATE, DELETE and TRUNCATE. `manage.py audit_verify` recomputes the chain and prints its head."""
 
     ActorType = ActorType
+    HashScheme = HashScheme
 
     at = models.DateTimeField()
     actor_type = models.CharField(max_length=8, choices=ActorType.choices)
@@ -299,6 +347,13 @@ class AuditEntry(models.Model):
     trace_id = models.CharField(max_length=32, blank=True)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64, unique=True)
+    # Entries written before these columns existed are plain SHA-256 (the database default).
+    hash_scheme = models.CharField(
+        max_length=16, choices=HashScheme.choices, default=HashScheme.SHA256, db_default=HashScheme.SHA256
+    )
+    hmac_key_id = models.CharField(
+        max_length=16, blank=True, default="", db_default="", help_text="audit_key_id() of the key that signed it."
+    )
 
     class Meta:
         ordering = ["-id"]
@@ -312,6 +367,11 @@ class AuditEntry(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=models.Q(actor_type__in=ActorType.values), name="console_auditentry_actor_type_valid"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(hash_scheme=HashScheme.SHA256, hmac_key_id="")
+                | (models.Q(hash_scheme=HashScheme.HMAC_SHA256) & ~models.Q(hmac_key_id="")),
+                name="console_auditentry_hash_scheme_valid",
             ),
         ]
 
@@ -334,6 +394,8 @@ class AuditEntry(models.Model):
         "trace_id",
         "prev_hash",
         "hash",
+        "hash_scheme",
+        "hmac_key_id",
     )
 
     @classmethod
@@ -359,6 +421,7 @@ class AuditEntry(models.Model):
         else:
             name = actor.get_username()
             kind = actor_type or (ActorType.AGENT if name == "agent" else ActorType.HUMAN)
+        key = audit_hmac_key()
         entry = cls(
             actor_type=kind,
             actor=name,
@@ -367,51 +430,99 @@ class AuditEntry(models.Model):
             run_id=run_id,
             approval_id=approval_id,
             channel=channel,
-            # Stored exactly as hashed: JSON-native values only.
-            data=json.loads(json.dumps(data or {}, cls=DjangoJSONEncoder)),
             trace_id=trace_id,
+            hash_scheme=HashScheme.HMAC_SHA256 if key else HashScheme.SHA256,
+            hmac_key_id=audit_key_id(key) if key else "",
         )
         with connection.cursor() as cursor:
             # Stamped by the database once the chain is ours: `at` grows with `id` (and the chain) whatever the
             # clocks of the web and worker machines say.
-            cursor.execute("SELECT pg_advisory_xact_lock(%s), clock_timestamp()", [_AUDIT_CHAIN_LOCK])
-            entry.at = cursor.fetchone()[1]
-        last = cls.objects.order_by("-id").values_list("hash", flat=True).first()
-        entry.prev_hash = last or cls.GENESIS
-        entry.hash = entry.compute_hash()
+            #
+            # And `data` is hashed as PostgreSQL will give it back, or audit_verify would cry wolf over entries
+            # nobody touched: jsonb keeps numbers as `numeric` and prints them its own way, so Python's 1e+16
+            # comes back as the integer 10000000000000000, -0.0 as 0.0, 1e-07 as 0.0000001. The entry keeps
+            # what PostgreSQL makes of the data (`::jsonb::text`, parsed as JSONField parses every read), and
+            # that value is a fixed point: stored again, it reads back the same, so the canonical JSON hashed
+            # here is the one audit_verify recomputes (tests/test_audit_hash.py checks edge cases and random
+            # doubles). Cheaper and simpler than a second text column, and the data stays queryable jsonb.
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s), clock_timestamp(), %s::jsonb::text",
+                [_AUDIT_CHAIN_LOCK, json.dumps(data or {}, cls=DjangoJSONEncoder)],
+            )
+            _, entry.at, stored_data = cursor.fetchone()
+        entry.data = json.loads(stored_data)
+        last = cls.objects.order_by("-id").values_list("hash", "hash_scheme").first()
+        if last is not None and last[1] == HashScheme.HMAC_SHA256 and key is None:
+            logger.error(
+                "AUDIT_HMAC_KEY is not set, but the audit log is signed with a key: entry %r is written"
+                " unsigned, and audit_verify will report it",
+                action,
+            )
+        entry.prev_hash = last[0] if last is not None else cls.GENESIS
+        entry.hash = entry.compute_hash(key)
         entry.save(force_insert=True)
         return entry
 
     def canonical(self) -> str:
-        return json.dumps(
-            {
-                "at": self.at.isoformat(),
-                "actor_type": self.actor_type,
-                "actor": self.actor,
-                "action": self.action,
-                "target": self.target,
-                "run_id": str(self.run_id) if self.run_id else None,
-                "approval_id": self.approval_id,
-                "channel": self.channel,
-                "data": self.data,
-                "trace_id": self.trace_id,
-                "prev_hash": self.prev_hash,
-            },
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-        )
+        """The text an entry's hash covers: every column but `id` and `hash`, as sorted, compact JSON."""
+        content = {
+            "at": self.at.isoformat(),
+            "actor_type": self.actor_type,
+            "actor": self.actor,
+            "action": self.action,
+            "target": self.target,
+            "run_id": str(self.run_id) if self.run_id else None,
+            "approval_id": self.approval_id,
+            "channel": self.channel,
+            "data": self.data,
+            "trace_id": self.trace_id,
+            "prev_hash": self.prev_hash,
+        }
+        if self.hash_scheme != HashScheme.SHA256:
+            # A signed entry's MAC covers how it was signed too. Plain entries hash exactly the fields above, as
+            # they did before the scheme existed, so entries written then still verify.
+            content |= {"hash_scheme": self.hash_scheme, "hmac_key_id": self.hmac_key_id}
+        return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
-    def compute_hash(self) -> str:
-        return hashlib.sha256(self.canonical().encode()).hexdigest()
+    def compute_hash(self, key: bytes | None = None) -> str:
+        """The entry's hash by its scheme; a signed entry needs the key (default: AUDIT_HMAC_KEY)."""
+        text = self.canonical().encode()
+        if self.hash_scheme == HashScheme.HMAC_SHA256:
+            key = key or audit_hmac_key()
+            if key is None:
+                raise ImproperlyConfigured("this audit entry is signed: AUDIT_HMAC_KEY is needed to check it")
+            return hmac.new(key, text, hashlib.sha256).hexdigest()
+        return hashlib.sha256(text).hexdigest()
 
     @classmethod
-    def verify_chain(cls, chunk_size: int = 5000):
-        """Yield (entry, problem) for every entry that breaks the chain; nothing when it is whole."""
-        previous = cls.GENESIS
-        for entry in cls.objects.order_by("id").iterator(chunk_size=chunk_size):
+    def verify_chain(cls, *, until: int | None = None, chunk_size: int = 5000):
+        """Yield (entry, problem) for every entry, up to the entry with id `until`, that breaks the chain;
+        nothing when it is whole. Signed entries are checked with AUDIT_HMAC_KEY."""
+        key = audit_hmac_key()
+        key_id = audit_key_id(key) if key else ""
+        previous, signed_seen = cls.GENESIS, False
+        entries = cls.objects.order_by("id")
+        if until is not None:
+            entries = entries.filter(id__lte=until)
+        for entry in entries.iterator(chunk_size=chunk_size):
+            problem = None
+            signed = entry.hash_scheme == HashScheme.HMAC_SHA256
             if entry.prev_hash != previous:
-                yield entry, f"prev_hash does not match entry before it ({previous[:12]}…)"
-            elif entry.compute_hash() != entry.hash:
-                yield entry, "content does not match its hash (altered)"
+                problem = f"prev_hash does not match the entry before it ({previous[:12]}…)"
+            elif signed and key is None:
+                problem = f"signed with HMAC key {entry.hmac_key_id}, but AUDIT_HMAC_KEY is not set: cannot check it"
+            elif signed and entry.hmac_key_id != key_id:
+                problem = (
+                    f"signed with HMAC key {entry.hmac_key_id}, but AUDIT_HMAC_KEY is key {key_id}"
+                    " (the wrong key, or an altered entry)"
+                )
+            elif not signed and signed_seen:
+                # Anyone who can write to the database can append plain entries; once the log is signed, only
+                # a writer without the key makes them.
+                problem = "unsigned after signed entries: written without AUDIT_HMAC_KEY, or forged"
+            elif not hmac.compare_digest(entry.compute_hash(key), entry.hash):
+                problem = "content does not match its hash (altered)"
+            if problem is not None:
+                yield entry, problem
+            signed_seen = signed_seen or signed
             previous = entry.hash

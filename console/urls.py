@@ -5,7 +5,7 @@ from django.urls import include, path
 
 from approvals import inbox
 from approvals import views as approval_views
-from console import audit, channels, dashboard, views
+from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from runs import views as run_views
 
@@ -39,6 +39,7 @@ urlpatterns = [
     path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),
     path("audit/", audit.audit_log, name="audit"),
     path("audit/export.csv", audit.audit_export, name="audit_export"),
+    path("accounts/password_change/", passwords.password_change, name="password_change"),  # audited
     path("accounts/", include("django.contrib.auth.urls")),
     path("admin/", admin.site.urls),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),

@@ -362,6 +362,8 @@ def test_the_csv_export_has_every_column_of_the_filtered_entries(admin_client, v
         "trace_id",
         "prev_hash",
         "hash",
+        "hash_scheme",
+        "hmac_key_id",
     ]
     assert rows[0]["data"] == '{"comment":"The customers were refunded twice already"}'
     assert (rows[0]["hash"], rows[0]["prev_hash"]) == (rejects.hash, rejects.prev_hash)

@@ -17,5 +17,5 @@ class Command(BaseCommand):
             user = get_user_model().objects.get(username=username, is_active=True)
         except get_user_model().DoesNotExist:
             raise CommandError(f"No active user named {username!r}.") from None
-        _, raw = ApiToken.issue(user)
+        _, raw = ApiToken.issue(user, by="manage.py create_api_token")
         self.stdout.write(raw)

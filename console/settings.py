@@ -197,8 +197,6 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")
 # not have this key cannot recompute (console.models.AuditEntry). Keep it out of the database and its backups.
 AUDIT_HMAC_KEY = env_str("AUDIT_HMAC_KEY")
 if 0 < len(AUDIT_HMAC_KEY) < 32:
-    from django.core.exceptions import ImproperlyConfigured
-
     raise ImproperlyConfigured("AUDIT_HMAC_KEY must be at least 32 characters (e.g. `openssl rand -hex 32`)")
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)

@@ -237,7 +237,9 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", Fals
 if _proxy_ssl_header := env_str("SECURE_PROXY_SSL_HEADER"):
     _name, _, _value = (part.strip() for part in _proxy_ssl_header.partition("="))
     if not (_name and _value):
-        raise ImproperlyConfigured(f"SECURE_PROXY_SSL_HEADER must look like X-Forwarded-Proto=https, got {_proxy_ssl_header!r}")
+        raise ImproperlyConfigured(
+            f"SECURE_PROXY_SSL_HEADER must look like X-Forwarded-Proto=https, got {_proxy_ssl_header!r}"
+        )
     SECURE_PROXY_SSL_HEADER = ("HTTP_" + _name.upper().replace("-", "_"), _value)
 # Every page's scripts and styles come from our own static files (htmx, console.js, ninja's Swagger UI): no
 # inline script or handler, no eval (so no hx-on attributes), no CDN. Enforced outside development; reported

@@ -76,7 +76,9 @@ class Run(models.Model):
     waiting_for_slot_since = models.DateTimeField(
         null=True, blank=True, help_text="Queued without a job until a run of its tenant leaves `running`."
     )
-    idempotency_key = models.CharField(max_length=200, null=True, blank=True, unique=True)
+    idempotency_key = models.CharField(
+        max_length=200, null=True, blank=True, help_text="Unique per creator: two clients never collide on a key."
+    )
     trace_id = models.CharField(max_length=32, default=new_trace_id)
     priority = models.IntegerField(default=0)
     not_before = models.DateTimeField(null=True, blank=True)
@@ -104,6 +106,12 @@ class Run(models.Model):
             ),
         ]
         constraints = [
+            models.UniqueConstraint(
+                fields=["created_by", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                nulls_distinct=False,  # runs started by the system (no creator) share one key space
+                name="runs_run_idempotency_key_per_creator",
+            ),
             models.CheckConstraint(condition=Q(status__in=RunStatus.values), name="runs_run_status_valid"),
             models.CheckConstraint(
                 condition=Q(status__in=_FINISHED, finished_at__isnull=False)
@@ -196,10 +204,7 @@ class Run(models.Model):
         except IntegrityError:
             if idempotency_key is None:
                 raise
-        existing = cls.objects.get(idempotency_key=idempotency_key)
-        if existing.created_by_id != getattr(created_by, "pk", None):
-            # Someone else's key: say nothing about their run.
-            raise IdempotencyConflict(f"idempotency key {idempotency_key!r} is already in use")
+        existing = cls.objects.get(idempotency_key=idempotency_key, created_by=created_by)
         if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
             raise IdempotencyConflict(
                 f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"

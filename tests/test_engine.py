@@ -325,12 +325,14 @@ def test_the_same_idempotency_key_gives_the_same_run(demo):
     assert Run.objects.count() == 1
 
 
-def test_another_users_idempotency_key_is_a_conflict_that_reveals_nothing(demo, bob, carol):
+def test_idempotency_keys_are_scoped_to_their_creator(demo, bob, carol):
+    """Two clients cannot collide on a key: each gets its own run, and neither learns of the other's."""
     mine, _ = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
-    with pytest.raises(IdempotencyConflict) as info:
-        Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=carol)
-    assert str(mine.id) not in str(info.value)
-    assert Run.objects.count() == 1
+    theirs, created = Run.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-7", created_by=carol)
+    assert created and theirs.pk != mine.pk and theirs.created_by == carol
+    again, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
+    assert not created and again.pk == mine.pk
+    assert Run.objects.count() == 2
 
 
 def test_a_write_a_person_says_did_not_happen_is_done_once_more(demo, bob):

@@ -1,4 +1,5 @@
-"""Chaos: refund runs submitted through the API while workers are SIGKILLed at random and replaced.
+"""Chaos: refund runs submitted through the API while workers are SIGKILLed at random and replaced (and, in a
+second variant, also SIGTERMed, some of those SIGKILLed while they drain).
 
 The promise under test (README): nothing is lost, nothing happens twice. Every run ends `succeeded`, each
 paid once and emailed once, no job is left `doing`. Besides them a few runs meet a fault no retry fixes (the
@@ -25,6 +26,7 @@ from console.models import AuditEntry
 from jobs.models import DeadLetter
 from runs.models import Run, Step
 from tests.system.conftest import (
+    GRACEFUL_TIMEOUT,
     STALLED_AFTER,
     SYSTEM_ENV,
     Approver,
@@ -76,7 +78,15 @@ def chaos_input(i: int, rng: random.Random) -> dict:
     return run_input
 
 
-def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
+@pytest.mark.parametrize(
+    "sigterm_share",
+    [0.0, 0.5],
+    ids=["crashes", "crashes-and-deploys"],
+)
+def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system, sigterm_share):
+    """`crashes`: every signal is a SIGKILL. `crashes-and-deploys`: half are SIGTERMs (the worker drains), and
+    a third of those are followed 0.5-3 s later by a SIGKILL, as a deploy tool does to a worker that takes too
+    long: crashes and graceful shutdowns overlap."""
     rng = random.Random(SEED)
     inputs = [chaos_input(i, rng) for i in range(RUNS)]
     # Runs the CRM refuses for good (`fatal`: no retry), spread among the others.
@@ -108,13 +118,34 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
     submitter.start()
 
     kills: list[float] = []  # wall-clock times (seconds) of each SIGKILL
+    signals: Counter = Counter()
+    draining: list = []  # SIGTERMed workers, and the timers that may SIGKILL them
+
+    def kill(worker) -> None:
+        if worker.alive:
+            worker.kill(signal.SIGKILL)
+            kills.append(timezone.now().timestamp())
+            signals["SIGKILL"] += 1
+
     while time.monotonic() - started < SECONDS:
         time.sleep(rng.uniform(1, 3))
-        victim = rng.choice(system.workers.alive)
-        victim.kill(signal.SIGKILL)
-        kills.append(timezone.now().timestamp())
-        victim.wait(10)
+        victim = rng.choice([w for w in system.workers.alive if all(w is not d for d, _ in draining)])
+        if rng.random() < sigterm_share:
+            victim.kill(signal.SIGTERM)
+            signals["SIGTERM"] += 1
+            escalation = None
+            if rng.random() < 1 / 3:
+                escalation = threading.Timer(rng.uniform(0.5, 3), kill, args=(victim,))
+                escalation.start()
+            draining.append((victim, escalation))
+        else:
+            kill(victim)
+            victim.wait(10)
         system.workers.start()
+    for worker, escalation in draining:
+        if escalation is not None:
+            escalation.join()
+        worker.wait(GRACEFUL_TIMEOUT + 30)
     chaos_ended = time.monotonic()
     submitter.join(60)
     submitted = list(system.submitted)
@@ -151,11 +182,11 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system):
             next_step.append(done.ended_at.timestamp() - killed_at)
     stats = sandbox_stats()
     report(
-        "chaos",
+        f"chaos ({'SIGKILL' if not sigterm_share else 'SIGKILL and SIGTERM'})",
         runs_submitted=len(submitted),
         runs_refused_by_design=len(refused_ids),
         workers=WORKERS,
-        kills=len(kills),
+        signals=dict(signals),
         statuses=dict(statuses),
         interrupted_steps=Step.objects.filter(run_id__in=run_ids, attempt__gt=1).exclude(kind="gate").count(),
         runs_reclaimed_after_a_crash=len(crash_claims),

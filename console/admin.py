@@ -156,7 +156,7 @@ class ApiTokenAdmin(AuditedDeletion, admin.ModelAdmin):
         self.message_user(request, f"Revoked {revoked} token(s).")
 
     def _record_deletion(self, request, token) -> None:
-        token._audit("api_token.delete", request.user)
+        token.record_audit("api_token.delete", request.user)
 
 
 @admin.register(GlobalKillSwitch)

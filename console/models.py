@@ -258,7 +258,7 @@ class ApiToken(models.Model):
         raw = "hitl_" + secrets.token_urlsafe(32)
         with transaction.atomic():
             token = cls.objects.create(user=user, digest=_digest(raw), prefix=raw[5:13])
-            token._audit("api_token.create", by)
+            token.record_audit("api_token.create", by)
         return token, raw
 
     def revoke(self, by) -> bool:
@@ -269,10 +269,10 @@ class ApiToken(models.Model):
                 self.refresh_from_db(fields=["revoked_at"])
                 return False
             self.revoked_at = now
-            self._audit("api_token.revoke", by)
+            self.record_audit("api_token.revoke", by)
         return True
 
-    def _audit(self, action: str, by) -> None:
+    def record_audit(self, action: str, by) -> None:
         # The prefix tells tokens apart (it is shown in admin); the token and its digest never reach the log.
         name = self.user.get_username()
         AuditEntry.record(

@@ -175,6 +175,24 @@ def test_the_waiver_gives_a_role_that_does_not_own_the_table_nothing(db):
     assert AuditEntry.objects.count() == 1
 
 
+def test_manage_py_flush_is_refused_unless_waived(db, monkeypatch):
+    from django.db.backends.base.operations import BaseDatabaseOperations
+    from django.db.backends.postgresql.operations import DatabaseOperations
+
+    _record(2)
+    # Django's own flush, without the test suite's waiver (tests/conftest.py).
+    monkeypatch.setattr(DatabaseOperations, "execute_sql_flush", BaseDatabaseOperations.execute_sql_flush)
+    with pytest.raises(CommandError, match="couldn't be flushed") as refused:
+        call_command("flush", interactive=False, verbosity=0)
+    assert "TRUNCATE refused" in str(refused.value.__cause__)
+    assert AuditEntry.objects.count() == 2
+    # How bench/resume_latency.py empties its throwaway database.
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL console.allow_audit_truncate = on")
+        call_command("flush", interactive=False, verbosity=0)
+    assert not AuditEntry.objects.exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_transactional_tests_flush_still_empties_the_log():
     """The flush after this test truncates the log (tests/conftest.py waives the trigger for it): a refused

@@ -36,7 +36,7 @@ class UnsafeJson(ValueError):
     shape of pydantic's error locations (["body", "input", "items", 3]), as the API's 422 reports them."""
 
     def __init__(self, loc: list, msg: str):
-        super().__init__(msg)
+        super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
         self.loc = loc
         self.msg = msg
 
@@ -62,21 +62,22 @@ def _parse_int(digits: str) -> int | _Refused:
     return int(digits)
 
 
-def loads(body: bytes | str) -> Any:
-    """json.loads, refusing what must not reach the database: raises UnsafeJson naming the field, or ValueError
-    for text that is not JSON."""
+def loads(body: bytes | str, root: str = "body") -> Any:
+    """json.loads, refusing what must not reach the database: raises UnsafeJson naming the field (its path
+    starting at `root`), or ValueError for text that is not JSON. UnsafeJson is a ValueError too, so a form
+    field that reports "not valid JSON" on ValueError reports these as well."""
     try:
         data = json.loads(body, parse_constant=_parse_constant, parse_int=_parse_int)
     except RecursionError:
-        raise UnsafeJson(["body"], f"nested deeper than {MAX_DEPTH} levels") from None
-    check(data)
+        raise UnsafeJson([root], f"nested deeper than {MAX_DEPTH} levels") from None
+    check(data, root)
     return data
 
 
-def check(data: Any) -> None:
-    """Walks a parsed body without recursion (its depth is what is being checked) and raises UnsafeJson at the
+def check(data: Any, root: str = "body") -> None:
+    """Walks parsed JSON without recursion (its depth is what is being checked) and raises UnsafeJson at the
     first value or key that must not be stored."""
-    stack: list[tuple[Any, list, int]] = [(data, ["body"], 0)]
+    stack: list[tuple[Any, list, int]] = [(data, [root], 0)]
     while stack:
         value, loc, depth = stack.pop()
         if isinstance(value, dict | list):

@@ -300,3 +300,27 @@ def test_a_data_error_on_a_console_page_is_a_400_page():
 
     assert response.status_code == 400
     assert middleware.process_exception(request, ValueError("not ours")) is None
+
+
+def test_the_parser_names_the_path_in_its_message_for_form_fields():
+    with pytest.raises(ValueError, match=r"^payload\.refund\.note: contains a NUL character$"):
+        safe_input.loads('{"refund": {"note": "\\u0000"}}', root="payload")
+
+
+# --- integers out of range in paths -------------------------------------------------------------------------
+
+
+def test_an_id_beyond_bigint_in_an_api_path_is_a_4xx(client, demo, card):
+    headers = bearer(demo["reviewer"])
+    body = json.dumps({"decision": "approve", "version": 1})
+
+    response = post_json(client, f"/api/approvals/{10**30}/decision", body, headers)
+
+    assert 400 <= response.status_code < 500, response.content
+    assert set(response.json()) == {"error", "detail"}
+
+
+def test_an_id_beyond_bigint_in_a_console_path_is_a_404(client, demo):
+    client.force_login(demo["admin"])
+
+    assert client.get(f"/approvals/{10**30}/").status_code == 404

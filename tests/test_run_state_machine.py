@@ -279,7 +279,10 @@ def test_a_queueing_lock_collision_does_not_stop_the_stalled_sweep_nor_wedge_the
             finally:
                 await sweeping_app.close_async()
 
-    asyncio.run(sweep())
+    # In a thread of its own: the browser tests' Playwright leaves an event loop in this one.
+    sweeper = threading.Thread(target=lambda: asyncio.run(sweep()))
+    sweeper.start()
+    sweeper.join(30)
     statuses = dict(ProcrastinateJob.objects.filter(pk__in=[colliding, waiting, other]).values_list("pk", "status"))
     assert statuses == {colliding: "failed", waiting: "todo", other: "todo"}
 

@@ -61,6 +61,8 @@ SYSTEM_ENV = {
     # As production workers are configured (README): keep connections between jobs.
     "DATABASE_CONN_MAX_AGE": "300",
     "LOG_LEVEL": "INFO",
+    # A SIGKILLed worker's last log lines are what explain a failure: do not let them die in a buffer.
+    "PYTHONUNBUFFERED": "1",
 }
 
 GRACEFUL_TIMEOUT = float(SYSTEM_ENV["WORKER_SHUTDOWN_GRACEFUL_TIMEOUT"])
@@ -140,6 +142,12 @@ class SystemWorker(Worker):
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def ready(self) -> bool:
+        """Up and taking jobs: procrastinate has logged its start (a worker takes seconds to boot on a loaded
+        machine; killing it then interrupts nothing)."""
+        return self.alive and b"Starting worker" in self.log_path.read_bytes()
+
 
 class Workers:
     """Every worker process a test started (alive or not), so that all of them are stopped at the end and
@@ -174,12 +182,12 @@ class Workers:
             f"--- worker {w.number} (pid {w.pid}, exit {w.proc.poll()}) ---\n{w.log()[-tail:]}" for w in chosen
         )
 
-    def grep(self, *needles: str, limit: int = 30) -> str:
+    def grep(self, *needles: str, exclude: str | None = None, limit: int = 30) -> str:
         """Log lines of every worker that contain one of `needles` (the lines that explain a failure)."""
         lines = []
         for worker in self.all:
             for line in worker.log().splitlines():
-                if any(needle in line for needle in needles):
+                if any(needle in line for needle in needles) and not (exclude and exclude in line):
                     lines.append(f"[worker {worker.number}] {line[:600]}")
         return "\n".join(lines[-limit:])
 
@@ -292,6 +300,14 @@ def jobs_doing() -> list[tuple]:
         ProcrastinateJob.objects.filter(status="doing")
         .filter(Q(task_name="advance_run") | Q(worker__isnull=True) | Q(worker__last_heartbeat__lt=silent))
         .values_list("id", "task_name", "lock", "worker_id", "attempts")
+    )
+
+
+def failed_maintenance_jobs() -> list[tuple]:
+    """Sweeps (stalled jobs, ownerless runs, SLA) that ended in an error: a sweep that crashes half-way leaves
+    the rest of what it found for the next one, or for nobody."""
+    return list(
+        ProcrastinateJob.objects.filter(queue_name="maintenance", status="failed").values_list("id", "task_name")
     )
 
 

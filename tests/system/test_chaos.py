@@ -33,6 +33,7 @@ from tests.system.conftest import (
     describe_runs,
     effects_per_run,
     env_int,
+    failed_maintenance_jobs,
     jobs_doing,
     percentile,
     report,
@@ -129,7 +130,11 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system, sig
 
     while time.monotonic() - started < SECONDS:
         time.sleep(rng.uniform(1, 3))
-        victim = rng.choice([w for w in system.workers.alive if all(w is not d for d, _ in draining)])
+        # A worker that is up and taking jobs, and not already draining.
+        working = [w for w in system.workers.all if w.ready and all(w is not d for d, _ in draining)]
+        if not working:
+            continue
+        victim = rng.choice(working)
         if rng.random() < sigterm_share:
             victim.kill(signal.SIGTERM)
             signals["SIGTERM"] += 1
@@ -224,6 +229,9 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system, sig
     assert stats["channels"]["payments"] == stats["channels"]["email"] == RUNS
     assert stats["duplicates"] == 0
     assert jobs_doing() == []
+    assert failed_maintenance_jobs() == [], system.workers.grep(
+        "ended with status: Error", exclude="advance_run", limit=5
+    )
     # A dead letter is explained by an unrecoverable fault: one per refused run, none for any other.
     assert sorted(str(run_id) for run_id, _, _ in dead) == sorted(refused_ids), dead
     assert {(step, error) for _, step, error in dead} <= {

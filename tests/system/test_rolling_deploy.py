@@ -28,6 +28,7 @@ from tests.system.conftest import (
     describe_runs,
     effects_per_run,
     env_int,
+    failed_maintenance_jobs,
     jobs_doing,
     report,
     sandbox_stats,
@@ -150,4 +151,7 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
     assert {r: n for r, n in emails.items() if n != 1} == {}
     assert stats["duplicates"] == 0
     assert jobs_doing() == []
+    assert failed_maintenance_jobs() == [], system.workers.grep(
+        "ended with status: Error", exclude="advance_run", limit=5
+    )
     assert list(DeadLetter.objects.values_list("run_id", "error")) == []

@@ -188,6 +188,20 @@ AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, 2_621_440)  # Django's default for forms
 
+# Signed webhooks (runs.webhooks): each source's active secrets, comma-separated in WEBHOOK_SECRET_<SOURCE>
+# (WEBHOOK_SECRET_DEMO for the source `demo`); during a rotation list the new and the old one, and a signature
+# by either is accepted. The demo source falls back to `demo-secret` in development only: elsewhere a source
+# without a secret is not served (404), never served with a known one.
+WEBHOOK_SECRETS = {
+    name.removeprefix("WEBHOOK_SECRET_").lower(): env_list(name)
+    for name in os.environ
+    if name.startswith("WEBHOOK_SECRET_") and env_list(name)
+}
+if DEVELOPMENT:
+    WEBHOOK_SECRETS.setdefault("demo", ["demo-secret"])
+# A delivery whose X-Timestamp is further than this from the server's clock, either way, is refused (401).
+WEBHOOK_TOLERANCE_SECONDS = env_int("WEBHOOK_TOLERANCE_SECONDS", 300)
+
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
 

@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from runs import dead_letters
-from runs.models import Receipt, Run, Step
+from runs.models import Receipt, Run, Step, WebhookDelivery
 
 
 def _pretty(value):
@@ -90,3 +90,23 @@ class RunAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
     def dead_letter_link(self, run: Run):
         url = reverse("admin:jobs_deadletter_changelist") + f"?q={run.id}"
         return format_html('<a href="{}">dead letters of this run</a>', url)
+
+
+@admin.register(WebhookDelivery)
+class WebhookDeliveryAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
+    """Signed webhook deliveries (runs.webhooks): which made a run, which were refused and why."""
+
+    list_display = ["received_at", "source", "delivery_id", "status", "run_link"]
+    list_filter = ["status", "source"]
+    search_fields = ["=delivery_id", "=run__id"]
+    list_select_related = ["run"]
+    list_per_page = 50
+    fields = ["received_at", "source", "delivery_id", "status", "run_link", "error"]
+    readonly_fields = fields
+
+    @admin.display(description="run")
+    def run_link(self, delivery: WebhookDelivery):
+        if delivery.run_id is None:
+            return "-"
+        url = reverse("admin:runs_run_change", args=[delivery.run_id])
+        return format_html('<a href="{}">{}</a>', url, delivery.run)

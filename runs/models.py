@@ -578,3 +578,40 @@ class SandboxCall(models.Model):
             models.Index(fields=["system", "idempotency_key"], name="runs_sandbox_system_key"),
             models.Index(fields=["run_id", "system", "operation"], name="runs_sandbox_run_op"),
         ]
+
+
+class WebhookDelivery(models.Model):
+    """A signed webhook delivery (runs.webhooks): the provider's delivery id, unique per source, is what makes
+    the same delivery sent again (retried, or sent twice at once) answer with the run the first one made.
+
+    `refused`: signed, but its body was not JSON or not a valid input; no run. A refused delivery does not
+    block a later one with the same id (the provider may retry after a fix on either side)."""
+
+    class Status(models.TextChoices):
+        ACCEPTED = "accepted"  # made its run
+        REFUSED = "refused"
+
+    received_at = models.DateTimeField(default=timezone.now)
+    source = models.CharField(max_length=64)
+    delivery_id = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=Status.choices)
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.PROTECT, related_name="webhook_deliveries")
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-received_at"]
+        verbose_name_plural = "webhook deliveries"
+        constraints = [
+            models.UniqueConstraint(fields=["source", "delivery_id"], name="runs_webhookdelivery_source_delivery_id"),
+            models.CheckConstraint(
+                condition=Q(status__in=["accepted", "refused"]), name="runs_webhookdelivery_status_valid"
+            ),
+            # Not "accepted iff run": the accepted row is inserted before its run, in the run's transaction, so
+            # that a concurrent copy of the delivery waits on the unique index instead of making a run too.
+            models.CheckConstraint(
+                condition=~Q(status="refused") | Q(run__isnull=True), name="runs_webhookdelivery_refused_no_run"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.delivery_id}"

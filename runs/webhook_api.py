@@ -1,0 +1,51 @@
+"""POST /api/webhooks/{source}: a signed delivery starts a run, once (runs.webhooks). No bearer token: the
+signature is the authentication."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from ninja import Router, Schema, Status
+
+from runs import webhooks
+
+router = Router(tags=["webhooks"])
+
+
+class DeliveryAccepted(Schema):
+    id: uuid.UUID
+    status: str
+    url: str
+    delivery: str  # "new" | "duplicate"
+
+
+class Error(Schema):
+    error: str
+    detail: Any
+
+
+@router.post(
+    "/webhooks/{source}",
+    auth=None,
+    response={200: DeliveryAccepted, 202: DeliveryAccepted, frozenset({400, 401, 404, 413, 422}): Error},
+    summary="Receive a signed webhook delivery (202 with its run; 200 for a delivery id seen before)",
+    description="Headers: `X-Delivery-Id`, `X-Timestamp` (unix seconds, within 5 minutes), "
+    '`X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<raw body>">` with one of the source\'s secrets. '
+    "The body is the source's payload (for `demo`: the refund input).",
+)
+def receive_webhook(request, source: str):
+    try:
+        delivery, created = webhooks.receive(source, request.headers, request.body)
+    except webhooks.Refused as exc:
+        return Status(exc.status, {"error": exc.error, "detail": exc.detail})
+    run = delivery.run
+    return Status(
+        202 if created else 200,
+        {
+            "id": run.id,
+            "status": run.status,
+            "url": f"/api/runs/{run.id}",
+            "delivery": "new" if created else "duplicate",
+        },
+    )

@@ -1,0 +1,510 @@
+"""Signed webhooks: POST /api/webhooks/{source} (runs.webhooks)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from django.conf import settings as django_settings
+from django.core.management import call_command
+from django.db import IntegrityError, connection, transaction
+from django.test import Client
+from procrastinate.contrib.django.models import ProcrastinateJob
+
+from runs import sandbox
+from runs.models import Run, SandboxCall, WebhookDelivery
+from runs.webhooks import signature
+from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
+
+SECRET = "demo-secret"
+
+
+@pytest.fixture(autouse=True)
+def _demo_secret(settings):
+    settings.WEBHOOK_SECRETS = {"demo": [SECRET]}
+
+
+@pytest.fixture
+def demo(db):
+    call_command("demo_setup", verbosity=0)
+
+
+def signed(
+    body: bytes, *, delivery_id: str | None = "dlv-1", secret: str = SECRET, timestamp: int | str | None = None
+) -> dict:
+    timestamp = str(int(time.time()) if timestamp is None else timestamp)
+    headers = {"X-Timestamp": timestamp, "X-Signature": signature(secret, timestamp, body)}
+    if delivery_id is not None:
+        headers["X-Delivery-Id"] = delivery_id
+    return headers
+
+
+def deliver(client, body, headers: dict | None = None, source: str = "demo", **sign):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = signed(data, **sign) if headers is None else headers
+    return client.post(f"/api/webhooks/{source}", data=data, content_type="application/json", headers=headers)
+
+
+def assert_nothing_created() -> None:
+    assert not Run.objects.exists()
+    assert not WebhookDelivery.objects.exists()
+    assert not ProcrastinateJob.objects.filter(task_name="runs.tasks.advance_run").exists()
+
+
+def test_it_accepts_a_signed_delivery_with_202_and_does_no_agent_work(client, demo):
+    started = time.perf_counter()
+    response = deliver(client, SMALL_REFUND)
+    elapsed = time.perf_counter() - started
+
+    assert response.status_code == 202, response.content
+    run = Run.objects.get()
+    assert response.json() == {
+        "id": str(run.id),
+        "status": "queued",
+        "url": f"/api/runs/{run.id}",
+        "delivery": "new",
+    }
+    assert (run.workflow, run.input, run.created_by.username) == ("refund", SMALL_REFUND, "agent")
+    assert queued_jobs(run) == 1
+    assert not SandboxCall.objects.exists()  # no model call, no side effect
+    delivery = WebhookDelivery.objects.get()
+    assert (delivery.source, delivery.delivery_id, delivery.status, delivery.run) == ("demo", "dlv-1", "accepted", run)
+    assert elapsed < 1  # generous: the figure under load is in docs/BENCHMARKS.md
+
+
+def test_it_needs_no_bearer_token_and_runs_without_a_creator_when_there_is_no_agent(client, db):
+    response = deliver(client, SMALL_REFUND)
+
+    assert response.status_code == 202, response.content
+    assert Run.objects.get().created_by is None
+
+
+def test_the_same_delivery_three_times_in_a_row_makes_one_run_and_one_payment(client, demo):
+    answers = [deliver(client, SMALL_REFUND, delivery_id="dlv-3") for _ in range(3)]
+
+    assert [a.status_code for a in answers] == [202, 200, 200]
+    assert [a.json()["delivery"] for a in answers] == ["new", "duplicate", "duplicate"]
+    run = Run.objects.get()
+    assert {a.json()["id"] for a in answers} == {str(run.id)}
+    assert WebhookDelivery.objects.get().run == run
+    assert queued_jobs(run) == 1
+
+    assert drive(run).status == Run.Status.SUCCEEDED
+    stats = sandbox.stats()
+    assert stats["channels"]["payments"] == 1
+    assert stats["duplicates"] == 0
+    # Sent again after the run finished: still that run, nothing new.
+    again = deliver(client, SMALL_REFUND, delivery_id="dlv-3")
+    assert (again.status_code, again.json()["id"], again.json()["status"]) == (200, str(run.id), "succeeded")
+    assert sandbox.stats()["channels"]["payments"] == 1
+
+
+def test_a_duplicate_is_known_by_its_delivery_id_whatever_its_body(client, demo):
+    first = deliver(client, SMALL_REFUND, delivery_id="dlv-x")
+    second = deliver(client, {**SMALL_REFUND, "amount_cents": 1}, delivery_id="dlv-x")
+
+    assert (first.status_code, second.status_code) == (202, 200)
+    assert second.json()["id"] == first.json()["id"]
+    assert Run.objects.get().input == SMALL_REFUND
+
+
+def test_different_delivery_ids_make_different_runs(client, demo):
+    ids = {deliver(client, SMALL_REFUND, delivery_id=f"dlv-{n}").json()["id"] for n in range(3)}
+
+    assert len(ids) == 3
+    assert Run.objects.count() == WebhookDelivery.objects.count() == 3
+
+
+def test_the_same_delivery_three_times_at_once_in_separate_transactions_makes_one_run(transactional_db):
+    """Each copy in its own thread, on its own database connection: the unique index decides."""
+    call_command("demo_setup", verbosity=0)
+    data = json.dumps(SMALL_REFUND).encode()
+    headers = signed(data, delivery_id="dlv-race")
+    start = threading.Barrier(3)
+    answers: list[tuple[int, dict]] = []
+
+    def post() -> None:
+        try:
+            start.wait()
+            response = deliver(Client(), data, headers)
+            answers.append((response.status_code, response.json()))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=post) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert sorted(status for status, _ in answers) == [200, 200, 202]
+    run = Run.objects.get()
+    assert {answer["id"] for _, answer in answers} == {str(run.id)}
+    assert WebhookDelivery.objects.get().run == run
+    assert queued_jobs(run) == 1
+    assert drive(run).status == Run.Status.SUCCEEDED
+    assert sandbox.stats()["channels"]["payments"] == 1
+
+
+def test_a_copy_sent_while_the_first_is_uncommitted_waits_for_it_and_answers_with_its_run(
+    transactional_db, monkeypatch
+):
+    """The race the unique index settles, made deterministic: the first delivery's transaction is held open
+    after its INSERT; the copy's INSERT waits for it on the index, fails once it commits, and the copy reads
+    the committed row (READ COMMITTED: a new snapshot per statement)."""
+    call_command("demo_setup", verbosity=0)
+    data = json.dumps(SMALL_REFUND).encode()
+    headers = signed(data, delivery_id="dlv-held")
+    inserted, release = threading.Event(), threading.Event()
+    submit = Run.submit
+
+    def held_submit(**kwargs):
+        result = submit(**kwargs)
+        if threading.current_thread().name == "first":
+            inserted.set()
+            assert release.wait(30)
+        return result
+
+    monkeypatch.setattr(Run, "submit", staticmethod(held_submit))
+    answers: dict[str, tuple[int, dict]] = {}
+
+    def post() -> None:
+        try:
+            response = deliver(Client(), data, headers)
+            answers[threading.current_thread().name] = (response.status_code, response.json())
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=post, name="first")
+    first.start()
+    assert inserted.wait(30)
+    copy = threading.Thread(target=post, name="copy")
+    copy.start()
+    deadline = time.monotonic() + 30
+    with connection.cursor() as cursor:
+        while True:  # until the copy's INSERT waits on the first one's lock
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                " AND query LIKE 'INSERT INTO \"runs_webhookdelivery\"%%'"
+            )
+            if cursor.fetchone()[0] == 1:
+                break
+            assert time.monotonic() < deadline, "the copy never waited on the first delivery"
+            time.sleep(0.02)
+    assert "copy" not in answers
+    release.set()
+    first.join(30)
+    copy.join(30)
+
+    run = Run.objects.get()
+    assert answers["first"] == (
+        202,
+        {"id": str(run.id), "status": "queued", "url": f"/api/runs/{run.id}", "delivery": "new"},
+    )
+    assert answers["copy"][0] == 200
+    assert answers["copy"][1]["id"] == str(run.id)
+    assert answers["copy"][1]["delivery"] == "duplicate"
+    assert queued_jobs(run) == 1
+
+
+def _post_raw(port: int, data: bytes, headers: dict, path: str = "/api/webhooks/demo") -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=data, headers={**headers, "Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_the_same_delivery_three_times_at_once_on_the_production_server_makes_one_run(console_server):
+    call_command("demo_setup", verbosity=0)
+    data = json.dumps(SMALL_REFUND).encode()
+    answers: list[tuple[int, dict]] = []
+    # Several rounds, each delivery id sent by three threads released together (WEB_CONCURRENCY processes
+    # take them, so the copies do race for the unique index).
+    for round_ in range(5):
+        headers = signed(data, delivery_id=f"dlv-server-{round_}")
+        start = threading.Barrier(3)
+        round_answers: list[tuple[int, dict]] = []
+
+        def post(headers=headers, start=start, round_answers=round_answers) -> None:
+            start.wait()
+            round_answers.append(_post_raw(console_server.port, data, headers))
+
+        threads = [threading.Thread(target=post) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(status for status, _ in round_answers) == [200, 200, 202], round_answers
+        assert len({answer["id"] for _, answer in round_answers}) == 1
+        answers += round_answers
+
+    runs = list(Run.objects.all())
+    assert len(runs) == 5
+    assert {answer["id"] for _, answer in answers} == {str(run.id) for run in runs}
+    assert WebhookDelivery.objects.filter(status="accepted").count() == 5
+    for run in runs:
+        assert queued_jobs(run) == 1
+        assert drive(run).status == Run.Status.SUCCEEDED
+    assert sandbox.stats()["channels"]["payments"] == 5
+    assert sandbox.stats()["duplicates"] == 0
+
+    # The body limit applies on the production server too (console.body_limit): 413, nothing recorded.
+    big = json.dumps({**SMALL_REFUND, "reason": "x" * django_settings.API_MAX_BODY_BYTES}).encode()
+    status, answer = _post_raw(console_server.port, big, signed(big, delivery_id="dlv-big"))
+    assert (status, answer["error"]) == (413, "too_large")
+    assert not WebhookDelivery.objects.filter(delivery_id="dlv-big").exists()
+
+
+def test_a_rotated_secret_accepts_the_old_and_the_new_one(client, demo, settings):
+    settings.WEBHOOK_SECRETS = {"demo": ["new-secret", "old-secret"]}
+
+    assert deliver(client, SMALL_REFUND, delivery_id="a", secret="old-secret").status_code == 202
+    assert deliver(client, SMALL_REFUND, delivery_id="b", secret="new-secret").status_code == 202
+    refused = deliver(client, SMALL_REFUND, delivery_id="c", secret=SECRET)
+    assert refused.status_code == 401
+    assert Run.objects.count() == 2
+
+
+def test_a_timestamp_within_the_window_either_way_is_accepted(client, demo):
+    now = int(time.time())
+    assert deliver(client, SMALL_REFUND, delivery_id="past", timestamp=now - 290).status_code == 202
+    assert deliver(client, SMALL_REFUND, delivery_id="future", timestamp=now + 290).status_code == 202
+
+
+def _tampered(headers: dict) -> dict:
+    digest = headers["X-Signature"].removeprefix("sha256=")
+    return {**headers, "X-Signature": "sha256=" + ("0" if digest[0] != "0" else "1") + digest[1:]}
+
+
+def _without(headers: dict, name: str) -> dict:
+    return {key: value for key, value in headers.items() if key != name}
+
+
+_BODY = json.dumps(SMALL_REFUND).encode()
+UNAUTHORIZED = {
+    "a tampered signature": lambda: _tampered(signed(_BODY)),
+    "another secret's signature": lambda: signed(_BODY, secret="not-the-secret"),
+    "a signature of another body": lambda: signed(b'{"amount_cents": 1}'),
+    "a signature of another timestamp": lambda: {
+        **signed(_BODY, timestamp=int(time.time()) - 1),
+        "X-Timestamp": str(int(time.time())),
+    },
+    "no signature": lambda: _without(signed(_BODY), "X-Signature"),
+    "a signature without its scheme": lambda: {
+        **signed(_BODY),
+        "X-Signature": signed(_BODY)["X-Signature"].removeprefix("sha256="),
+    },
+    "a sha1 signature": lambda: {**signed(_BODY), "X-Signature": "sha1=" + "0" * 40},
+    "no timestamp": lambda: _without(signed(_BODY), "X-Timestamp"),
+    "a timestamp 6 minutes old": lambda: signed(_BODY, timestamp=int(time.time()) - 360),
+    "a timestamp 6 minutes ahead": lambda: signed(_BODY, timestamp=int(time.time()) + 360),
+    "a timestamp that is not unix seconds": lambda: signed(_BODY, timestamp="2026-12-01T10:00:00Z"),
+    "a timestamp with a fraction": lambda: signed(_BODY, timestamp=f"{int(time.time())}.5"),
+}
+
+
+@pytest.mark.parametrize("make_headers", UNAUTHORIZED.values(), ids=UNAUTHORIZED.keys())
+def test_it_answers_401_to_an_unsigned_or_stale_delivery_and_records_nothing(client, demo, make_headers):
+    response = deliver(client, _BODY, make_headers())
+
+    assert response.status_code == 401, response.content
+    assert response.json()["error"] == "unauthorized"
+    assert response.json()["detail"]
+    assert_nothing_created()
+
+
+def test_it_answers_404_for_an_unknown_source(client, demo):
+    response = deliver(client, _BODY, source="stripe")
+
+    assert response.status_code == 404
+    assert response.json() == {"error": "not_found", "detail": "No webhook source 'stripe'."}
+    assert_nothing_created()
+
+
+def test_a_source_without_a_secret_is_not_served(client, demo, settings):
+    settings.WEBHOOK_SECRETS = {}
+
+    assert deliver(client, _BODY).status_code == 404
+    assert_nothing_created()
+
+
+def test_it_answers_400_without_a_delivery_id(client, demo):
+    response = deliver(client, _BODY, delivery_id=None)
+
+    assert response.status_code == 400
+    assert response.json() == {"error": "bad_request", "detail": "The X-Delivery-Id header is missing."}
+    assert_nothing_created()
+
+
+def test_it_answers_400_for_a_delivery_id_too_long_to_keep(client, demo):
+    response = deliver(client, _BODY, delivery_id="d" * 201)
+
+    assert response.status_code == 400
+    assert_nothing_created()
+
+
+MALFORMED = {
+    "not JSON": b"customer_id=cus_1",
+    "an empty body": b"",
+    "not UTF-8": b'{"reason": "\xff"}',
+    "a JSON array": b"[1, 2]",
+    "a JSON string": b'"refund"',
+}
+
+
+@pytest.mark.parametrize("body", MALFORMED.values(), ids=MALFORMED.keys())
+def test_it_answers_400_for_a_malformed_body_and_records_it_refused_without_a_run(client, demo, body):
+    response = deliver(client, body)
+
+    assert response.status_code == 400, response.content
+    assert response.json()["error"] == "bad_request"
+    assert not Run.objects.exists()
+    delivery = WebhookDelivery.objects.get()
+    assert (delivery.status, delivery.run, bool(delivery.error)) == ("refused", None, True)
+
+
+INVALID = {
+    "a negative amount": ({**SMALL_REFUND, "amount_cents": -5}, "amount_cents"),
+    "a missing field": ({k: v for k, v in SMALL_REFUND.items() if k != "currency"}, "currency"),
+    "an unknown field": ({**SMALL_REFUND, "note": "hi"}, "note"),
+    "an amount as a string": ({**SMALL_REFUND, "amount_cents": "900"}, "amount_cents"),
+}
+
+
+@pytest.mark.parametrize(("body", "field"), INVALID.values(), ids=INVALID.keys())
+def test_it_answers_422_with_the_field_errors_and_records_it_refused_without_a_run(client, demo, body, field):
+    response = deliver(client, body)
+
+    assert response.status_code == 422, response.content
+    answer = response.json()
+    assert answer["error"] == "invalid"
+    assert f"input.{field}" in {error["loc"] for error in answer["detail"]}  # the run input's fields
+    assert not Run.objects.exists()
+    assert not ProcrastinateJob.objects.filter(task_name="runs.tasks.advance_run").exists()
+    delivery = WebhookDelivery.objects.get()
+    assert (delivery.status, delivery.run) == ("refused", None)
+    assert field in delivery.error
+
+
+def test_it_answers_422_for_a_value_the_database_cannot_keep(client, demo):
+    response = deliver(client, b'{"customer_id": "cus_1", "amount_cents": NaN, "currency": "EUR", "reason": "x"}')
+
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "amount_cents"]
+    assert not Run.objects.exists()
+
+
+def test_a_refused_delivery_sent_again_valid_makes_its_run(client, demo):
+    assert deliver(client, {**SMALL_REFUND, "amount_cents": -5}, delivery_id="dlv-fix").status_code == 422
+    assert deliver(client, {**SMALL_REFUND, "amount_cents": -5}, delivery_id="dlv-fix").status_code == 422
+    assert WebhookDelivery.objects.get().status == "refused"
+
+    response = deliver(client, SMALL_REFUND, delivery_id="dlv-fix")
+
+    assert response.status_code == 202
+    delivery = WebhookDelivery.objects.get()
+    assert (delivery.status, str(delivery.run_id), delivery.error) == ("accepted", response.json()["id"], "")
+    assert deliver(client, SMALL_REFUND, delivery_id="dlv-fix").status_code == 200
+
+
+def test_it_answers_413_for_a_body_over_the_limit(client, demo, settings):
+    settings.API_MAX_BODY_BYTES = 1024
+    body = json.dumps({**SMALL_REFUND, "reason": "x" * 2000}).encode()
+
+    response = deliver(client, body)
+
+    assert response.status_code == 413
+    assert response.json()["error"] == "too_large"
+    assert_nothing_created()
+
+
+def test_deliveries_are_listed_read_only_in_django_admin(client, demo, alice):
+    deliver(client, SMALL_REFUND, delivery_id="dlv-admin")
+    deliver(client, b"nope", delivery_id="dlv-refused")
+    run = Run.objects.get()
+    client.force_login(alice)
+
+    response = client.get("/admin/runs/webhookdelivery/")
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "dlv-admin" in html and "dlv-refused" in html
+    assert f"/admin/runs/run/{run.pk}/change/" in html
+    delivery = WebhookDelivery.objects.get(delivery_id="dlv-admin")
+    page = client.get(f"/admin/runs/webhookdelivery/{delivery.pk}/change/")
+    assert page.status_code == 200
+    assert client.get("/admin/runs/webhookdelivery/add/").status_code == 403
+    assert client.post(f"/admin/runs/webhookdelivery/{delivery.pk}/delete/", {"post": "yes"}).status_code == 403
+
+
+def test_an_outsider_does_not_see_deliveries_in_admin(client, demo, dave):
+    dave.is_staff = True
+    dave.save()
+    client.force_login(dave)
+
+    assert client.get("/admin/runs/webhookdelivery/").status_code == 403
+
+
+def test_the_route_is_in_the_openapi_schema_without_a_bearer_token(client, demo):
+    schema = client.get("/api/openapi.json").json()
+
+    operation = schema["paths"]["/api/webhooks/{source}"]["post"]
+    assert "security" not in operation or operation["security"] in ([], [{}])
+
+
+def test_secrets_come_from_the_environment_one_or_more_per_source():
+    code = (
+        "import django, json; django.setup(); from django.conf import settings; "
+        "print(json.dumps(settings.WEBHOOK_SECRETS, sort_keys=True))"
+    )
+    env = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("WEBHOOK_SECRET_")},
+        "DJANGO_SETTINGS_MODULE": "console.settings",
+        "DATABASE_URL": "postgres://nobody@127.0.0.1:1/unused",
+        "CONSOLE_ENV": "production",
+        "SECRET_KEY": "test-only-" + "k" * 50,
+        "WEBHOOK_SECRET_DEMO": "new-one, old-one",
+        "WEBHOOK_SECRET_CRM_EVENTS": "crm",
+    }
+
+    def secrets(env: dict) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=django_settings.BASE_DIR, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert secrets(env) == {"crm_events": ["crm"], "demo": ["new-one", "old-one"]}
+    # Outside development the demo source has no default secret: it is not served until one is set.
+    production = {k: v for k, v in env.items() if k not in ("WEBHOOK_SECRET_DEMO", "WEBHOOK_SECRET_CRM_EVENTS")}
+    assert secrets(production) == {}
+    assert secrets({**production, "CONSOLE_ENV": "development"}) == {"demo": ["demo-secret"]}
+
+
+def test_a_signature_is_what_the_design_says():
+    body = b'{"a": 1}'
+    expected = hmac.new(b"demo-secret", b"1700000000." + body, hashlib.sha256).hexdigest()
+    assert signature("demo-secret", "1700000000", body) == f"sha256={expected}"
+
+
+def test_a_delivery_id_is_unique_per_source(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    WebhookDelivery.objects.create(source="demo", delivery_id="x", status="accepted", run=run)
+    WebhookDelivery.objects.create(source="other", delivery_id="x", status="refused")
+
+    with pytest.raises(IntegrityError), transaction.atomic():
+        WebhookDelivery.objects.create(source="demo", delivery_id="x", status="refused")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        WebhookDelivery.objects.create(source="other", delivery_id="y", status="refused", run=run)

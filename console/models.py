@@ -76,29 +76,31 @@ class Channel(models.Model):
     @classmethod
     def killed_for_effects(cls, name: str) -> Killed | None:
         """Inside the transaction that writes an effect's receipt: the switch that stops `name` (the global
-        one first), else None. FOR SHARE makes engaging a switch (an UPDATE of its row) wait until effects
-        already past this point have committed, and every effect after it see the switch."""
+        one first), else None. The effect holds a shared advisory lock on both switches until it commits, and
+        engaging a switch takes that switch's lock exclusively (`_flip`): the engage waits for effects already
+        past this point, and every effect after it waits for the engage to commit, then reads it. No row is
+        locked or written, so concurrent effects share nothing hot (FOR SHARE on one global row made every
+        effect transaction write MultiXact entries)."""
         assert connection.in_atomic_block
         with connection.cursor() as cursor:
-            for _ in range(2):
-                cursor.execute(
-                    "SELECT kill_switch_engaged, kill_switch_reason FROM console_globalkillswitch"
-                    " WHERE id = 1 FOR SHARE"
-                )
-                if (row := cursor.fetchone()) is not None:
-                    break
-                # Migration console.0006 creates the row; only a flushed (test) database lacks it. Without a
-                # row there would be nothing to lock, and an engage could commit under an effect in flight.
-                GlobalKillSwitch.ensure_row(cursor)
-            if row is not None and row[0]:
-                return Killed(GLOBAL_SWITCH, row[1])
             cursor.execute(
-                "SELECT kill_switch_engaged, kill_switch_reason FROM console_channel WHERE name = %s FOR SHARE",
+                "SELECT pg_advisory_xact_lock_shared(%s, hashtext(%s)), pg_advisory_xact_lock_shared(%s, hashtext(%s))",
+                [_SWITCH_LOCKS, GLOBAL_SWITCH, _SWITCH_LOCKS, name],
+            )
+            # A statement of its own, after the locks: under READ COMMITTED its snapshot includes an engage that
+            # committed while this transaction waited for them.
+            cursor.execute(
+                "SELECT g.kill_switch_engaged, g.kill_switch_reason, c.kill_switch_engaged, c.kill_switch_reason"
+                " FROM (SELECT 1) one"
+                " LEFT JOIN console_globalkillswitch g ON g.id = 1"
+                " LEFT JOIN console_channel c ON c.name = %s",
                 [name],
             )
-            row = cursor.fetchone()
-        if row is not None and row[0]:
-            return Killed(name, row[1])
+            global_engaged, global_reason, engaged, reason = cursor.fetchone()
+        if global_engaged:
+            return Killed(GLOBAL_SWITCH, global_reason)
+        if engaged:
+            return Killed(name, reason)
         return None
 
     def engage_kill_switch(self, by, reason: str) -> bool:
@@ -124,6 +126,8 @@ kill_switch_released = Signal()
 
 # Run.paused_switch of a run paused by the global switch (channel names are slugs, so no channel is "*").
 GLOBAL_SWITCH = "*"
+# The first key of the kill switches' advisory locks (the second is hashtext of the switch's name).
+_SWITCH_LOCKS = 0x4B494C4C  # "KILL"
 
 
 class Killed(NamedTuple):
@@ -208,8 +212,10 @@ def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str
         raise ReasonRequired(f"the reason is longer than {KILL_SWITCH_REASON_MAX} characters")
     model = type(switch_row)
     with transaction.atomic():
-        # The lock waits for every effect that has checked this switch (FOR SHARE) and not yet committed its
-        # receipt; once this commits, every later check sees the new state.
+        # The switch's exclusive lock waits for every effect that has checked it (holding it shared) and not yet
+        # committed its receipt; once this commits, every later check sees the new state.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [_SWITCH_LOCKS, switch])
         locked = model.objects.select_for_update().get(pk=switch_row.pk)
         changed = locked.kill_switch_engaged != engaged
         if changed:

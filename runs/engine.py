@@ -271,7 +271,8 @@ def _park(run: Run, seq: int, park: Park, step: Step | None = None) -> None:
             Step.objects.filter(pk=step.pk).update(status=Step.Status.WAITING)
         if park.kill_switch_channel is not None:
             # The switch was seen in the receipt's transaction, which has ended: re-check it under its lock
-            # (FOR SHARE), or a release committed in between would miss this run and leave it paused for good.
+            # (Channel.killed_for_effects), or a release committed in between would miss this run and leave it
+            # paused for good.
             killed = Channel.killed_for_effects(park.kill_switch_channel)
             if killed is None:
                 run.release()

@@ -217,12 +217,13 @@ def test_releasing_the_global_switch_leaves_channel_switches_in_force(demo, ops)
     assert drive(run).status == Run.Status.SUCCEEDED
 
 
-def test_the_global_switch_row_comes_back_after_a_flush(demo, ops):
+def test_without_the_global_switch_row_effects_go_on_and_load_brings_it_back(demo, ops):
     GlobalKillSwitch.objects.all().delete()  # what a transactional test's flush does to the migration's row
     with transaction.atomic():
-        assert Channel.killed_for_effects("email") is None
-    assert GlobalKillSwitch.objects.filter(pk=1).exists()
+        assert Channel.killed_for_effects("email") is None  # nothing to lock: the lock is advisory
     assert GlobalKillSwitch.load().engage_kill_switch(ops, "incident")
+    with transaction.atomic():
+        assert Channel.killed_for_effects("email").switch == GlobalKillSwitch.load().switch_key
 
 
 # --- the locking discipline --------------------------------------------------------------------------------

@@ -116,7 +116,26 @@ def run_out(run: Run) -> dict:
     }
 
 
-@router.post("/runs", response={200: RunAccepted, 202: RunAccepted}, summary="Start a run (202; no agent work here)")
+def _workflow_inputs() -> dict:
+    """Each deployed workflow's input schema (JSON Schema), for the OpenAPI document: an `input` that does not
+    fit its workflow's is a 422 naming the fields."""
+    from runs import workflow as workflows
+
+    schemas = {}
+    for name in workflows.names():
+        definition = workflows.get(name)
+        if definition.input_schema is not None:
+            schemas[name] = definition.input_schema.model_json_schema()
+    return schemas
+
+
+@router.post(
+    "/runs",
+    response={200: RunAccepted, 202: RunAccepted},
+    summary="Start a run (202; no agent work here)",
+    description="`input` must fit the workflow's input schema: see `x-workflow-input-schemas`, by workflow name.",
+    openapi_extra={"x-workflow-input-schemas": _workflow_inputs()},
+)
 def create_run(request, body: RunIn):
     try:
         run, created = Run.submit(

@@ -71,8 +71,11 @@ def test_it_refuses_a_run_whose_input_does_not_fit_the_workflow(client, demo, ch
     assert not Run.objects.exists()
 
 
-def test_the_openapi_document_is_served(client, demo):
-    assert client.get("/api/openapi.json").status_code == 200
+def test_the_openapi_document_shows_each_workflows_input_schema(client, demo):
+    document = client.get("/api/openapi.json").json()
+    operation = document["paths"]["/api/runs"]["post"]
+    refund = operation["x-workflow-input-schemas"]["refund"]
+    assert set(refund["required"]) == {"customer_id", "amount_cents", "currency", "reason"}
 
 
 # --- one validator for every edit -------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from django.contrib.auth.models import User
@@ -62,7 +63,9 @@ def run_wrapper(path: str, chunks: list[bytes], content_length: int | None = Non
     async def send(message):
         sent.append(message)
 
-    asyncio.run(BodyLimit(app)(scope, receive, send))
+    # In a thread of its own: a browser test's Playwright may already run an event loop in this one.
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, BodyLimit(app)(scope, receive, send)).result()
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start, body, app, taken

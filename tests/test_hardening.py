@@ -166,6 +166,7 @@ def test_production_behind_a_tls_proxy_sends_hsts_and_the_enforced_policy(produc
     assert response.getheader("Content-Security-Policy-Report-Only") is None
     assert response.getheader("X-Content-Type-Options") == "nosniff"
     assert response.getheader("X-Frame-Options") == "DENY"
+    assert response.getheader("Server") is None
     cookies = response.headers.get_all("Set-Cookie") or []
     assert cookies and all("Secure" in cookie for cookie in cookies)
 

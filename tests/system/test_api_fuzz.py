@@ -169,19 +169,15 @@ class Fuzzer:
 
 
 def _seed(system) -> dict:
-    """Objects that exist, for a second pass on the operations with path parameters: a run the agent started and
-    a pending card of it (a gated refund, worked up to its gate by the system's workers)."""
-    run_id = system.submit(
-        {
-            "customer_id": "cus_fuzz",
-            "amount_cents": settings.AUTO_APPROVE_CENTS + 4_000,
-            "currency": "EUR",
-            "reason": "Item arrived damaged",
-        }
-    )
+    """Objects that exist, for a second pass on the operations with path parameters: a run the agent started, and
+    a pending card of another run (gated refunds, worked up to their gate by the system's workers), so that
+    cancelling the one does not close the other."""
+    refund = {"amount_cents": settings.AUTO_APPROVE_CENTS + 4_000, "currency": "EUR", "reason": "Item arrived damaged"}
+    run_id = system.submit({**refund, "customer_id": "cus_fuzz_1"})
+    carded = system.submit({**refund, "customer_id": "cus_fuzz_2"})
     deadline = time.monotonic() + 30
     while True:
-        cards = [card for card in system.reviewer.get("/api/approvals?status=pending").body if card]
+        cards = [card for card in system.reviewer.get("/api/approvals?status=pending").body if card["run_id"] == carded]
         if cards:
             break
         assert time.monotonic() < deadline, f"no card within 30 s\n{system.workers.logs()}"

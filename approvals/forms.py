@@ -17,6 +17,7 @@ from django.core.validators import RegexValidator
 
 from approvals import edits
 from approvals.models import RejectReason
+from console import safe_input
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
@@ -127,7 +128,7 @@ class EditForm(forms.Form):
         if raw is None:
             return cleaned
         try:
-            payload = json.loads(raw)
+            payload = safe_input.loads(raw, root="payload")  # NaN, NUL, lone surrogates... are not JSON here
         except ValueError as exc:
             self.add_error("payload_json", f"Not valid JSON: {exc}")
             return cleaned

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from django.conf import settings
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from runs.currencies import check_currency
 from runs.gates import ApprovalRequest
@@ -30,6 +30,13 @@ class RefundInput(BaseModel):
     currency: Currency
     reason: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
     faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (runs.sandbox), development only
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_in_development_only(cls, faults):
+        if faults and not settings.DEMO_FAULTS_ENABLED:
+            raise ValueError("fault injection is only available in development")
+        return faults
 
 
 class RefundOrder(BaseModel):

@@ -71,6 +71,18 @@ def test_it_refuses_a_run_whose_input_does_not_fit_the_workflow(client, demo, ch
     assert not Run.objects.exists()
 
 
+def test_fault_injection_is_refused_and_never_honoured_outside_development(client, demo, settings):
+    settings.DEMO_FAULTS_ENABLED = False  # what CONSOLE_ENV=production sets
+    body = {"workflow": "refund", "input": {**REFUND, "faults": {"issue_refund": ["hang"]}}}
+    response = client.post(
+        "/api/runs", data=json.dumps(body), content_type="application/json", headers=bearer(demo["agent"])
+    )
+    assert response.status_code == 422 and "input.faults" in [e["loc"] for e in response.json()["detail"]]
+    # A run already stored with faults (from before) is not slowed down by them either.
+    run = Run.objects.create(workflow="refund", workflow_version=1, input={**SMALL_REFUND, "faults": {"x": ["hang"]}})
+    assert sandbox.next_fault(run, "payments", "x") == "ok"
+
+
 def test_the_openapi_document_shows_each_workflows_input_schema(client, demo):
     document = client.get("/api/openapi.json").json()
     operation = document["paths"]["/api/runs"]["post"]

@@ -13,7 +13,8 @@ the figure is the endpoint's alone. After a 2 s warm-up it runs
 
 whose Lua script signs every request afresh (its own X-Delivery-Id, the current X-Timestamp, HMAC-SHA256 of
 "<timestamp>.<body>"), then the same with one delivery id for all requests (`-- <secret> duplicate <id>`: the
-deduplicated path, 200 after the first). It checks that the database gained one accepted delivery and one run
+deduplicated path, 200 after the first), then GET /healthz (`-- healthz`) as the same server's floor under the
+same load. It checks that the database gained one accepted delivery and one run
 per 202, and prints the load average before and after (the machine may be shared).
 """
 
@@ -89,7 +90,7 @@ def server_latencies(path: str, offset: int) -> dict:
 def wrk(url: str, args, *script_args: str) -> dict:
     command = [
         "wrk",
-        f"-t{args.threads}",
+        f"-t{min(args.threads, args.connections)}",  # wrk wants a connection per thread at least
         f"-c{args.connections}",
         f"-d{args.duration}s",
         "--latency",
@@ -161,6 +162,7 @@ def main() -> None:
         load_after = os.getloadavg()
         after_duplicates = quiet(database_url)
         duplicate["server"] = server_latencies(log.name, mark)
+        baseline = wrk(url, args, "healthz")
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # our own server's process group (uvicorn and its workers)
         server.wait(30)
@@ -169,6 +171,10 @@ def main() -> None:
     dup_gained = (after_duplicates[0] - after[0], after_duplicates[1] - after[1])
     print(f"web workers {args.web_workers}, {args.connections} connections, {args.duration} s; server log {log.name}")
     print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}, on {os.cpu_count()} cores")
+    print(
+        f"baseline GET /healthz: p50 {baseline['p50']:.1f} ms, p90 {baseline['p90']:.1f} ms,"
+        f" p99 {baseline['p99']:.1f} ms, max {baseline['max']:.1f} ms, {baseline['rate']:.0f} req/s"
+    )
     for name, result in (("fresh delivery ids", fresh), ("one delivery id (duplicates)", duplicate)):
         print(
             f"{name}: p50 {result['p50']:.1f} ms, p90 {result['p90']:.1f} ms, p99 {result['p99']:.1f} ms,"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +49,25 @@ DATABASES = {"default": database_from_url(DATABASE_URL)}
 # under ASGI Django advises against it for the web server, so `make run` sets it for its worker only.
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# --- Database connection pool (the web server's) --------------------------------------------------------------
+# DATABASE_POOL=1: Django's psycopg pool, per process, instead of a new PostgreSQL connection per request (which
+# costs a backend fork per request: `make bench`'s enqueue figures in docs/BENCHMARKS.md). `python -m
+# console.webserver` turns it on by default; workers stay off it (a job's thread keeps its own connection and
+# holds a session-level advisory lock on it, runs/ownership.py). Connections are health-checked when taken.
+# A worker never takes it, whatever the environment says: putconn() would keep a session advisory lock that a
+# failed unlock left behind (ownership closes the connection to end the session) alive in the pool.
+_WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
+if env_bool("DATABASE_POOL", False) and not _WORKER_COMMAND:
+    if DATABASES["default"]["CONN_MAX_AGE"]:
+        raise ImproperlyConfigured("DATABASE_POOL=1 needs DATABASE_CONN_MAX_AGE=0 (a pool keeps the connections)")
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": env_int("DATABASE_POOL_MIN_SIZE", 2),
+        "max_size": env_int("DATABASE_POOL_MAX_SIZE", 8),
+        # Seconds a request waits for a connection (then 503, Retry-After): also how long a request waits while the
+        # database is down, since the pool keeps trying to reconnect meanwhile.
+        "timeout": env_float("DATABASE_POOL_TIMEOUT", 2),
+    }
+# --- end of database connection pool ----------------------------------------------------------------------------
 # Two test sessions on one server (two checkouts, or CI jobs side by side) need two test database names.
 if test_database_name := env_str("TEST_DATABASE_NAME"):
     DATABASES["default"]["TEST"] = {"NAME": test_database_name}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 
@@ -7,6 +8,7 @@ from approvals import inbox
 from approvals import views as approval_views
 from console import audit, channels, dashboard, passwords, views
 from console.api import api
+from console.env import env_bool
 from runs import views as run_views
 
 
@@ -44,3 +46,9 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),
 ]
+
+# `make bench`'s baseline endpoints (console/bench_views.py): only with BENCH_ENDPOINTS=1, in development.
+if env_bool("BENCH_ENDPOINTS", False) and settings.DEVELOPMENT:
+    from console import bench_views
+
+    urlpatterns += bench_views.urlpatterns

@@ -1,6 +1,8 @@
 """The production web server: uvicorn serving the ASGI app, logging through Django's JSON LOGGING.
 
 `python -m console.webserver --host 127.0.0.1 --port 8000 [--workers N]`
+
+Database connections come from a pool per process (DATABASE_POOL, on by default here; off for workers).
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 
+def use_pool_by_default() -> None:
+    """The web server takes its database connections from a pool (console/settings.py, DATABASE_POOL) unless
+    told otherwise: a new PostgreSQL connection per request is most of an API call's cost (docs/BENCHMARKS.md,
+    enqueue). Set before Django loads; uvicorn's worker processes inherit the environment. Kept connections
+    (DATABASE_CONN_MAX_AGE > 0) and a pool exclude each other: an explicit CONN_MAX_AGE wins."""
+    if "DATABASE_POOL" not in os.environ and os.environ.get("DATABASE_CONN_MAX_AGE", "0").strip() in ("", "0"):
+        os.environ["DATABASE_POOL"] = "1"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -20,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
+    use_pool_by_default()
     config = uvicorn.Config(
         "console.asgi:application",
         host=args.host,

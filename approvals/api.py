@@ -9,6 +9,7 @@ from ninja import Field, Router, Schema
 from ninja.errors import HttpError, ValidationError
 
 from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
+from console.api_errors import ERRORS
 from console.models import Channel
 
 router = Router(tags=["approvals"])
@@ -64,7 +65,7 @@ def _get_card_for_user(request, card_id: int) -> Approval:
 CardStatus = Literal["pending", "approved", "edited", "rejected", "expired", "escalated", "cancelled", "all"]
 
 
-@router.get("/approvals", response=list[CardOut], summary="Cards the caller may decide")
+@router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
 def list_cards(request, status: CardStatus = "pending"):
     cards = Approval.objects.filter(channel__in=decidable_channels(request.user)).select_related("channel")
     if status != "all":
@@ -72,7 +73,9 @@ def list_cards(request, status: CardStatus = "pending"):
     return cards.exclude(run_created_by=request.user).order_by("due_at")[:500]
 
 
-@router.post("/approvals/{card_id}/decision", response=CardOut, summary="Approve, edit or reject a card")
+@router.post(
+    "/approvals/{card_id}/decision", response={200: CardOut, **ERRORS}, summary="Approve, edit or reject a card"
+)
 def decide(request, card_id: int, body: DecisionIn):
     card = _get_card_for_user(request, card_id)
     if card.run.created_by_id == request.user.pk:

@@ -10,6 +10,7 @@ from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
+from console.api_errors import ERRORS
 from console.models import ApiToken
 from console.safe_input import SafeJsonParser, UnsafeJson
 
@@ -100,7 +101,7 @@ class Me(Schema):
     groups: list[str]
 
 
-@api.get("/me", response=Me, summary="Who the token belongs to")
+@api.get("/me", response={200: Me, **ERRORS}, summary="Who the token belongs to")
 def me(request):
     return {"username": request.user.username, "groups": sorted(g.name for g in request.user.groups.all())}
 

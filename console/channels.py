@@ -26,6 +26,7 @@ from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
+from console.api_errors import ERRORS
 from console.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
 from runs.models import Run
 
@@ -215,7 +216,7 @@ def _api_set(request, switch: Channel | GlobalKillSwitch, body: KillSwitchIn) ->
 
 @router.post(
     "/channels/{name}/kill-switch",
-    response=KillSwitchOut,
+    response={200: KillSwitchOut, **ERRORS},
     summary="Engage or release a channel's kill switch",
     description="Needs `operate_channel` on the channel. Idempotent: asking for the state the switch is "
     "already in changes nothing (`changed: false`). Releasing resumes the runs the switch paused.",
@@ -230,7 +231,7 @@ def api_channel_kill_switch(request, name: str, body: KillSwitchIn):
 
 @router.post(
     "/kill-switch",
-    response=KillSwitchOut,
+    response={200: KillSwitchOut, **ERRORS},
     summary="Engage or release the global kill switch (every channel)",
     description="For the ops group. Idempotent like the channel's. Releasing resumes the runs the global "
     "switch paused; each channel's own switch still applies.",

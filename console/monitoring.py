@@ -45,7 +45,7 @@ from runs.models import Run
 QUEUES = ["agent", "outbound", "hitl", "maintenance"]  # DESIGN's queues; others are shown when they have jobs
 RETRY_CAUSES = [
     f"{source}_{how}" for source in ("model", "tool", "engine") for how in ("429", "5xx", "timeout", "error")
-] + ["worker_crash", "shutdown"]
+] + ["owner_gone", "no_job", "shutdown", "worker_crash"]  # worker_crash: entries written before owner_gone
 
 # The seed's alert thresholds (docs/RUNBOOK.md); the queue's SLA is a setting (QUEUE_SLA_SECONDS).
 DEAD_LETTER_ALERT_AFTER = timedelta(minutes=30)
@@ -666,7 +666,7 @@ def metric_families(snap: Snapshot):
     )
     yield counter(
         "hitl_retries",
-        "Retries by cause (model/tool/engine x 429/5xx/timeout/error, worker_crash, shutdown).",
+        "Retries by cause (model/tool/engine x 429/5xx/timeout/error, owner_gone, no_job, shutdown).",
         ["cause"],
         [((cause,), n) for cause, n in sorted(snap.retries.items())],
     )

@@ -8,6 +8,7 @@ from django.shortcuts import get_object_or_404
 from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 
+from console.api_errors import ERRORS
 from console.models import Role
 from runs.models import IdempotencyConflict, Run
 from runs.workflow import InvalidInput, UnknownWorkflow
@@ -131,7 +132,7 @@ def _workflow_inputs() -> dict:
 
 @router.post(
     "/runs",
-    response={200: RunAccepted, 202: RunAccepted},
+    response={200: RunAccepted, 202: RunAccepted, **ERRORS},
     summary="Start a run (202; no agent work here)",
     description="`input` must fit the workflow's input schema: see `x-workflow-input-schemas`, by workflow name.",
     openapi_extra={"x-workflow-input-schemas": _workflow_inputs()},
@@ -156,12 +157,12 @@ def create_run(request, body: RunIn):
     return Status(202 if created else 200, {"id": run.id, "status": run.status, "url": f"/api/runs/{run.id}"})
 
 
-@router.get("/runs/{run_id}", response=RunOut, summary="A run, its steps and its open card")
+@router.get("/runs/{run_id}", response={200: RunOut, **ERRORS}, summary="A run, its steps and its open card")
 def get_run(request, run_id: uuid.UUID):
     return run_out(_get_run_for_user(request, run_id))
 
 
-@router.post("/runs/{run_id}/cancel", response=RunOut, summary="Cancel a run")
+@router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS}, summary="Cancel a run")
 def cancel_run(request, run_id: uuid.UUID):
     run = _get_run_for_user(request, run_id)
     if not can_operate_run(request.user, run):

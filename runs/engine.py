@@ -57,9 +57,10 @@ def advance(run_id, job: JobInfo | None = None) -> None:
             return
         with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
             if took_over:
-                # The previous owner's session ended with the run still running: it was killed or lost its
-                # connection. Its step resumes from the last checkpoint; a pending receipt is reconciled.
-                _record_retry(run, "worker_crash")
+                # The previous owner's session ended with the run still running: its worker was killed, or lost
+                # its connection (a database restart). Its step resumes from the last checkpoint; a pending
+                # receipt is reconciled.
+                _record_retry(run, "owner_gone")
             try:
                 _advance(run, job)
             except OwnershipLost as exc:
@@ -328,7 +329,7 @@ def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:
 
 def _record_retry(run: Run, cause: str = "", exc: BaseException | None = None) -> None:
     """One `run.retry` audit entry per retry, with its cause, which the database would not keep otherwise (a
-    retried step's row is reused): console.monitoring counts retries by cause from them. Causes: `worker_crash`,
+    retried step's row is reused): console.monitoring counts retries by cause from them. Causes: `owner_gone`,
     `shutdown`, or who failed (`model` in a compute step, `tool` in others, `engine` outside any step) and how
     (`429`, `5xx`, `timeout`, `error`), read from the error the clients raise."""
     step = Step.objects.filter(run=run, seq=run.cursor).values("name", "kind").first() or {"name": "", "kind": None}

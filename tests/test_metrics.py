@@ -164,7 +164,7 @@ def test_step_errors_and_retries_by_cause(client, demo):
     m = scrape(client)
     assert m("hitl_retries_total", cause="model_429") == 1
     assert m("hitl_retries_total", cause="tool_5xx") == 1
-    assert m("hitl_retries_total", cause="worker_crash") == 1
+    assert m("hitl_retries_total", cause="owner_gone") == 1
     assert m("hitl_retries_total", cause="shutdown") == 1
     assert m("hitl_retries_total", cause="model_5xx") == 0 and m("hitl_retries_total", cause="tool_timeout") == 0
 

@@ -4,10 +4,10 @@ signature is the authentication."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 from ninja import Router, Schema, Status
 
+from console.api_errors import ERRORS
 from runs import webhooks
 
 router = Router(tags=["webhooks"])
@@ -20,15 +20,10 @@ class DeliveryAccepted(Schema):
     delivery: str  # "new" | "duplicate"
 
 
-class Error(Schema):
-    error: str
-    detail: Any
-
-
 @router.post(
     "/webhooks/{source}",
     auth=None,
-    response={200: DeliveryAccepted, 202: DeliveryAccepted, frozenset({400, 401, 404, 413, 422}): Error},
+    response={200: DeliveryAccepted, 202: DeliveryAccepted, **ERRORS},
     summary="Receive a signed webhook delivery (202 with its run; 200 for a delivery id seen before)",
     description="Headers: `X-Delivery-Id`, `X-Timestamp` (unix seconds, within 5 minutes), "
     '`X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<raw body>">` with one of the source\'s secrets. '

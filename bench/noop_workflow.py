@@ -24,3 +24,17 @@ noop6 = register(Workflow("bench_noop6", description="Six compute steps that do 
 
 for _i in range(6):
     noop6.compute(lambda ctx: {}, name=f"nothing_{_i}")
+
+
+# `bench_slow`: one step that sleeps BENCH_SLOW_STEP_SECONDS (default 60), the mid-step target of
+# bench/worker_life.py's recovery case (a worker SIGKILLed while it runs).
+slow = register(Workflow("bench_slow", description="One compute step that sleeps (bench recovery target)."))
+
+
+@slow.compute
+def sleep_a_while(ctx):
+    import os
+    import time
+
+    time.sleep(float(os.environ.get("BENCH_SLOW_STEP_SECONDS", "60")))
+    return {}

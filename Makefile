@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast browser lint format install clean
+.PHONY: run test test-fast browser lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -57,3 +57,14 @@ format: install
 
 clean:
 	rm -rf $(VENV) node_modules staticfiles
+
+# Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
+# the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes
+# nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same.
+bench: install
+	$(PY) manage.py collectstatic --noinput -v0
+	$(PY) bench/run_all.py
+
+bench-smoke: install
+	$(PY) manage.py collectstatic --noinput -v0
+	BENCH_SMOKE=1 $(PY) bench/run_all.py

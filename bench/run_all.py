@@ -1,0 +1,187 @@
+"""`make bench`: every benchmark, each with its baseline measured in the same run; prints a table and the JSON
+lines, and rewrites docs/BENCHMARKS.md (not with BENCH_SMOKE=1, the tiny CI version, which writes nothing).
+
+    .venv/bin/python bench/run_all.py          # make bench
+    BENCH_SMOKE=1 .venv/bin/python bench/run_all.py   # make bench-smoke (CI)
+
+Sizes: BENCH_SMOKE=1 makes every size tiny; BENCH_SCALE (default 1) multiplies the big sizes (cards, audit
+entries, memory runs) for a quicker full run, e.g. BENCH_SCALE=0.1. BENCH_ONLY=enqueue,resume runs a subset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+SMOKE = os.environ.get("BENCH_SMOKE", "") not in ("", "0")
+SCALE = float(os.environ.get("BENCH_SCALE", "1"))
+ONLY = [s for s in os.environ.get("BENCH_ONLY", "").split(",") if s]
+
+
+def n(full: int, smoke: int) -> int:
+    return smoke if SMOKE else max(1, int(full * SCALE))
+
+
+def pg15_up() -> bool:
+    return subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"], check=False).returncode == 0
+
+
+def cases() -> list[tuple[str, str, list[str], dict, str]]:
+    """(section, title, argv, extra env, what the baseline is)"""
+    enqueue_args = ["--duration", "1" if SMOKE else "10", "--connections", "1,16" if SMOKE else "1,16,64"]
+    if not SMOKE:
+        enqueue_args.append("--profile")
+    quick_recovery = {"STALLED_AFTER_SECONDS": "3", "STALLED_SWEEP_SECONDS": "1", "WORKER_HEARTBEAT_INTERVAL": "1"}
+    out = []
+    if pg15_up():
+        out.append(
+            (
+                "enqueue",
+                "enqueue, machine's PostgreSQL 15 (TCP)",
+                ["bench/enqueue.py", "--database", "pg15", *enqueue_args],
+                {},
+                "POST /bench/insert on the same server: one INSERT in autocommit, no auth (console/bench_views.py)",
+            )
+        )
+    out += [
+        (
+            "enqueue",
+            "enqueue, embedded PostgreSQL (unix socket)",
+            ["bench/enqueue.py", "--database", "embedded", *enqueue_args],
+            {},
+            "POST /bench/insert on the same server: one INSERT in autocommit, no auth (console/bench_views.py)",
+        ),
+        (
+            "throughput",
+            "throughput, embedded PostgreSQL",
+            ["bench/throughput.py", "--runs", str(n(1000, 10))],
+            {},
+            "bench_noop (1 empty step) and bench_noop6 (6 empty steps) through the same worker",
+        ),
+        (
+            "resume",
+            "resume latency, embedded PostgreSQL",
+            ["bench/resume_latency.py", "--runs", str(n(200, 5))],
+            {"DATABASE_CONN_MAX_AGE": "300"},
+            "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
+        ),
+        (
+            "console",
+            "console: inbox and card",
+            ["bench/inbox.py", "--cards", str(n(100_000, 200)), "--requests", str(n(50, 3))],
+            {},
+            "the same pages with 10 open cards",
+        ),
+        (
+            "console",
+            "console: audit page",
+            ["bench/audit_page.py", "--entries", str(n(1_000_000, 1000)), "--requests", str(n(100, 3))],
+            {},
+            "/healthz and /audit/ on an empty log",
+        ),
+        (
+            "recovery",
+            "recovery and memory of a worker",
+            ["bench/worker_life.py", "--memory-runs", f"{n(1000, 50)},{n(10_000, 150)}"],
+            quick_recovery if SMOKE else {},
+            "a new run picked up by a live worker; RSS after the first batch of runs",
+        ),
+    ]
+    return [c for c in out if not ONLY or c[0] in ONLY]
+
+
+def render() -> None:
+    """docs/BENCHMARKS.md from bench/last_run.json (also: `bench/run_all.py --render`)."""
+    sys.path.insert(0, str(ROOT))
+    from bench import report
+
+    data = json.loads((ROOT / "bench" / "last_run.json").read_text())
+    (ROOT / "docs" / "BENCHMARKS.md").write_text(report.render(data["meta"], data["sections"]))
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--render"]:
+        render()
+        return
+    started = time.monotonic()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": head.stdout.strip(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+        "cpu": next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        ),
+        "python": platform.python_version(),
+        "load_before": round(os.getloadavg()[0], 2),
+        "smoke": SMOKE,
+    }
+    sections = []
+    failed = []
+    for section, title, argv, extra, baseline in cases():
+        print(f"\n=== {title}: {' '.join(argv)}", flush=True)
+        t0 = time.monotonic()
+        load0 = os.getloadavg()[0]
+        done = subprocess.run(
+            [PY, *argv], cwd=ROOT, env={**os.environ, **extra}, capture_output=True, text=True, timeout=1800
+        )
+        seconds = time.monotonic() - t0
+        output = done.stdout
+        print(output, end="")
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            failed.append(title)
+        results = [json.loads(m) for m in re.findall(r"^BENCH_JSON (.*)$", output, re.M)]
+        sections.append(
+            {
+                "section": section,
+                "title": title,
+                "command": " ".join(f"{k}={v}" for k, v in extra.items())
+                + (" " if extra else "")
+                + ".venv/bin/python "
+                + " ".join(argv),
+                "baseline": baseline,
+                "seconds": round(seconds, 1),
+                "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
+                "ok": done.returncode == 0,
+                "output": "\n".join(line for line in output.splitlines() if not line.startswith("BENCH_JSON ")),
+                "results": results,
+            }
+        )
+    meta["seconds"] = round(time.monotonic() - started, 1)
+    meta["load_after"] = round(os.getloadavg()[0], 2)
+    print("\n=== summary")
+    for s in sections:
+        print(
+            f"{'ok  ' if s['ok'] else 'FAIL'} {s['title']:45s} {s['seconds']:7.1f} s"
+            f"  load {s['load'][0]}->{s['load'][1]}"
+        )
+    for s in sections:
+        for r in s["results"]:
+            print("BENCH_JSON " + json.dumps(r))
+    print(f"total {meta['seconds']:.0f} s")
+    if not SMOKE:
+        (ROOT / "bench" / "last_run.json").write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
+        render()
+        print("wrote docs/BENCHMARKS.md and bench/last_run.json")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

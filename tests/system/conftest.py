@@ -24,7 +24,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -141,6 +141,31 @@ class SystemWorker(Worker):
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def events(self) -> list[dict]:
+        """The worker's JSON log lines, parsed (`at` is the line's timestamp as a datetime)."""
+        events = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if "timestamp" in event:
+                    event["at"] = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00"))
+                    events.append(event)
+        return events
+
+    def shutdown(self) -> tuple[datetime | None, datetime | None]:
+        """When the worker handled its stop request and when it had stopped, by its own log: the graceful
+        timeout runs from the first (a loaded machine may take seconds to deliver the signal)."""
+        requested = stopped = None
+        for event in self.events():
+            if requested is None and event.get("event", "").startswith("Stop requested"):
+                requested = event["at"]
+            if event.get("event", "").startswith("Stopped worker"):
+                stopped = event["at"]
+        return requested, stopped
 
     @property
     def ready(self) -> bool:

@@ -86,9 +86,8 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
         timeout=30,
         message="the slow payment to start",
     )
-    payment_started = time.monotonic()
 
-    exits = []  # (worker, exit code, seconds from SIGTERM to exit, seconds the slow payment had left)
+    exits = []  # (worker, exit code, seconds from SIGTERM to exit)
     for _ in range(ROUNDS):
         for old in list(system.workers.alive):
             system.workers.start()
@@ -99,8 +98,7 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
                 code = old.wait(GRACEFUL_TIMEOUT + slow_payment_s + 30)
             except subprocess.TimeoutExpired:
                 code = None
-            left = max(0.0, slow_payment_s - (signalled - payment_started))
-            exits.append((old, code, time.monotonic() - signalled, left))
+            exits.append((old, code, time.monotonic() - signalled))
     submitter.join(60)
     run_ids = list(system.submitted)
     statuses = system.wait_for_runs(run_ids, timeout=SETTLE_SECONDS)
@@ -113,8 +111,12 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
         f"rolling deploy, slow payment {slow_payment_s:.0f} s (graceful timeout {GRACEFUL_TIMEOUT:.0f} s)",
         runs=len(run_ids),
         workers_replaced=len(exits),
-        exit_seconds=[round(took, 2) for _, _, took, _ in exits],
-        exit_codes=[code for _, code, _, _ in exits],
+        exit_seconds_after_sigterm=[round(took, 2) for _, _, took in exits],
+        stop_seconds_in_worker_log=[
+            round((stopped - requested).total_seconds(), 2) if requested and stopped else None
+            for requested, stopped in (worker.shutdown() for worker, *_ in exits)
+        ],
+        exit_codes=[code for _, code, _ in exits],
         slow_run=Run.objects.values_list("status", flat=True).get(pk=slow_run),
         slow_run_payments=payments[slow_run],
         statuses=dict(statuses),
@@ -130,19 +132,28 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
         f"{system.workers.grep(slow_run, 'requeued a stalled job', 'Stop requested', 'after graceful timeout')}"
     )
 
-    def allowed(worker, left: float) -> float:
-        # A worker may outlive its graceful timeout only to finish the slow payment, if it was the one paying.
-        draining = left > 0 and f"run_id='{slow_run}'" in worker.log()
-        return max(GRACEFUL_TIMEOUT, left + EXIT_MARGIN) if draining else GRACEFUL_TIMEOUT
+    def drained_until(worker, requested):
+        # When this worker finished the slow payment, if it was still making it when told to stop.
+        for event in worker.events():
+            if event.get("step") == "issue_refund" and event.get("run_id") == slow_run and event["at"] > requested:
+                return event["at"]
+        return None
 
-    bad_exits = [
-        (w.number, code, round(took, 2), round(allowed(w, left), 2))
-        for w, code, took, left in exits
-        if code != 0 or took > allowed(w, left)
-    ]
+    bad_exits = []
+    for worker, code, took in exits:
+        requested, stopped = worker.shutdown()
+        if code != 0 or requested is None or stopped is None:
+            bad_exits.append((worker.number, code, round(took, 2), "no clean stop in its log"))
+            continue
+        allowed = GRACEFUL_TIMEOUT
+        if (drained := drained_until(worker, requested)) is not None:
+            # A worker may outlive its graceful timeout only to finish the slow payment it was making.
+            allowed = max(GRACEFUL_TIMEOUT, (drained - requested).total_seconds() + EXIT_MARGIN)
+        if (stopped - requested).total_seconds() > allowed:
+            bad_exits.append((worker.number, code, round((stopped - requested).total_seconds(), 2), allowed))
     assert not bad_exits, (
-        f"workers (number, exit code, seconds to exit, seconds allowed) that did not exit cleanly in time: "
-        f"{bad_exits}\n{system.workers.logs([system.workers.all[n] for n, *_ in bad_exits])}"
+        f"workers (number, exit code, seconds from stop request to stopped, seconds allowed) that did not stop "
+        f"cleanly in time: {bad_exits}\n{system.workers.logs([system.workers.all[n] for n, *_ in bad_exits])}"
     )
     not_succeeded = list(Run.objects.filter(pk__in=run_ids).exclude(status="succeeded").values_list("pk", flat=True))
     assert not not_succeeded, f"{dict(statuses)}\n{describe_runs(not_succeeded)}"

@@ -11,7 +11,8 @@ for web server *and* PostgreSQL together on these 2 cores. The baseline, one INS
 {base_cpu} ms of web-process CPU alone and reaches {base_rps} req/s (p50 {base_p50} ms at 16 connections); `POST
 /api/runs` costs {runs_cpu} ms (token lookup, validation, the run INSERT, Procrastinate's defer and the commit, all
 through Django's ORM) and the machine is shared (load average {load}). The profile of the request threads (py-spy,
-wall clock, below) shows where a request's time goes: waiting for the pool while the other requests of its
+wall clock, in the enqueue section above) shows where a request's time goes: waiting for the pool while the other
+requests of its
 process hold the connections and the GIL (`WaitingClient.wait`), the bearer-token lookup, `Run.submit` and the
 commit. None of it is a lock or a serial section: it is CPU per request on two cores. What moved it: the pool
 (DATABASE_POOL, on in `console.webserver`): before it, every request opened a PostgreSQL connection (a backend

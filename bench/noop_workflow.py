@@ -38,3 +38,34 @@ def sleep_a_while(ctx):
 
     time.sleep(float(os.environ.get("BENCH_SLOW_STEP_SECONDS", "60")))
     return {}
+
+
+# `bench_noop5`: five empty steps, the engine side of bench/throughput_workers.py.
+noop5 = register(Workflow("bench_noop5", description="Five compute steps that do nothing (bench)."))
+
+for _i in range(5):
+    noop5.compute(lambda ctx: {}, name=f"nothing_{_i}")
+
+
+# The baseline of bench/throughput_workers.py: plain Procrastinate, one job per run doing the same five step
+# writes the cheapest durable way, each one INSERT in its own transaction (no engine, no Run row, no owner).
+PLAIN_TABLE = "bench_plain_step"
+
+
+def _plain_task():
+    from procrastinate.contrib.django import app
+
+    @app.task(name="bench_plain_run", queue="agent", pass_context=False)
+    def bench_plain_run(run: int) -> None:
+        from django.db import connection, transaction
+
+        for seq in range(5):
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {PLAIN_TABLE} (run, seq, output) VALUES (%s, %s, '{{}}'::jsonb)", [run, seq]
+                )
+
+    return bench_plain_run
+
+
+bench_plain_run = _plain_task()

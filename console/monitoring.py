@@ -210,8 +210,8 @@ def tool_errors(now: datetime) -> list[ToolErrors]:
         for row in _rows(
             """
             SELECT r.workflow, s.name, s.kind,
-                   sum(GREATEST(s.attempt - CASE WHEN s.status = 'running' THEN 1 ELSE 0 END, 0)),
-                   sum(GREATEST(s.attempt - CASE WHEN s.status IN ('running', 'done') THEN 1 ELSE 0 END, 0))
+                   sum(GREATEST(s.attempt - CASE WHEN s.status IN ('running', 'waiting') THEN 1 ELSE 0 END, 0)),
+                   sum(GREATEST(s.attempt - CASE WHEN s.status IN ('running', 'waiting', 'done') THEN 1 ELSE 0 END, 0))
             FROM runs_step s JOIN runs_run r ON r.id = s.run_id
             WHERE s.started_at >= %s AND s.kind <> 'gate'
             GROUP BY r.workflow, s.name, s.kind

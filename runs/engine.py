@@ -99,9 +99,9 @@ def _try_again_later(run_id, job: JobInfo) -> None:
 
 
 def _step_attempts(run: Run, job: JobInfo) -> int:
-    """Executions of the step at the cursor so far (a worker crash counts as one; a park does not): the retry
-    budget is per step, not per job, which carries its attempts across steps."""
-    return Step.objects.filter(run=run, seq=run.cursor).values_list("attempt", flat=True).first() or job.attempts + 1
+    """Executions of the step at the cursor so far, this one included: its finished attempts (failures, and a
+    crash counts as one; a park does not) plus one. The retry budget is per step, not per job."""
+    return run.attempt + 1
 
 
 def _out_of_attempts(run: Run, exc: Exception, job: JobInfo) -> bool:
@@ -141,48 +141,71 @@ def _outputs(run: Run) -> dict:
     return dict(Step.objects.filter(run=run, status=Step.Status.DONE).order_by("seq").values_list("name", "output"))
 
 
-def _start_step(run: Run, step_def: StepDef, seq: int, step_input: dict) -> Step:
-    """Record that the step starts (a crash must see it: it counts as an attempt), under the run's lock."""
-    input_hash = canonical_hash(step_input)
-    with transaction.atomic():
-        run.owned()
-        step = Step.objects.select_for_update().filter(run=run, seq=seq).first()
-        if step is None:
-            return Step.objects.create(
-                run=run,
-                seq=seq,
-                name=step_def.name,
-                kind=step_def.kind,
-                input=step_input,
-                input_hash=input_hash,
-                started_at=timezone.now(),
-            )
-        if step.input_hash != input_hash:
-            raise Fatal(
-                f"the input of step {seq} ({step_def.name}) changed since it was checkpointed: "
-                "refusing to re-run it on different input"
-            )
-        if step.status != Step.Status.WAITING:  # resuming after a park is not a new attempt
-            step.attempt += 1
-        step.status, step.error, step.started_at = Step.Status.RUNNING, "", timezone.now()
-        step.save(update_fields=["attempt", "status", "error", "started_at"])
-        return step
+def _resumed_step(run: Run, step_def: StepDef, seq: int, input_hash: str) -> Step | None:
+    """The row an earlier attempt of this step left (it failed, or parked), if any. Nothing is written when a
+    step starts: a crash is counted by the owner that takes the run over (Run.claim, Run.recover), an effect's
+    start is its receipt, and the step's one write is its checkpoint."""
+    step = Step.objects.filter(run=run, seq=seq).first()
+    if step is not None and step.input_hash != input_hash:
+        raise Fatal(
+            f"the input of step {seq} ({step_def.name}) changed since it was checkpointed: "
+            "refusing to re-run it on different input"
+        )
+    return step
+
+
+def _record_step(run: Run, step_def: StepDef, seq: int, step_input: dict, input_hash: str, **fields) -> None:
+    """Insert or update the step's row (one statement), as part of the caller's transaction."""
+    row = Step(
+        run=run,
+        seq=seq,
+        name=step_def.name,
+        kind=step_def.kind,
+        input=step_input,
+        input_hash=input_hash,
+        attempt=run.attempt + 1,
+        **fields,
+    )
+    Step.objects.bulk_create(
+        [row],
+        update_conflicts=True,
+        unique_fields=["run", "seq"],
+        update_fields=["attempt", *fields],
+    )
 
 
 def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) -> bool:
     """Run (or resume) the step at the cursor. True when the run goes on, False when it parked or ended."""
     seq = run.cursor
-    step = _start_step(run, step_def, seq, {"input": run.input, "outputs": outputs})
+    step_input = {"input": run.input, "outputs": outputs}
+    input_hash = canonical_hash(step_input)
+    _resumed_step(run, step_def, seq, input_hash)
     model, tools = _make("AGENT_MODEL", run, step_def), _make("AGENT_TOOLS", run, step_def)
     ctx = Context(run, step_def, seq, outputs, model=model, tools=tools)
-    started = time.perf_counter()
+    started_at, started = timezone.now(), time.perf_counter()
+
+    def record(**fields) -> None:
+        _record_step(
+            run,
+            step_def,
+            seq,
+            step_input,
+            input_hash,
+            started_at=started_at,
+            latency_ms=_ms(started),
+            tokens_in=ctx.usage.tokens_in,
+            tokens_out=ctx.usage.tokens_out,
+            cost=ctx.usage.cost,
+            **fields,
+        )
+
     try:
         decided = gates.backend().decided(run, seq) if step_def.kind == Step.Kind.GATE else None
         # A decided gate is replayed from its card, never asked again: a person's answer stands even if the
         # gate's code would now decide otherwise (a new auto-approve threshold after a deploy).
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
-        _park(run, seq, park, step)
+        _park(run, seq, park, record)
         _log_step(step_def, seq, "parked", started, ctx, reason=park.reason)
         return False
     except OwnershipLost:
@@ -191,29 +214,17 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) ->
         status = Step.Status.UNKNOWN if isinstance(exc, Ambiguous) else Step.Status.FAILED
         with transaction.atomic():
             run.owned()
-            Step.objects.filter(pk=step.pk).update(
-                status=status,
-                error=f"{exc.__class__.__name__}: {exc}",
-                latency_ms=_ms(started),
-                tokens_in=ctx.usage.tokens_in,
-                tokens_out=ctx.usage.tokens_out,
-                cost=ctx.usage.cost,
-            )
+            record(status=status, error=f"{exc.__class__.__name__}: {exc}", output=None, ended_at=None)
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
+    # The step's one write: its row and the run's cursor, owner and cursor checked in the run's UPDATE.
     with transaction.atomic():
-        Step.objects.filter(pk=step.pk).update(
-            status=Step.Status.DONE,
-            output=output,
-            latency_ms=_ms(started),
-            ended_at=timezone.now(),
-            tokens_in=ctx.usage.tokens_in,
-            tokens_out=ctx.usage.tokens_out,
-            cost=ctx.usage.cost,
-        )
-        run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's output back
-    outputs[step_def.name] = output
+        record(status=Step.Status.DONE, error="", output=output, ended_at=timezone.now())
+        run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's row back
+    # Later steps see the output as it is stored (JSON: jsonb rewrites numbers, dates become strings), so that a
+    # step's input, and its hash, are the same in this job and on any replay.
+    outputs[step_def.name] = Step.objects.filter(run=run, seq=seq).values_list("output", flat=True).get()
     _log_step(step_def, seq, "done", started, ctx)
 
     if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":
@@ -264,12 +275,14 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
     return True
 
 
-def _park(run: Run, seq: int, park: Park, step: Step | None = None) -> None:
-    """Open the card (if any) and park the run, in one transaction."""
+def _park(run: Run, seq: int, park: Park, record: Callable[..., None] | None = None) -> None:
+    """Open the card (if any) and park the run, in one transaction. `record` writes the step's row (waiting:
+    resuming it is not a new attempt)."""
     with transaction.atomic():
         reason, paused_switch = park.reason, ""
-        if step is not None:
-            Step.objects.filter(pk=step.pk).update(status=Step.Status.WAITING)
+        if record is not None:
+            run.owned()
+            record(status=Step.Status.WAITING, error="", output=None, ended_at=None)
         if park.kill_switch_channel is not None:
             # The switch was seen in the receipt's transaction, which has ended: re-check it under its lock
             # (Channel.killed_for_effects), or a release committed in between would miss this run and leave it

@@ -54,7 +54,9 @@ class Run(models.Model):
     tenant = models.CharField(max_length=100, default="default")
     input = models.JSONField(encoder=DjangoJSONEncoder)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
-    attempt = models.PositiveIntegerField(default=0, help_text="Failed attempts of the current step.")
+    attempt = models.PositiveIntegerField(
+        default=0, help_text="Finished attempts of the step at the cursor: failures, and executions cut off by a crash."
+    )
     max_attempts = models.PositiveIntegerField(default=3)
     cursor = models.PositiveIntegerField(default=0, help_text="Index of the next step to run.")
     result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
@@ -284,7 +286,8 @@ class Run(models.Model):
                     return None, False
                 run._swap([cls.Status.QUEUED], status=cls.Status.RUNNING, owner=owner, waiting_for_slot_since=None)
                 return run, False
-            run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner)
+            # The execution its previous owner was in when its session ended counts as an attempt of the step.
+            run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
             return run, True
 
     def owned(self):
@@ -373,7 +376,9 @@ class Run(models.Model):
     def recover(self, owner: str) -> None:
         """A periodic sweep found this running run's lock free (its owner's session ended): back to the queue
         with a job, unless it moved meanwhile. Called under the run's advisory lock."""
-        self._swap([Run.Status.RUNNING], by_owner=owner, status=Run.Status.QUEUED, owner="")
+        # The execution its owner was in counts as an attempt of the step (a step that kills its worker every
+        # time ends in the dead-letter queue, not in a loop).
+        self._swap([Run.Status.RUNNING], by_owner=owner, status=Run.Status.QUEUED, owner="", attempt=F("attempt") + 1)
         self.enqueue()
 
     def cancel(self, by=None) -> Run:

@@ -17,7 +17,7 @@ from django.db import connection
 from procrastinate.contrib.django.models import ProcrastinateJob, ProcrastinateWorker
 
 from runs import sandbox
-from runs.models import Run, SandboxCall, Step
+from runs.models import Receipt, Run, SandboxCall, Step
 from runs.tasks import advance_run
 from tests.engine_helpers import SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs
@@ -47,8 +47,8 @@ def _requeue_as_the_old_sweep_did(job_id: int) -> None:
 def test_a_second_worker_never_pays_again_while_a_draining_worker_is_inside_a_slow_payment(demo, start_worker):
     run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["latency:6000"]}})
     first = start_worker(WORKER_SHUTDOWN_GRACEFUL_TIMEOUT=30)
-    wait_with_logs(
-        lambda: Step.objects.filter(run=run, name="issue_refund", status="running").exists(),
+    wait_with_logs(  # the receipt is written before the call, which then takes ~6 s
+        lambda: Receipt.objects.filter(run=run, channel="payments", status="pending").exists(),
         "the payment to start",
         [first],
     )

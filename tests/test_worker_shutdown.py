@@ -46,9 +46,11 @@ def _status(run: Run) -> str:
 def test_sigterm_mid_step_requeues_the_run_and_another_worker_finishes_it(demo, start_worker, step, checkpointed):
     run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {step: ["latency:1500"]}})
     first = start_worker()
-    # The step row is checkpointed as running before its code runs: the worker is now inside the 1.5 s call.
+    # The steps before it are checkpointed and the run is running: the worker is now inside the 1.5 s call.
     wait_with_logs(
-        lambda: Step.objects.filter(run=run, name=step, status="running").exists(), f"{step} to start", [first]
+        lambda: Run.objects.filter(pk=run.pk, status="running", cursor=STEPS.index(step)).exists(),
+        f"{step} to start",
+        [first],
     )
 
     signalled = time.monotonic()

@@ -620,3 +620,28 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.source}:{self.delivery_id}"
+
+
+class ShadowEffect(models.Model):
+    """A side effect that shadow mode kept from its external system (runs.workflow.Context.effect): what the
+    agent would have done, for the person who does it by hand and for the team deciding when to go live.
+
+    Written in the transaction that inserts the effect's receipt, so that it also says how that receipt's first
+    attempt went: a pending receipt with a shadow effect never called out, and is completed without asking."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="shadow_effects")
+    step_seq = models.PositiveIntegerField()
+    step = models.CharField(max_length=100)
+    channel = models.CharField(max_length=64)
+    key = models.CharField(max_length=300, unique=True, help_text="The effect's receipt key.")
+    preview = models.JSONField(
+        null=True, blank=True, encoder=DjangoJSONEncoder, help_text="The call's arguments, as the step described them."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["run", "step_seq"], name="runs_shadoweffect_run_step")]
+
+    def __str__(self) -> str:
+        return f"shadow {self.channel} effect {self.key}"

@@ -17,10 +17,11 @@ from console.safe_input import SafeJsonParser, UnsafeJson
 
 class BearerToken(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str):
-        user = ApiToken.authenticate(token)
-        if user is not None:
-            request.user = user
-        return user
+        found = ApiToken.find(token)
+        if found is None:
+            return None
+        request.user, request.api_token = found.user, found
+        return found.user
 
 
 api = NinjaAPI(
@@ -87,12 +88,14 @@ def _data_error(request, exc):
 
 def _mount_app_routers() -> None:
     from approvals.api import router as approvals_router
+    from console.breakers import router as breakers_router
     from console.channels import router as channels_router
     from runs.api import router as runs_router
 
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)
     api.add_router("/", channels_router)
+    api.add_router("/", breakers_router)
     api.add_router("/", "runs.webhook_api.router")  # signed, no bearer token (auth=None on its route)
 
 

@@ -39,6 +39,11 @@ class Channel(models.Model):
         max_length=16, choices=EscalationPolicy.choices, default=EscalationPolicy.ESCALATE
     )
     required_approvals = models.PositiveSmallIntegerField(default=1)
+    shadow = models.BooleanField(
+        default=False,
+        help_text="Shadow mode (a pilot's first weeks): cards on this channel are marked shadow and its side effects "
+        "are recorded, never sent; the reviewer does the action by hand and says whether they agree with the agent.",
+    )
     escalation_group = models.ForeignKey(
         Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="escalation_channels"
     )
@@ -72,6 +77,13 @@ class Channel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @classmethod
+    def in_shadow(cls, name: str, workflow: str) -> bool:
+        """Whether `workflow`'s cards and effects on channel `name` are in shadow mode: the workflow is listed in
+        SHADOW_WORKFLOWS, or the channel is in shadow for every workflow. Read when a card opens and when an
+        effect's receipt is first written (runs.workflow), so a change applies to the cards and effects after it."""
+        return workflow in settings.SHADOW_WORKFLOWS or cls.objects.filter(name=name, shadow=True).exists()
 
     @classmethod
     def killed_for_effects(cls, name: str) -> Killed | None:
@@ -239,6 +251,10 @@ def _flip(switch_row: Channel | GlobalKillSwitch, engaged: bool, by, reason: str
     return changed
 
 
+def _default_tenants() -> list[str]:
+    return ["default"]
+
+
 def _digest(raw: str) -> str:
     # Tokens are 256 random bits, so a fast hash is enough: there is nothing to brute-force.
     return hashlib.sha256(raw.encode()).hexdigest()
@@ -253,17 +269,27 @@ class ApiToken(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    tenants = models.JSONField(
+        default=_default_tenants, help_text="The tenants (a list) this token may start runs for; '*' means any."
+    )
+
+    ANY_TENANT = "*"
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.user})"
 
+    def allows_tenant(self, tenant: str) -> bool:
+        return self.ANY_TENANT in self.tenants or tenant in self.tenants
+
     @classmethod
-    def issue(cls, user, *, by=None) -> tuple[ApiToken, str]:
+    def issue(cls, user, *, by=None, tenants: list[str] | None = None) -> tuple[ApiToken, str]:
         """A new token for `user` and its secret (shown once, never stored), audited as issued `by` a person
-        or a component (default: system)."""
+        or a component (default: system). It may start runs for `tenants` only (default: `default`)."""
         raw = "hitl_" + secrets.token_urlsafe(32)
         with transaction.atomic():
-            token = cls.objects.create(user=user, digest=_digest(raw), prefix=raw[5:13])
+            token = cls.objects.create(
+                user=user, digest=_digest(raw), prefix=raw[5:13], tenants=tenants or _default_tenants()
+            )
             token.record_audit("api_token.create", by)
         return token, raw
 
@@ -288,6 +314,12 @@ class ApiToken(models.Model):
     @classmethod
     def authenticate(cls, raw: str):
         """The active user that `raw` belongs to, or None."""
+        token = cls.find(raw)
+        return token.user if token is not None else None
+
+    @classmethod
+    def find(cls, raw: str) -> ApiToken | None:
+        """The active token `raw` is (its user active too), or None; notes its use."""
         token = (
             cls.objects.select_related("user")
             .filter(digest=_digest(raw), revoked_at__isnull=True, user__is_active=True)
@@ -298,7 +330,7 @@ class ApiToken(models.Model):
         now = timezone.now()
         if token.last_used_at is None or token.last_used_at < now - timedelta(minutes=1):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
-        return token.user
+        return token
 
 
 class ActorType(models.TextChoices):

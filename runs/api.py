@@ -138,6 +138,9 @@ def _workflow_inputs() -> dict:
     openapi_extra={"x-workflow-input-schemas": _workflow_inputs()},
 )
 def create_run(request, body: RunIn):
+    token = getattr(request, "api_token", None)
+    if token is not None and not token.allows_tenant(body.tenant):
+        raise HttpError(403, f"This token may not start runs for tenant {body.tenant!r}.")
     try:
         run, created = Run.submit(
             workflow=body.workflow,

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import structlog
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import CharField, Count, Exists, OuterRef, Value
 from django.db.models.functions import Cast, Concat
 from django.utils import timezone
@@ -47,14 +47,23 @@ def sweep(limit: int = 200) -> dict[str, int]:
     repaired = {"owner_gone": 0, "no_job": 0}
     running = Run.objects.filter(status=Run.Status.RUNNING).values_list("pk", "owner")[:limit]
     for run_id, owner in running:
-        if _recover_ownerless(run_id, owner):
+        if _each(_recover_ownerless, run_id, owner):
             repaired["owner_gone"] += 1
     for run in _jobless_queued_runs(limit):
-        if _give_a_job(run):
+        if _each(_give_a_job, run):
             repaired["no_job"] += 1
     if any(repaired.values()):
         log.warning("recovered runs", **repaired)
     return repaired
+
+
+def _each(repair, *args) -> bool:
+    """One run's repair: its failure (a race with another sweep, say) is logged, and the sweep goes on."""
+    try:
+        return repair(*args)
+    except DatabaseError as exc:
+        log.exception("a recovery failed", repair=repair.__name__, error=str(exc))
+        return False
 
 
 def _recover_ownerless(run_id, owner: str) -> bool:
@@ -66,10 +75,11 @@ def _recover_ownerless(run_id, owner: str) -> bool:
             if run is None:
                 return False
             with connection.cursor() as cursor:
-                for job_id in ProcrastinateJob.objects.filter(lock=f"run:{run_id}", status="doing").values_list(
-                    "pk", flat=True
-                ):
-                    cursor.execute("SELECT procrastinate_finish_job_v1(%s, 'failed', false)", [job_id])
+                # Guarded by its status: the stalled-job sweep may have requeued or finished it meanwhile.
+                cursor.execute(
+                    "UPDATE procrastinate_jobs SET status = 'failed' WHERE lock = %s AND status = 'doing'",
+                    [f"run:{run_id}"],
+                )
             try:
                 run.recover(owner)  # a compare-and-swap on (running, that owner): it may have moved meanwhile
             except TransitionRefused:

@@ -65,7 +65,10 @@ async def requeue_stalled_jobs(context, timestamp: int) -> None:
         except exceptions.UniqueViolation:
             # Another job of the same queueing lock already waits (a run re-enqueued meanwhile): that one
             # carries on, and this one must leave `doing`, or its lock would keep the waiting one from starting.
-            await manager.finish_job_by_id_async(job.id, status=Status.FAILED, delete_job=False)
+            try:
+                await manager.finish_job_by_id_async(job.id, status=Status.FAILED, delete_job=False)
+            except exceptions.ProcrastinateException:
+                continue  # finished meanwhile (the recovery sweep got there first): nothing left to do
             outcome = "finished: a newer job of its lock waits"
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the sweep for the others
             log.exception("could not requeue a stalled job", job_id=job.id, task=job.task_name, error=str(exc))

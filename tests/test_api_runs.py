@@ -111,12 +111,42 @@ def test_it_accepts_a_run_with_202_and_does_no_agent_work(client, demo, agent, n
     assert not SandboxCall.objects.exists()
 
 
-def test_it_takes_tenant_and_priority(client, demo, agent, new_jobs):
-    response = post_run(client, agent, {"workflow": "refund", "input": REFUND, "tenant": "acme", "priority": 7})
+def test_it_takes_tenant_and_priority(client, demo, new_jobs):
+    _, raw = ApiToken.issue(demo["agent"], tenants=["acme"])
+    body = {"workflow": "refund", "input": REFUND, "tenant": "acme", "priority": 7}
+    response = post_run(client, {"Authorization": f"Bearer {raw}"}, body)
     assert response.status_code == 202
     run = Run.objects.get()
     assert (run.tenant, run.priority) == ("acme", 7)
     assert new_jobs().get().priority == 7
+
+
+@pytest.mark.parametrize(
+    ("tenants", "tenant", "status"),
+    [
+        (None, "default", 202),  # a new token's tenant
+        (None, "acme", 403),
+        (["acme", "globex"], "globex", 202),
+        (["acme"], "default", 403),
+        (["*"], "anyone", 202),
+    ],
+)
+def test_a_token_starts_runs_for_its_own_tenants_only(client, demo, tenants, tenant, status):
+    _, raw = ApiToken.issue(demo["agent"], tenants=tenants)
+    body = {"workflow": "refund", "input": REFUND, "tenant": tenant}
+    response = post_run(client, {"Authorization": f"Bearer {raw}"}, body)
+    assert response.status_code == status, response.content
+    assert Run.objects.count() == (1 if status == 202 else 0)
+    if status == 403:
+        assert response.json()["error"] == "forbidden"
+
+
+def test_create_api_token_takes_tenants(demo):
+    from io import StringIO
+
+    out = StringIO()
+    call_command("create_api_token", "agent", "--tenant", "acme", "--tenant", "globex", stdout=out)
+    assert ApiToken.objects.get(prefix=out.getvalue().strip()[5:13]).tenants == ["acme", "globex"]
 
 
 def test_it_returns_the_same_run_for_the_same_idempotency_key(client, demo, agent, new_jobs):

@@ -438,7 +438,7 @@ class Approver(threading.Thread):
 
 def _token(username: str) -> str:
     out = io.StringIO()
-    call_command("create_api_token", username, stdout=out)
+    call_command("create_api_token", username, "--tenant", "*", stdout=out)  # the chaos test uses several tenants
     return out.getvalue().strip()
 
 

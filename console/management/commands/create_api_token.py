@@ -11,11 +11,17 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("username")
+        parser.add_argument(
+            "--tenant",
+            action="append",
+            dest="tenants",
+            help="a tenant the token may start runs for (repeat it; '*' for any); default: default",
+        )
 
-    def handle(self, *args, username, **options):
+    def handle(self, *args, username, tenants=None, **options):
         try:
             user = get_user_model().objects.get(username=username, is_active=True)
         except get_user_model().DoesNotExist:
             raise CommandError(f"No active user named {username!r}.") from None
-        _, raw = ApiToken.issue(user, by="manage.py create_api_token")
+        _, raw = ApiToken.issue(user, by="manage.py create_api_token", tenants=tenants)
         self.stdout.write(raw)

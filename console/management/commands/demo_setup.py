@@ -31,6 +31,9 @@ class Command(BaseCommand):
         if not settings.DEVELOPMENT:
             raise CommandError("demo_setup creates users with a known password: it runs only in development.")
         with transaction.atomic():
+            # The role groups (migration console.0002 makes them; a flushed database has lost them).
+            for role in Role:
+                Group.objects.get_or_create(name=role.value)
             channels = [
                 Channel.objects.get_or_create(name=name, defaults={"description": description})[0]
                 for name, description in DEMO_CHANNELS.items()

@@ -22,14 +22,29 @@ the pool). Measured and rejected: 1 or 4 web processes instead of 2 (119 and 100
 one per core is best), dropping the per-request JSON log line (LOG_LEVEL=WARNING: 0.4 ms of CPU a request, ~6 %,
 kept: it carries the request id operators need). Sync views do not run one at a time per process here: Django's
 ASGI handler gives each request its own thread-sensitive context, so requests of one process overlap, but under
-one GIL."""
+one GIL.
+
+Where the CPU goes (py-spy `--gil`, samples of the thread holding the GIL, 16 connections, PostgreSQL 15, run by
+hand on 2026-12-01 next to this bench): 42 % in the event loop's thread (uvicorn and h11, asgiref scheduling, and
+the async-capable middlewares), 38 % in the request threads, of which the view (ninja's `Operation.run`) is 29 %:
+the bearer-token lookup 14 %, `Run.submit` 13 % (ORM compile, INSERT, Procrastinate's defer). Each request crosses
+from the loop to a thread and back several times: Django's ASGI handler gives every request a new
+thread-sensitive context (a new single-thread executor, so a new OS thread per request), and WhiteNoise is a
+sync-only middleware in the middle of async-capable ones, so the stack goes sync -> async -> sync around it. An
+experiment (not shipped) showed the size of that: the same Django app as WSGI in a fixed pool of threads
+(uvicorn's deprecated `WSGIMiddleware`) answered the one-INSERT baseline at 942 req/s against 392 and `POST
+/api/runs` at 252 against 164 req/s (16 connections, same machine and minutes). It is not a drop-in change (that
+middleware is deprecated and, with the pool, kept connections checked out at 1 connection), but it is the next
+lever for the web server: a threaded WSGI server (e.g. gunicorn's gthread workers) or an async view path."""
 
 THROUGHPUT_NOTE = """\
-Not built yet in this form: the issue's version (1,000 runs of 5 no-op steps with 1, 2 and 4 worker processes
-against plain Procrastinate doing the same five INSERTs per run, with write transactions and rows per step from
-`pg_stat_database` and `pg_current_wal_lsn`) is the engine work's measure; what runs here is bench/throughput.py
-(one worker, embedded PostgreSQL), whose baselines are the engine's own empty workflows. Its figures are reported
-as they are."""
+Write transactions are transaction ids consumed (cluster-wide: exact on the private embedded server, other
+sessions' writes included on the shared PostgreSQL 15); commits are `pg_stat_database.xact_commit` of the bench's
+database (read-only transactions included: the workers' fetches and polls); rows are its inserted + updated +
+deleted tuples; WAL bytes are cluster-wide. Every figure is per step and includes the job's own share (fetch,
+finish: about 0.4 write transactions per step for a 5-step job, as the baseline shows). The engine's per-step
+writes are being reduced in parallel with this bench (issue 11, "one write transaction per step"): these figures
+are the engine at the commit above."""
 
 
 def _fmt(v) -> str:
@@ -41,6 +56,7 @@ def _results(sections, bench):
 
 
 def _resume(sections):
+    found = []
     for s in sections:
         if s["section"] == "resume":
             shipped = re.search(
@@ -48,8 +64,9 @@ def _resume(sections):
                 s["output"],
             )
             if shipped:
-                return {k: float(v) for k, v in zip(("n", "p50", "p99", "max"), shipped.groups(), strict=True)}
-    return None
+                values = dict(zip(("n", "p50", "p99", "max"), map(float, shipped.groups()), strict=True))
+                found.append((s["title"], values))
+    return found
 
 
 def render(meta: dict, sections: list[dict]) -> str:
@@ -86,15 +103,24 @@ def render(meta: dict, sections: list[dict]) -> str:
             f"| enqueue ({db}): >= 70 % of the baseline's req/s at 16 connections | {_fmt(ratio)} |"
             f" {'yes' if ratio and ratio >= 0.7 else 'no'} |"
         )
-    out.append(
-        "| throughput: >= 0.5 of plain Procrastinate's steps/s, 1 write transaction per step"
-        " | not measured (below) | – |"
-    )
-    resume = _resume(sections)
-    if resume:
+    for _s, r in _results(sections, "throughput"):
+        for w, ratio in r["ratio_steps_per_s"].items():
+            engine = next(x for x in r["results"] if x["kind"] == "engine" and str(x["workers"]) == str(w))
+            plain = next(x for x in r["results"] if x["kind"] == "plain" and str(x["workers"]) == str(w))
+            out.append(
+                f"| throughput ({r['database']}, {w} worker processes): >= 0.5 of plain Procrastinate's steps/s |"
+                f" {engine['steps_per_s']} / {plain['steps_per_s']} = {ratio:.2f} | {'yes' if ratio >= 0.5 else 'no'} |"
+            )
+            extra = engine["write_xacts_per_step"] - plain["write_xacts_per_step"] + 1
+            out.append(
+                f"| throughput ({r['database']}, {w} worker processes): 1 write transaction per step |"
+                f" {engine['write_xacts_per_step']} per step, baseline {plain['write_xacts_per_step']}"
+                f" (engine's own: ~{extra:.2f}) | {'yes' if extra <= 1.05 else 'no'} |"
+            )
+    for title, resume in _resume(sections):
         met = resume["p50"] < 10 and resume["p99"] < 25 and resume["max"] < 100
         out.append(
-            f"| resume: p50 < 10, p99 < 25, max < 100 ms | p50 {resume['p50']:g}, p99 {resume['p99']:g},"
+            f"| {title}: p50 < 10, p99 < 25, max < 100 ms | p50 {resume['p50']:g}, p99 {resume['p99']:g},"
             f" max {resume['max']:g} ms | {'yes' if met else 'no'} |"
         )
     out.append("| console: p99 < 100 ms, query count independent of size | see the tables below | see below |")

@@ -52,6 +52,18 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
                 "POST /bench/insert on the same server: one INSERT in autocommit, no auth (console/bench_views.py)",
             )
         )
+    if pg15_up():
+        out.append(
+            (
+                "throughput",
+                "throughput, machine's PostgreSQL 15 (TCP)",
+                ["bench/throughput_workers.py", "--database", "pg15", "--runs", str(n(1000, 20))]
+                + (["--workers", "1,2"] if SMOKE else []),
+                {},
+                "plain Procrastinate, one job per run doing the same five INSERTs, each its own transaction, on the"
+                " same workers (bench_plain_run in bench/noop_workflow.py)",
+            )
+        )
     out += [
         (
             "enqueue",
@@ -63,14 +75,23 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
         (
             "throughput",
             "throughput, embedded PostgreSQL",
-            ["bench/throughput.py", "--runs", str(n(1000, 10))],
+            ["bench/throughput_workers.py", "--database", "embedded", "--runs", str(n(500, 20))]
+            + (["--workers", "1,2"] if SMOKE else []),
             {},
-            "bench_noop (1 empty step) and bench_noop6 (6 empty steps) through the same worker",
+            "plain Procrastinate, one job per run doing the same five INSERTs, each its own transaction, on the same"
+            " workers (bench_plain_run in bench/noop_workflow.py)",
         ),
         (
             "resume",
-            "resume latency, embedded PostgreSQL",
-            ["bench/resume_latency.py", "--runs", str(n(200, 5))],
+            "resume latency, back to back, embedded PostgreSQL",
+            ["bench/resume_latency.py", "--runs", str(n(200, 5)), "--interval-ms", "0"],
+            {"DATABASE_CONN_MAX_AGE": "300"},
+            "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
+        ),
+        (
+            "resume",
+            "resume latency, with idle gaps, embedded PostgreSQL",
+            ["bench/resume_latency.py", "--runs", str(n(50, 3)), "--interval-ms", "250"],
             {"DATABASE_CONN_MAX_AGE": "300"},
             "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
         ),

@@ -29,6 +29,13 @@ def _check_dashboard_access(request) -> None:
 @require_GET
 @never_cache
 def dashboard(request):
+    return render_dashboard(request)
+
+
+def render_dashboard(request, status: int = 200, **extra):
+    """The page (or its figures, for htmx), with `extra` in its context (the breaker form's errors)."""
+    from console import breakers
+
     _check_dashboard_access(request)
     snap = monitoring.snapshot()
     context = {
@@ -36,11 +43,14 @@ def dashboard(request):
         "signals": monitoring.signals(snap),
         "charts": monitoring.charts(snap.at),
         "queue_sla": settings.QUEUE_SLA_SECONDS,
+        "token_rate_limit": settings.TOKEN_RATE_LIMIT_PER_MINUTE,
+        "can_force_breakers": breakers.may_force(request.user),
+        **extra,
     }
     template = "console/dashboard.html"
     if request.htmx:
         template += "#figures"
-    return render(request, template, context)
+    return render(request, template, context, status=status)
 
 
 def _refuse_scraper(request) -> HttpResponse | None:

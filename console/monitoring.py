@@ -22,7 +22,7 @@ Where a figure comes from, when it is not obvious:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from approvals.models import Approval
 from console.models import AuditEntry, Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
-from runs import sandbox
+from runs import breakers, ratelimit, sandbox
 from runs.models import Run
 
 QUEUES = ["agent", "outbound", "hitl", "maintenance"]  # DESIGN's queues; others are shown when they have jobs
@@ -131,6 +131,8 @@ class Snapshot:
     finished_last_15m: int
     cost_last_hour: Decimal | None  # mean cost of the runs that finished in the last hour
     cost_baseline: Decimal | None  # the same, over the USUAL_TIME_WINDOW before that hour
+    breakers: list = field(default_factory=list)  # runs.models.Breaker, as runs.breakers.states() shows them
+    throttled: list = field(default_factory=list)  # runs.ratelimit.ThrottledTenant: tenants waiting for tokens
 
     @property
     def queue_oldest_age(self) -> float:
@@ -367,6 +369,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         finished_last_15m=recent["last_15m"],
         cost_last_hour=recent["last_hour"],
         cost_baseline=recent["baseline"],
+        breakers=breakers.states(now),
+        throttled=ratelimit.throttled(now),
     )
 
 
@@ -475,6 +479,22 @@ def signals(snap: Snapshot) -> list[Signal]:
             f"worst: {worst_tool.step} {worst_tool.rate:.0%} of {worst_tool.attempts}" if worst_tool else "no attempts",
             f"alert above {ERROR_RATE_LIMIT:.0%} over {ERROR_RATE_MIN_ATTEMPTS}+ attempts; warn on fewer",
             "the-model-answers-429",
+        ),
+        Signal(
+            "Circuit breakers",
+            ALERT
+            if any(b.state == "open" for b in snap.breakers)
+            else WARN
+            if any(b.state == "half_open" for b in snap.breakers) or snap.throttled
+            else OK,
+            (
+                ", ".join(f"{b.system} {b.shown_state.replace('_', ' ')}" for b in snap.breakers if b.state != "closed")
+                or "all closed"
+            )
+            + (f"; {len(snap.throttled)} tenants throttled" if snap.throttled else ""),
+            "alert while a system's breaker is open (its steps wait), warn while it probes or a tenant is "
+            "throttled by the token rate limit",
+            "the-crm-api-is-down",
         ),
         Signal(
             "Cost per run",
@@ -693,6 +713,45 @@ def metric_families(snap: Snapshot):
         "hitl_global_kill_switch_engaged",
         "1 when the global kill switch (every channel) is engaged.",
         value=int(snap.global_kill_switch),
+    )
+    yield gauge(
+        "hitl_breaker_state",
+        "1 for each external system's circuit breaker state (closed, open, half_open, forced_open), else 0.",
+        ["system", "state"],
+        [
+            ((b.system, state), int(b.shown_state == state))
+            for b in snap.breakers
+            for state in ("closed", "open", "half_open", "forced_open")
+        ],
+    )
+    yield gauge(
+        "hitl_breaker_window_calls",
+        "Calls counted in the breaker's sliding window.",
+        ["system"],
+        [((b.system,), b.calls) for b in snap.breakers],
+    )
+    yield gauge(
+        "hitl_breaker_window_failures",
+        "Failed calls (429, 5xx, timeouts) in the breaker's sliding window.",
+        ["system"],
+        [((b.system,), b.failures) for b in snap.breakers],
+    )
+    yield gauge(
+        "hitl_breaker_held_back",
+        "Calls held back (their steps waited) since the breaker last opened.",
+        ["system"],
+        [((b.system,), b.held_back) for b in snap.breakers],
+    )
+    yield gauge(
+        "hitl_tenant_throttled_tokens_last_minute",
+        "Model tokens used in the last minute by each tenant whose steps wait for the token rate limit.",
+        ["tenant"],
+        [((t.tenant,), t.used) for t in snap.throttled],
+    )
+    yield gauge(
+        "hitl_token_rate_limit_per_minute",
+        "Model tokens a tenant may use per minute (0: unlimited).",
+        value=settings.TOKEN_RATE_LIMIT_PER_MINUTE,
     )
 
 

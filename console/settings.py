@@ -222,6 +222,24 @@ if DEVELOPMENT:
 # A delivery whose X-Timestamp is further than this from the server's clock, either way, is refused (401).
 WEBHOOK_TOLERANCE_SECONDS = env_int("WEBHOOK_TOLERANCE_SECONDS", 300)
 
+# --- Circuit breakers and the token rate limit (runs.breakers, runs.ratelimit) --------------------------------
+# A system's breaker (model, payments, email, crm) opens when its last BREAKER_WINDOW_SECONDS hold at least
+# BREAKER_MIN_CALLS calls, of which at least BREAKER_FAILURES and a share of BREAKER_FAILURE_RATE failed
+# (Retryable: 429, 5xx; timeouts, connection errors). Open, it holds calls back for BREAKER_COOLDOWN_SECONDS
+# (steps that need the system wait, re-queued, no attempt counted), then lets one probe through: a success
+# closes it, a failure opens it again. A probe not back after BREAKER_PROBE_TIMEOUT_SECONDS is presumed lost.
+BREAKERS_ENABLED = env_bool("BREAKERS_ENABLED", True)
+BREAKER_WINDOW_SECONDS = env_float("BREAKER_WINDOW_SECONDS", 60)
+BREAKER_MIN_CALLS = env_int("BREAKER_MIN_CALLS", 10)
+BREAKER_FAILURES = env_int("BREAKER_FAILURES", 5)
+BREAKER_FAILURE_RATE = env_float("BREAKER_FAILURE_RATE", 0.5)
+BREAKER_COOLDOWN_SECONDS = env_float("BREAKER_COOLDOWN_SECONDS", 30)
+BREAKER_PROBE_TIMEOUT_SECONDS = env_float("BREAKER_PROBE_TIMEOUT_SECONDS", 90)
+# Model tokens (in + out) a tenant's steps may use in any 60 s; 0: unlimited. A compute step of a tenant over
+# it waits (re-queued until the window has room, never dropped, no attempt counted).
+TOKEN_RATE_LIMIT_PER_MINUTE = env_int("TOKEN_RATE_LIMIT_PER_MINUTE", 0)
+# --- end of circuit breakers and the token rate limit ---------------------------------------------------------
+
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
 

@@ -25,11 +25,11 @@ from django.utils.module_loading import import_string
 from console.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
-from runs import gates, ownership
+from runs import gates, ownership, ratelimit
 from runs import workflow as workflows
 from runs.gates import ApprovalRequest, canonical_hash
 from runs.models import OwnershipLost, Run, Step
-from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, UnknownWorkflow, Workflow
+from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, UnknownWorkflow, Wait, Workflow
 
 log = structlog.get_logger("runs.engine")
 
@@ -200,6 +200,8 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) ->
         )
 
     try:
+        if step_def.kind == Step.Kind.COMPUTE:
+            ratelimit.wait_for_tokens(run)  # a tenant at its token rate waits (Throttled, a Wait)
         decided = gates.backend().decided(run, seq) if step_def.kind == Step.Kind.GATE else None
         # A decided gate is replayed from its card, never asked again: a person's answer stands even if the
         # gate's code would now decide otherwise (a new auto-approve threshold after a deploy).
@@ -210,6 +212,13 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) ->
         return False
     except OwnershipLost:
         raise
+    except Wait as wait:
+        # Not attempted (an open circuit breaker, the token rate limit): no failure is recorded and no attempt
+        # counted; the run goes back to the queue with a job due when the wait should be over.
+        with transaction.atomic():
+            run.release(delay=wait.delay)
+        log.info("step waits", step=step_def.name, seq=seq, reason=wait.reason, delay_s=round(wait.delay, 2))
+        return False
     except Exception as exc:
         status = Step.Status.UNKNOWN if isinstance(exc, Ambiguous) else Step.Status.FAILED
         with transaction.atomic():

@@ -17,6 +17,7 @@ from decimal import Decimal
 
 from django.conf import settings
 
+from runs import breakers
 from runs.models import Run, SandboxCall
 from runs.sandbox import lose_the_answer, next_fault, refuse_or_delay
 from runs.workflow import Fatal, Retryable, Usage
@@ -42,6 +43,10 @@ class Model:
 
 class ScriptedModel(Model):
     def complete(self, task: str, **payload) -> dict:
+        with breakers.guard("model"):  # while the model's breaker is open, no call (BreakerOpen, a Wait)
+            return self._complete(task, **payload)
+
+    def _complete(self, task: str, **payload) -> dict:
         fault = next_fault(self.run, "model", self.step)
         SandboxCall.objects.create(
             system="model",
@@ -138,15 +143,17 @@ class OpenAICompatibleModel(Model):
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {settings.MODEL_API_KEY}"},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.TIMEOUT_SECONDS) as response:
-                answer = json.load(response)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 429 or exc.code >= 500:
-                raise Retryable(f"model answered {exc.code}") from exc
-            raise Fatal(f"model answered {exc.code}: {exc.read()[:500]!r}") from exc
-        except (urllib.error.URLError, TimeoutError) as exc:
-            raise Retryable(f"model unreachable: {exc}") from exc
+        # Through the model's circuit breaker, which sees the errors as classified here (a 4xx is an answer).
+        with breakers.guard("model"):
+            try:
+                with urllib.request.urlopen(request, timeout=self.TIMEOUT_SECONDS) as response:
+                    answer = json.load(response)
+            except urllib.error.HTTPError as exc:
+                if exc.code == 429 or exc.code >= 500:
+                    raise Retryable(f"model answered {exc.code}") from exc
+                raise Fatal(f"model answered {exc.code}: {exc.read()[:500]!r}") from exc
+            except (urllib.error.URLError, TimeoutError) as exc:
+                raise Retryable(f"model unreachable: {exc}") from exc
         try:
             content = json.loads(answer["choices"][0]["message"]["content"])
         except (KeyError, IndexError, ValueError) as exc:

@@ -490,6 +490,14 @@ class Step(models.Model):
 
     class Meta:
         ordering = ["run", "seq"]
+        indexes = [
+            # The token rate limit's window (runs.ratelimit): recent steps that used the model.
+            models.Index(
+                fields=["ended_at"],
+                condition=Q(tokens_in__gt=0) | Q(tokens_out__gt=0),
+                name="runs_step_tokens_ended_at",
+            ),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["run", "seq"], name="runs_step_one_per_seq"),
             models.CheckConstraint(condition=Q(kind__in=StepKind.values), name="runs_step_kind_valid"),
@@ -645,3 +653,71 @@ class ShadowEffect(models.Model):
 
     def __str__(self) -> str:
         return f"shadow {self.channel} effect {self.key}"
+
+
+class BreakerState(models.TextChoices):
+    CLOSED = "closed"  # calls go through; their outcomes are counted
+    OPEN = "open"  # calls are held back: steps that need the system wait
+    HALF_OPEN = "half_open"  # one probe call is on its way; the others still wait
+
+
+class Breaker(models.Model):
+    """The circuit breaker of one external system (`model`, `payments`, `email`, `crm`, or a tool's own name),
+    shared by every worker process: runs.breakers reads it before each call and counts outcomes on it, in
+    short transactions that never span a call. A row is made the first time its system is guarded."""
+
+    State = BreakerState
+
+    system = models.SlugField(max_length=64, unique=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.CLOSED)
+    forced = models.BooleanField(default=False, help_text="Held open by ops until they close it: no probe.")
+    opened_at = models.DateTimeField(null=True, blank=True)
+    open_until = models.DateTimeField(null=True, blank=True, help_text="When a probe may go (not when forced).")
+    probe_started_at = models.DateTimeField(null=True, blank=True)
+    window = models.JSONField(
+        default=list, help_text="The latest outcomes in the window, oldest first: [unix time, 1 if it failed]."
+    )
+    held_back = models.PositiveIntegerField(default=0, help_text="Calls held back since it last opened.")
+    last_error = models.TextField(blank=True)
+    changed_at = models.DateTimeField(default=timezone.now)
+    changed_by = models.CharField(max_length=150, blank=True, help_text="Who forced the last change; blank: itself.")
+
+    class Meta:
+        ordering = ["system"]
+        constraints = [
+            models.CheckConstraint(condition=Q(state__in=BreakerState.values), name="runs_breaker_state_valid"),
+            models.CheckConstraint(
+                condition=Q(state=BreakerState.CLOSED) | Q(opened_at__isnull=False),
+                name="runs_breaker_open_has_opened_at",
+            ),
+            models.CheckConstraint(
+                condition=Q(state=BreakerState.HALF_OPEN, probe_started_at__isnull=False)
+                | (~Q(state=BreakerState.HALF_OPEN) & Q(probe_started_at__isnull=True)),
+                name="runs_breaker_half_open_iff_probe",
+            ),
+            models.CheckConstraint(
+                condition=Q(forced=False) | Q(state=BreakerState.OPEN), name="runs_breaker_forced_is_open"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.system} breaker ({self.state})"
+
+
+class TenantThrottle(models.Model):
+    """A tenant whose steps waited for the token rate limit (runs.ratelimit): until when the latest one waits,
+    and how many waits there were. Written only when a step is held back, so the dashboard can say who is
+    throttled."""
+
+    tenant = models.CharField(max_length=100, unique=True)
+    waiting_until = models.DateTimeField()
+    used = models.PositiveIntegerField(help_text="Tokens the tenant had used in the last minute, at the last wait.")
+    limit = models.PositiveIntegerField()
+    waits = models.PositiveIntegerField(default=0)
+    last_wait_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-waiting_until"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} throttled until {self.waiting_until}"

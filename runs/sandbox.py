@@ -19,6 +19,7 @@ import uuid
 from django.conf import settings
 from django.db.models import Count, Q
 
+from runs import breakers
 from runs.models import Run, SandboxCall
 from runs.workflow import Fatal, Retryable
 
@@ -62,30 +63,32 @@ class _System:
         self.operation = operation
 
     def _call(self, payload: dict, key: str = "") -> SandboxCall:
-        fault = next_fault(self.run, self.system, self.operation)
-        what = f"{self.system}.{self.operation}"
-        try:
-            refuse_or_delay(fault, what)
-        except (Retryable, Fatal):
-            SandboxCall.objects.create(
+        # Through the system's circuit breaker: while it is open the call is not made (BreakerOpen, a Wait).
+        with breakers.guard(self.system):
+            fault = next_fault(self.run, self.system, self.operation)
+            what = f"{self.system}.{self.operation}"
+            try:
+                refuse_or_delay(fault, what)
+            except (Retryable, Fatal):
+                SandboxCall.objects.create(
+                    system=self.system,
+                    operation=self.operation,
+                    idempotency_key=key,
+                    run_id=self.run.id,
+                    payload=payload,
+                    applied=False,
+                )
+                raise
+            call = SandboxCall.objects.create(
                 system=self.system,
                 operation=self.operation,
                 idempotency_key=key,
                 run_id=self.run.id,
                 payload=payload,
-                applied=False,
+                external_id=f"{self.system[:2]}_{uuid.uuid4().hex[:12]}",
             )
-            raise
-        call = SandboxCall.objects.create(
-            system=self.system,
-            operation=self.operation,
-            idempotency_key=key,
-            run_id=self.run.id,
-            payload=payload,
-            external_id=f"{self.system[:2]}_{uuid.uuid4().hex[:12]}",
-        )
-        lose_the_answer(fault, what)
-        return call
+            lose_the_answer(fault, what)
+            return call
 
 
 class Payments(_System):

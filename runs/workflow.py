@@ -33,6 +33,17 @@ class Ambiguous(Exception):
     """A write that may or may not have happened: never retried blindly."""
 
 
+class Wait(Exception):
+    """The step cannot run yet and was not attempted (an external system's circuit breaker is open, the
+    tenant is over its token rate): the engine gives the run back to the queue for `delay` seconds, without
+    counting an attempt or recording a failure (runs.breakers.BreakerOpen, runs.ratelimit.Throttled)."""
+
+    def __init__(self, reason: str, delay: float):
+        super().__init__(reason)
+        self.reason = reason
+        self.delay = delay
+
+
 class Park(Exception):
     """Raised inside a step to park the run: for a person's decision (with `request`) or a kill switch (with
     `kill_switch_channel`, the channel whose effect it stopped)."""
@@ -289,6 +300,7 @@ class Context:
         answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
         tool has one, otherwise the run parks for a person to reconcile.
         """
+        from runs import breakers
         from runs.models import Receipt
 
         channel = self.step.channel
@@ -298,6 +310,7 @@ class Context:
             f"#{self._effects}" if self._effects > 1 else ""
         )
         self.last_effect_key = key
+        breakers.check(channel)  # an open breaker: the run waits, before any receipt is written (BreakerOpen)
         receipt = _open_receipt(self.run, self.seq, channel, key)
         if receipt.status == Receipt.Status.DONE:
             return receipt.response
@@ -310,6 +323,12 @@ class Context:
             response = call(key)
         except Fatal:
             receipt.discard()  # the tool says the call was refused, so not applied
+            raise
+        except Wait:
+            # The tool's breaker refused the call before making it (runs.breakers.guard): nothing was sent. A
+            # receipt written for this attempt goes; an earlier attempt's pending one stays to be reconciled.
+            if receipt.fresh:
+                receipt.discard()
             raise
         except Retryable:
             # A 5xx or a timeout the tool calls retryable may still have been applied. With a lookup, the

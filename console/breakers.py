@@ -1,0 +1,142 @@
+"""Ops' hand on the circuit breakers (runs.breakers): hold one open, or close it, from the dashboard's form or
+the API, with a reason; audited (`breaker.force_open`, `breaker.force_closed`).
+
+Who may (DESIGN "Roles"), checked here on the server for the page and the API alike: the ops group and
+superusers force breakers; admins see them on the dashboard but may not (403); anyone else gets 404, as for
+the dashboard itself.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+import structlog
+from django import forms
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
+from django.shortcuts import redirect
+from django.views.decorators.http import require_POST
+from ninja import Field, Router, Schema
+from ninja.errors import HttpError
+
+from console.api_errors import ERRORS
+from console.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from runs import breakers
+
+log = structlog.get_logger("console.breakers")
+
+router = Router(tags=["breakers"])
+
+
+def _sees_breakers(user) -> bool:
+    return user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists()
+
+
+def may_force(user) -> bool:
+    return user.is_authenticated and (user.is_superuser or user.groups.filter(name=Role.OPS).exists())
+
+
+def _check_may_force(user, system: str) -> None:
+    """404 for those who may not see the breakers (or a system without one), PermissionDenied for those who
+    may see them but not force them."""
+    if not _sees_breakers(user) or system not in breakers.known_systems():
+        raise Http404("No such circuit breaker.")
+    if not may_force(user):
+        raise PermissionDenied("Only ops may force a circuit breaker.")
+
+
+class ForceForm(forms.Form):
+    system = forms.SlugField(max_length=64)
+    action = forms.ChoiceField(choices=[("open", "Hold open"), ("close", "Close")])
+    reason = forms.CharField(
+        max_length=KILL_SWITCH_REASON_MAX,
+        error_messages={"required": "Give a reason: it is what the next person on call will read."},
+    )
+
+
+@require_POST
+def force_breaker(request):
+    from console.dashboard import render_dashboard
+
+    form = ForceForm(request.POST)
+    if form.is_valid():
+        _check_may_force(request.user, form.cleaned_data["system"])
+        try:
+            breakers.force(
+                form.cleaned_data["system"],
+                open=form.cleaned_data["action"] == "open",
+                by=request.user,
+                reason=form.cleaned_data["reason"],
+            )
+        except ReasonRequired as exc:
+            form.add_error("reason", str(exc))
+        else:
+            return redirect("dashboard")
+    else:
+        _check_may_force(request.user, request.POST.get("system", ""))
+    return render_dashboard(request, status=422, breaker_form=form)
+
+
+class BreakerIn(Schema):
+    state: Literal["open", "closed"] = Field(description="`open`: held open until closed by hand; `closed`.")
+    reason: str = Field(max_length=KILL_SWITCH_REASON_MAX)
+
+
+class BreakerOut(Schema):
+    system: str
+    state: str = Field(description="closed, open, half_open, or forced_open (held open by ops).")
+    open_until: datetime | None = Field(description="When the next probe may go; null when closed or forced.")
+    calls: int = Field(description="Calls in the sliding window.")
+    failures: int = Field(description="Failed calls in the sliding window.")
+    held_back: int = Field(description="Calls held back since it last opened.")
+    changed_by: str
+    changed_at: datetime | None
+    changed: bool = Field(default=False, description="False when the breaker was already in that state.")
+
+
+def _out(system: str, changed: bool = False) -> dict:
+    breaker = next(b for b in breakers.states() if b.system == system)
+    return {
+        "system": system,
+        "state": breaker.shown_state,
+        "open_until": breaker.open_until,
+        "calls": breaker.calls,
+        "failures": breaker.failures,
+        "held_back": breaker.held_back,
+        "changed_by": breaker.changed_by,
+        "changed_at": breaker.changed_at if breaker.pk else None,
+        "changed": changed,
+    }
+
+
+@router.get(
+    "/breakers",
+    response={200: list[BreakerOut], **ERRORS},
+    summary="The circuit breakers of the external systems",
+    description="For ops and admins.",
+)
+def api_breakers(request):
+    if not _sees_breakers(request.user):
+        raise Http404("No such page.")
+    return [_out(breaker.system) for breaker in breakers.states()]
+
+
+@router.post(
+    "/breakers/{system}",
+    response={200: BreakerOut, **ERRORS},
+    summary="Hold a circuit breaker open, or close it",
+    description="For the ops group. `open` holds calls to the system back (steps that need it wait) until "
+    "someone closes it; `closed` lets calls through again and counts failures from nothing. Idempotent: asking "
+    "for the state it is already in changes nothing (`changed: false`). Audited.",
+)
+def api_force_breaker(request, system: str, body: BreakerIn):
+    try:
+        _check_may_force(request.user, system)
+    except PermissionDenied as exc:
+        raise HttpError(403, str(exc)) from exc
+    try:
+        changed = breakers.force(system, open=body.state == "open", by=request.user, reason=body.reason)
+    except ReasonRequired as exc:
+        raise HttpError(422, str(exc)) from exc
+    return _out(system, changed)

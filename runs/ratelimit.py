@@ -1,0 +1,110 @@
+"""The token rate limit: model tokens (in + out) per tenant per minute (TOKEN_RATE_LIMIT_PER_MINUTE, 0: off).
+
+Before a compute step (runs.engine), `wait_for_tokens(run)` sums the tokens of the tenant's steps that ended in
+the last 60 s (Step rows: nothing is counted twice, nothing needs resetting). At or over the limit the step
+raises `Throttled`, a `Wait`: the run goes back to the queue until enough of those tokens have left the window
+for the tenant to be under the limit again. Never dropped, and not an attempt.
+
+The limit is checked before a step, not reserved: a step's tokens are only known once it has run. So a tenant
+whose steps run side by side may go over it by what those steps use; its next steps then wait longer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import structlog
+from django.conf import settings
+from django.db import connection
+from django.db.models import F, Q
+from django.utils import timezone
+
+from runs.models import Run, Step, TenantThrottle
+from runs.workflow import Wait
+
+log = structlog.get_logger("runs.ratelimit")
+
+WINDOW = timedelta(seconds=60)
+MIN_DELAY = 0.5  # seconds
+JITTER = 1.0  # seconds, at most: the tenant's waiting runs do not all come back at the same instant
+
+
+class Throttled(Wait):
+    """The tenant has used its tokens of the last minute: the step waits `delay` seconds."""
+
+    def __init__(self, tenant: str, used: int, limit: int, delay: float):
+        super().__init__(f"tenant {tenant} used {used} tokens in the last minute (limit {limit})", delay)
+        self.tenant, self.used, self.limit = tenant, used, limit
+
+
+def _recent(tenant: str, now: datetime):
+    """The tenant's steps that used tokens and ended in the window, oldest first (runs_step_tokens_ended_at)."""
+    return (
+        Step.objects.filter(ended_at__gt=now - WINDOW, ended_at__lte=now, run__tenant=tenant)
+        .filter(Q(tokens_in__gt=0) | Q(tokens_out__gt=0))
+        .annotate(tokens=F("tokens_in") + F("tokens_out"))
+        .order_by("ended_at")
+        .values_list("ended_at", "tokens")
+    )
+
+
+def tokens_used(tenant: str, now: datetime | None = None) -> int:
+    return sum(tokens for _, tokens in _recent(tenant, now or timezone.now()))
+
+
+def wait_for_tokens(run: Run) -> None:
+    """Raise Throttled when the run's tenant has reached its token rate; nothing when it has room (or no limit)."""
+    limit = settings.TOKEN_RATE_LIMIT_PER_MINUTE
+    if limit <= 0:
+        return
+    now = timezone.now()
+    recent = list(_recent(run.tenant, now))
+    used = sum(tokens for _, tokens in recent)
+    if used < limit:
+        return
+    # The window has room again once enough of its oldest steps have aged out of it.
+    left, room_at = used, now + WINDOW
+    for ended_at, tokens in recent:
+        left -= tokens
+        if left < limit:
+            room_at = ended_at + WINDOW
+            break
+    delay = max(MIN_DELAY, (room_at - now).total_seconds()) + random.uniform(0, JITTER)
+    _note(run.tenant, now, now + timedelta(seconds=delay), used, limit)
+    raise Throttled(run.tenant, used, limit, delay)
+
+
+def _note(tenant: str, now: datetime, until: datetime, used: int, limit: int) -> None:
+    """Who is throttled, for the dashboard: one row per tenant, upserted in one statement."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO {TenantThrottle._meta.db_table} (tenant, waiting_until, used, "limit", waits, last_wait_at)
+            VALUES (%s, %s, %s, %s, 1, %s)
+            ON CONFLICT (tenant) DO UPDATE SET
+                waiting_until = GREATEST(EXCLUDED.waiting_until, {TenantThrottle._meta.db_table}.waiting_until),
+                used = EXCLUDED.used, "limit" = EXCLUDED."limit", last_wait_at = EXCLUDED.last_wait_at,
+                waits = {TenantThrottle._meta.db_table}.waits + 1
+            """,
+            [tenant, until, used, limit, now],
+        )
+
+
+@dataclass
+class ThrottledTenant:
+    tenant: str
+    used: int  # tokens in the last minute, now
+    limit: int
+    waiting_until: datetime
+    waits: int
+
+
+def throttled(now: datetime | None = None) -> list[ThrottledTenant]:
+    """Tenants with a step waiting for the token rate limit now, and their usage of the last minute."""
+    now = now or timezone.now()
+    return [
+        ThrottledTenant(row.tenant, tokens_used(row.tenant, now), row.limit, row.waiting_until, row.waits)
+        for row in TenantThrottle.objects.filter(waiting_until__gt=now).order_by("tenant")
+    ]

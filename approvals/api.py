@@ -29,6 +29,7 @@ class CardOut(Schema):
     confidence: float | None
     citations: list
     risk: str
+    shadow: bool
     version: int
     due_at: datetime
     created_at: datetime
@@ -48,6 +49,9 @@ class DecisionIn(Schema):
     reason: str | None = Field(None, max_length=32)
     payload: dict | None = None
     version: int
+    # Shadow cards only: whether the reviewer, who did the action by hand, agrees with the agent (required there).
+    agreement: Literal["agree", "disagree"] | None = None
+    done_by_hand: str = Field("", max_length=5000)
 
 
 def decidable_channels(user):
@@ -88,6 +92,8 @@ def decide(request, card_id: int, body: DecisionIn):
             reason=body.reason or "",
             payload=body.payload,
             version=body.version,
+            agreement=body.agreement or "",
+            done_by_hand=body.done_by_hand,
         )
     except AlreadyDecided as exc:
         raise HttpError(409, str(exc)) from None

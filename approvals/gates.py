@@ -38,6 +38,9 @@ class CardBackend:
             confidence=request.confidence,
             citations=request.citations,
             risk=request.risk,
+            # Shadow mode is read as the card opens. Only a proposed action is shadowed: a reconcile card asks
+            # about a write that was really attempted, and a budget card about the run's own spending.
+            shadow=request.kind == Kind.ACTION and Channel.in_shadow(channel.name, run.workflow),
             args_hash=args_hash,
             due_at=timezone.now() + channel.sla,
         )

@@ -168,7 +168,7 @@ class Inbox:
             cards.select_related("assigned_group")
             .only(
                 *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
-                *("workflow", "run_id", "assigned_group__name", "headline", "amount_minor", "currency"),
+                *("workflow", "run_id", "assigned_group__name", "headline", "amount_minor", "currency", "shadow"),
             )
             .annotate(sla_state=sla_state_expression(self.channels, self.now))
             .order_by("due_at", "id")[: PER_PAGE + 1]

@@ -77,6 +77,16 @@ class DecisionKind(models.TextChoices):
     REJECT = "reject"
 
 
+class Agreement(models.TextChoices):
+    """On a shadow card: whether the reviewer, who did the action by hand, agrees with what the agent proposed."""
+
+    AGREE = "agree", "I agree with the agent"
+    DISAGREE = "disagree", "I disagree with the agent"
+
+
+DONE_BY_HAND_MAX = 5000
+
+
 class Risk(models.TextChoices):
     LOW = "low"
     MEDIUM = "medium"
@@ -115,6 +125,9 @@ class Approval(models.Model):
     citations = models.JSONField(default=list, blank=True)
     risk = models.CharField(max_length=8, choices=Risk.choices, default=Risk.MEDIUM)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    # Shadow mode (console.models.Channel.in_shadow, read when the card opens): nothing is sent for it; the
+    # reviewer does the action by hand and records what they did and whether they agree with the agent.
+    shadow = models.BooleanField(default=False)
     args_hash = models.CharField(max_length=64)
     version = models.PositiveIntegerField(default=1)
     due_at = models.DateTimeField()
@@ -127,7 +140,11 @@ class Approval(models.Model):
 
     class Meta:
         ordering = ["due_at"]
-        indexes = [models.Index(fields=["status", "channel", "due_at"], name="approvals_open_by_channel")]
+        indexes = [
+            models.Index(fields=["status", "channel", "due_at"], name="approvals_open_by_channel"),
+            # The dashboard's agreement rate per workflow and rule reads shadow cards only.
+            models.Index(fields=["workflow", "rule_id"], condition=Q(shadow=True), name="approvals_shadow_by_rule"),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["run", "step_seq"],
@@ -166,6 +183,8 @@ class Approval(models.Model):
         reason: str = "",
         payload: dict | None = None,
         version: int | None = None,
+        agreement: str = "",
+        done_by_hand: str = "",
     ) -> Approval:
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
         decision, updates the card and re-queues the run with its job, all in one transaction.
@@ -176,7 +195,11 @@ class Approval(models.Model):
         the card stays open until a second person approves it as it stands (an edit restarts the count, its
         author counting as one); a rejection by anyone ends it, except on a reconcile card, where "it did not
         happen" (a rejection: the write is done now) needs two people too. Nobody decides a card of a run they
-        started."""
+        started.
+
+        On a shadow card the decision records what the reviewer did by hand (approve: as proposed; edit: the
+        payload they used; reject: nothing), with `agreement` (agree or disagree with the agent, required) and an
+        optional `done_by_hand` note; other cards refuse both."""
         status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
         if decision not in status:
             raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
@@ -185,6 +208,11 @@ class Approval(models.Model):
             raise InvalidDecision("a rejection needs a comment saying why")
         if decision == "edit" and not isinstance(payload, dict):
             raise InvalidDecision("an edit needs the new payload (an object)")
+        agreement, done_by_hand = agreement or "", (done_by_hand or "").strip()
+        if agreement and agreement not in Agreement.values:
+            raise InvalidDecision(f"agreement must be agree or disagree, not {agreement!r}")
+        if len(done_by_hand) > DONE_BY_HAND_MAX:
+            raise InvalidDecision(f"what you did is longer than {DONE_BY_HAND_MAX} characters")
         with transaction.atomic():
             # One lock order everywhere: the run, then its card (Run.cancel, the engine and the SLA policy do the
             # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.policy):
@@ -198,6 +226,10 @@ class Approval(models.Model):
                 raise StaleVersion(card, version)
             if actor is not None and run.created_by_id == getattr(actor, "pk", None):
                 raise NotAllowed("you started this run: someone else must decide its cards")
+            if card.shadow and not agreement:
+                raise InvalidDecision("this is a shadow card: say whether you agree with the agent (agree or disagree)")
+            if not card.shadow and (agreement or done_by_hand):
+                raise InvalidDecision("agreement and what you did by hand are recorded on shadow cards only")
             if decision == "edit" and (errors := edits.edit_errors(card, payload)):
                 raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
             earlier = list(card.decisions.order_by("created_at", "pk"))
@@ -222,6 +254,8 @@ class Approval(models.Model):
                 comment=comment,
                 reason=reason or "",
                 payload=payload if decision == "edit" else None,
+                agreement=agreement,
+                done_by_hand=done_by_hand,
             )
             approvals_given = len(counted) + 1
             complete = not needs_two or approvals_given >= card.channel.required_approvals
@@ -246,6 +280,7 @@ class Approval(models.Model):
                     "version": card.version,
                     "proposed": card.proposed,
                     **({"payload": payload} if decision == "edit" else {}),
+                    **({"shadow": True, "agreement": agreement, "done_by_hand": done_by_hand} if card.shadow else {}),
                     **(
                         {"approvals": approvals_given, "required": card.channel.required_approvals} if needs_two else {}
                     ),
@@ -268,12 +303,18 @@ class Decision(models.Model):
     comment = models.TextField(blank=True)
     reason = models.CharField(max_length=32, blank=True)
     payload = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    # Shadow cards only (Approval.shadow): the reviewer's agreement with the agent and what they did by hand.
+    agreement = models.CharField(max_length=8, choices=Agreement.choices, blank=True)
+    done_by_hand = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["created_at"]
         constraints = [
             models.CheckConstraint(condition=Q(decision__in=DecisionKind.values), name="approvals_decision_valid"),
+            models.CheckConstraint(
+                condition=Q(agreement__in=["", *Agreement.values]), name="approvals_decision_agreement_valid"
+            ),
             models.CheckConstraint(
                 condition=~Q(decision=DecisionKind.REJECT) | ~Q(comment=""),
                 name="approvals_decision_reject_has_comment",

@@ -28,6 +28,7 @@ from django_htmx.http import trigger_client_event
 from approvals.diff import diff_json, summarize
 from approvals.forms import EditForm, RejectForm
 from approvals.models import (
+    Agreement,
     AlreadyDecided,
     Approval,
     DecisionError,
@@ -51,6 +52,8 @@ LABELS = {
     Kind.RECONCILE: {"approve": "It happened", "edit": "", "reject": "It did not happen"},
     Kind.BUDGET: {"approve": "Extend the limit", "edit": "Edit the limit", "reject": "Stop the run"},
 }
+# On a shadow card nothing is sent: the reviewer does the action by hand, and the decision says what they did.
+SHADOW_LABELS = {"approve": "I did it as proposed", "edit": "I did it differently", "reject": "I did not do it"}
 
 
 # --- access ------------------------------------------------------------------------------------------------
@@ -149,7 +152,10 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.required_approvals = card.channel.required_approvals
     card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
-    card.labels = LABELS.get(card.kind, LABELS[Kind.ACTION])
+    card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
+    # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).
+    card.shadow_values = state.get("shadow_values") or {"agreement": "", "done_by_hand": ""}
+    card.agreements = Agreement.choices
     card.edit_form = state.get("edit_form") or EditForm(card)
     card.reject_form = state.get("reject_form") or RejectForm()
     for form in (card.edit_form, card.reject_form):
@@ -188,22 +194,28 @@ def decide(request, pk: int):
     card = _get_card_for_user(request, pk, to_decide=True)
     decision, version, user = request.POST.get("decision", ""), _version(request), request.user
     state: dict = {}
+    # Shadow cards only (Approval.decide refuses them elsewhere, and requires the agreement there).
+    shadow = {"agreement": request.POST.get("agreement", ""), "done_by_hand": request.POST.get("done_by_hand", "")}
+    if card.shadow:
+        state["shadow_values"] = shadow
     decided = False
     try:
         if version is None:
             raise InvalidDecision("The card's version is missing: reload the card.")
         if decision == "approve":
-            card.decide(user, "approve", comment=request.POST.get("comment", ""), version=version)
+            card.decide(user, "approve", comment=request.POST.get("comment", ""), version=version, **shadow)
             decided = True
         elif decision == "reject":
             form = RejectForm(request.POST)
             if form.is_valid():
+                state.update(reject_form=form, opened="reject")  # shown again if the decision is refused
                 card.decide(
                     user,
                     "reject",
                     comment=form.cleaned_data["comment"],
                     reason=form.cleaned_data["reason"],
                     version=version,
+                    **shadow,
                 )
                 decided = True
             else:
@@ -218,12 +230,14 @@ def decide(request, pk: int):
                 preview = [d for d in diff_json(card.proposed, form.cleaned_data["payload"]) if d.op != "same"]
                 state.update(edit_form=form, preview=preview, opened="edit")
             else:
+                state.update(edit_form=form, opened="edit")  # shown again if the decision is refused
                 card.decide(
                     user,
                     "edit",
                     comment=form.cleaned_data.get("comment", ""),
                     payload=form.cleaned_data["payload"],
                     version=version,
+                    **shadow,
                 )
                 decided = True
         else:

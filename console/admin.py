@@ -67,7 +67,7 @@ class ChannelAdmin(AuditedDeletion, GuardedModelAdmin):
     """Object permissions (approve_channel, operate_channel) are assigned from each channel's
     "Object permissions" page. Every change made here, to a channel or to its permissions, is audited."""
 
-    list_display = ["name", "required_approvals", "sla", "escalation_policy", "kill_switch_engaged"]
+    list_display = ["name", "required_approvals", "sla", "escalation_policy", "shadow", "kill_switch_engaged"]
     readonly_fields = ["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
 
     def save_model(self, request, obj, form, change):

@@ -14,6 +14,9 @@ Where a figure comes from, when it is not obvious:
   its step started, so that attempt found it done: a no-op) and `reconciled` (an ambiguous write completed
   by the tool's lookup or a person instead of a blind retry). Not counted: a second run that reuses another
   run's natural key (the no-op leaves no row).
+- shadow agreement: the answers (Decision.agreement) that reviewers gave on shadow cards, per workflow and rule
+  (the card's rule_id), counting every answer (under the two-person rule, each person's); the share that agreed
+  with the agent is what a team reads to decide when a workflow goes live.
 - runs not moving: queued or running, with no progress (updated_at) for longer than
   max(STUCK_FLOOR, STUCK_FACTOR x the workflow's usual active time), the usual active time being the median
   sum of step latencies of its latest 200 runs that succeeded in the last 7 days (waits for people are not
@@ -36,11 +39,11 @@ from procrastinate.contrib.django.models import ProcrastinateJob, ProcrastinateW
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from approvals.models import Approval
+from approvals.models import Agreement, Approval, Decision
 from console.models import AuditEntry, Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
 from runs import breakers, ratelimit, sandbox
-from runs.models import Run
+from runs.models import Run, ShadowEffect
 
 QUEUES = ["agent", "outbound", "hitl", "maintenance"]  # DESIGN's queues; others are shown when they have jobs
 RETRY_CAUSES = [
@@ -82,6 +85,28 @@ class ToolErrors:
     @property
     def rate(self) -> float:
         return self.failed / self.attempts if self.attempts else 0.0
+
+    @property
+    def percent(self) -> float:
+        return 100 * self.rate
+
+
+@dataclass
+class ShadowAgreement:
+    """Reviewers' answers on the shadow cards of one workflow and rule."""
+
+    workflow: str
+    rule_id: str
+    answers: int
+    agreed: int
+
+    @property
+    def disagreed(self) -> int:
+        return self.answers - self.agreed
+
+    @property
+    def rate(self) -> float:
+        return self.agreed / self.answers if self.answers else 0.0
 
     @property
     def percent(self) -> float:
@@ -131,6 +156,8 @@ class Snapshot:
     finished_last_15m: int
     cost_last_hour: Decimal | None  # mean cost of the runs that finished in the last hour
     cost_baseline: Decimal | None  # the same, over the USUAL_TIME_WINDOW before that hour
+    shadow_agreement: list[ShadowAgreement]
+    shadow_effects: dict[str, int]  # effects recorded instead of sent, per channel
     breakers: list = field(default_factory=list)  # runs.models.Breaker, as runs.breakers.states() shows them
     throttled: list = field(default_factory=list)  # runs.ratelimit.ThrottledTenant: tenants waiting for tokens
 
@@ -274,6 +301,18 @@ def usual_seconds(now: datetime) -> dict[str, float]:
     }
 
 
+def shadow_agreement() -> list[ShadowAgreement]:
+    """Answers and agreements on shadow cards, per workflow and rule."""
+    return [
+        ShadowAgreement(workflow, rule_id, answers, agreed)
+        for workflow, rule_id, answers, agreed in Decision.objects.filter(approval__shadow=True)
+        .exclude(agreement="")
+        .values_list("approval__workflow", "approval__rule_id")
+        .annotate(answers=Count("id"), agreed=Count("id", filter=Q(agreement=Agreement.AGREE)))
+        .order_by("approval__workflow", "approval__rule_id")
+    ]
+
+
 def _histogram(runs, value, buckets) -> tuple[list[tuple[float, int]], int, object]:
     counts = runs.aggregate(
         n=Count("id"),
@@ -369,6 +408,8 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         finished_last_15m=recent["last_15m"],
         cost_last_hour=recent["last_hour"],
         cost_baseline=recent["baseline"],
+        shadow_agreement=shadow_agreement(),
+        shadow_effects=dict(ShadowEffect.objects.values_list("channel").annotate(n=Count("id")).order_by()),
         breakers=breakers.states(now),
         throttled=ratelimit.throttled(now),
     )
@@ -752,6 +793,28 @@ def metric_families(snap: Snapshot):
         "hitl_token_rate_limit_per_minute",
         "Model tokens a tenant may use per minute (0: unlimited).",
         value=settings.TOKEN_RATE_LIMIT_PER_MINUTE,
+    )
+    yield counter(
+        "hitl_shadow_answers",
+        "Reviewers' answers on shadow cards: agree or disagree with the agent, per workflow and rule.",
+        ["workflow", "rule", "agreement"],
+        [
+            ((a.workflow, a.rule_id, agreement), n)
+            for a in snap.shadow_agreement
+            for agreement, n in (("agree", a.agreed), ("disagree", a.disagreed))
+        ],
+    )
+    yield gauge(
+        "hitl_shadow_agreement_ratio",
+        "Share of the answers on shadow cards that agreed with the agent, per workflow and rule.",
+        ["workflow", "rule"],
+        [((a.workflow, a.rule_id), a.rate) for a in snap.shadow_agreement],
+    )
+    yield counter(
+        "hitl_shadow_effects",
+        "Side effects that shadow mode recorded instead of sending, per channel.",
+        ["channel"],
+        sorted(((channel,), n) for channel, n in snap.shadow_effects.items()),
     )
 
 

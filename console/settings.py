@@ -203,6 +203,9 @@ MODEL_NAME = env_str("MODEL_NAME", "gpt-4o-mini")
 BUDGET_CEILING = env_decimal("BUDGET_CEILING", "100")
 # The demo's refund gate approves by itself below this amount.
 AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
+# Shadow mode (runs.workflow, approvals.gates): workflows whose gates make shadow cards and whose effects are
+# recorded, never sent, on every channel. A channel can be put in shadow for every workflow in Django admin.
+SHADOW_WORKFLOWS = frozenset(env_list("SHADOW_WORKFLOWS"))
 
 # The JSON API refuses bodies larger than this with 413.
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)

@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from runs import dead_letters
-from runs.models import Receipt, Run, Step, WebhookDelivery
+from runs.models import Receipt, Run, ShadowEffect, Step, WebhookDelivery
 
 
 def _pretty(value):
@@ -59,13 +59,24 @@ class ReceiptInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
     can_delete = False
 
 
+class ShadowEffectInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
+    """Effects that shadow mode recorded instead of sending (runs.workflow.Context.effect)."""
+
+    model = ShadowEffect
+    fields = ["step_seq", "step", "channel", "key", "preview", "created_at"]
+    readonly_fields = fields
+    ordering = ["step_seq", "created_at"]
+    extra = 0
+    can_delete = False
+
+
 @admin.register(Run)
 class RunAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
     list_display = ["id", "workflow", "status", "tenant", "cursor", "attempt", "cost", "created_at", "finished_at"]
     list_filter = ["status", "workflow", "tenant"]
     search_fields = ["=id", "=trace_id", "=idempotency_key"]
     list_per_page = 50
-    inlines = [StepInline, ReceiptInline]
+    inlines = [StepInline, ReceiptInline, ShadowEffectInline]
     fieldsets = [
         (None, {"fields": ["id", "workflow", "workflow_version", "tenant", "status", "dead_letter_link"]}),
         ("Progress", {"fields": ["cursor", "attempt", "max_attempts", "error", "pause_reason", "cancel_requested"]}),
@@ -110,3 +121,24 @@ class WebhookDeliveryAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
             return "-"
         url = reverse("admin:runs_run_change", args=[delivery.run_id])
         return format_html('<a href="{}">{}</a>', url, delivery.run)
+
+
+@admin.register(ShadowEffect)
+class ShadowEffectAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
+    """Side effects that shadow mode kept from the external systems: what the agent would have done."""
+
+    list_display = ["created_at", "channel", "step", "key", "run_link"]
+    list_filter = ["channel", "step"]
+    search_fields = ["=key", "=run__id"]
+    list_select_related = ["run"]
+    list_per_page = 50
+    fields = ["created_at", "run_link", "step_seq", "step", "channel", "key", "pretty_preview"]
+    readonly_fields = fields
+
+    @admin.display(description="run")
+    def run_link(self, effect: ShadowEffect):
+        return format_html('<a href="{}">{}</a>', reverse("admin:runs_run_change", args=[effect.run_id]), effect.run_id)
+
+    @admin.display(description="preview")
+    def pretty_preview(self, effect: ShadowEffect):
+        return _pretty(effect.preview)

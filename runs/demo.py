@@ -166,14 +166,15 @@ def approve_refund(ctx):
 def issue_refund(ctx):
     refund_order = ctx.outputs["approve_refund"]["payload"]["refund"]
     payments = ctx.tools.payments
+    arguments = {
+        "customer_id": refund_order["customer_id"],
+        "amount_cents": int(refund_order["amount_cents"]),
+        "currency": refund_order["currency"],
+    }
     return ctx.effect(
-        lambda key: payments.refund(
-            customer_id=refund_order["customer_id"],
-            amount_cents=int(refund_order["amount_cents"]),
-            currency=refund_order["currency"],
-            idempotency_key=key,
-        ),
+        lambda key: payments.refund(**arguments, idempotency_key=key),
         lookup=payments.lookup,
+        preview={"call": "payments.refund", **arguments},  # what shadow mode records instead of the call
     )
 
 
@@ -182,6 +183,7 @@ def notify_customer(ctx):
     message = ctx.outputs["approve_refund"]["payload"]["email"]
     email = ctx.tools.email
     # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person.
+    arguments = {"to": message["to"], "subject": message["subject"], "body": message["body"]}
     return ctx.effect(
-        lambda key: email.send(to=message["to"], subject=message["subject"], body=message["body"], idempotency_key=key)
+        lambda key: email.send(**arguments, idempotency_key=key), preview={"call": "email.send", **arguments}
     )

@@ -292,6 +292,7 @@ class Context:
         key: str | None = None,
         lookup: Callable[[str], dict | None] | None = None,
         action: str | None = None,
+        preview: dict | None = None,
     ) -> dict:
         """Do a side effect on this step's channel at most once.
 
@@ -299,6 +300,11 @@ class Context:
         it has one). The receipt is written first; a done receipt makes this a no-op that returns the stored
         answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
         tool has one, otherwise the run parks for a person to reconcile.
+
+        In shadow mode (console.models.Channel.in_shadow: the workflow or the channel) `call` is never made: the
+        effect is recorded as a ShadowEffect with `preview` (what the call would send, for the person who does
+        it by hand) and answers `{"shadow": True, "id": "shadow:<key>"}`, so the run goes on. The mode is read
+        when the effect's receipt is first written; kill switches apply as to any effect.
         """
         from runs import breakers
         from runs.models import Receipt
@@ -311,9 +317,13 @@ class Context:
         )
         self.last_effect_key = key
         breakers.check(channel)  # an open breaker: the run waits, before any receipt is written (BreakerOpen)
-        receipt = _open_receipt(self.run, self.seq, channel, key)
+        receipt = _open_receipt(self.run, self.seq, channel, key, step=self.step.name, preview=preview)
         if receipt.status == Receipt.Status.DONE:
             return receipt.response
+        if receipt.shadow:
+            # Recorded with the receipt, never sent: nothing can be ambiguous, so a pending shadow receipt (its
+            # first attempt stopped here) is completed without asking anyone.
+            return receipt.complete(shadow_response(key))
         if not receipt.fresh:
             found = lookup(key) if lookup else self._reconciled_by_a_person(receipt)
             if found is not None:
@@ -375,12 +385,13 @@ class Context:
         return decision.as_output()
 
 
-def _open_receipt(run: Run, seq: int, channel: str, key: str):
+def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
     """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner and the
     channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
-    already past here."""
+    already past here. `receipt.shadow`: the effect is in shadow mode (a ShadowEffect is written with a new
+    receipt when the workflow or channel is in shadow; an earlier attempt's pending receipt keeps its mode)."""
     from console.models import Channel
-    from runs.models import Receipt
+    from runs.models import Receipt, ShadowEffect
 
     if _inside_a_transaction():
         raise Fatal(
@@ -394,9 +405,23 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str):
         receipt, created = Receipt.objects.get_or_create(
             key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
         )
+        if created:
+            receipt.shadow = Channel.in_shadow(channel, run.workflow)
+            if receipt.shadow:
+                ShadowEffect.objects.create(run=run, step_seq=seq, step=step, channel=channel, key=key, preview=preview)
+        else:
+            receipt.shadow = receipt.status == Receipt.Status.PENDING and ShadowEffect.objects.filter(key=key).exists()
     receipt.run = run  # the owner's copy: its writes name this owner
     receipt.fresh = created
     return receipt
+
+
+def shadow_response(key: str) -> dict:
+    """What a shadow effect answers in place of its external system (the receipt keeps it as its response)."""
+    external_id = f"shadow:{key}"
+    if len(external_id) > 200:  # Receipt.external_id; a natural key may be longer
+        external_id = f"shadow:{gates.canonical_hash(key)[:40]}"
+    return {"shadow": True, "id": external_id}
 
 
 def _inside_a_transaction() -> bool:

@@ -232,7 +232,7 @@ def test_ops_force_it_open_and_closed_from_the_dashboard_audited(demo, client):
     breaker = _breaker("email")
     assert breaker.state == "open" and breaker.forced and breaker.changed_by == "ops"
     page = client.get("/dashboard/").content.decode()
-    assert 'data-breaker="email" data-state="forced_open"' in page
+    assert 'data-breaker="email" data-breaker-state="forced_open"' in page
 
     # Held open: no probe, whatever the time.
     _cool_down_over("email")
@@ -314,7 +314,7 @@ def test_metrics_and_dashboard_show_each_breaker(demo, client):
     assert metrics("hitl_breaker_window_failures", system="crm") == 0  # the window restarts when it opens
     client.force_login(_ops())
     page = client.get("/dashboard/").content.decode()
-    assert 'data-breaker="crm" data-state="open"' in page
+    assert 'data-breaker="crm" data-breaker-state="open"' in page
     assert 'data-signal="circuit-breakers" data-state="alert"' in page
     assert 'id="force-breaker"' in page
 

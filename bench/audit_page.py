@@ -38,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.fill_defaults import default_missing  # noqa: E402
+
 # Who does what: people decide, operate and administer; the agent cancels its own runs; system components
 # expire, escalate and dead-letter. So some combinations of filters never occur, as in a real log.
 HUMAN_ACTIONS = [
@@ -200,6 +202,7 @@ def main() -> None:
     step = timedelta(days=365) / args.entries
     started = time.perf_counter()
     with connection.cursor() as cursor:
+        default_missing(cursor, "console_auditentry")
         cursor.execute(
             FILL,
             {

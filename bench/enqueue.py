@@ -102,8 +102,8 @@ def wrk(url: str, token: str, kind: str, connections: int, duration: float, serv
     threads = min(2, connections)
     cpu_before, wrk_before = cpu_seconds(server_pids), children_cpu()
     done = subprocess.run(
-        [WRK, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s", "-s", str(LUA), url]
-        + ["--", token, kind],
+        [WRK, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s"]
+        + ["-s", str(LUA), url, "--", token, kind],
         capture_output=True,
         text=True,
         timeout=duration + 60,
@@ -135,7 +135,8 @@ def wrk(url: str, token: str, kind: str, connections: int, duration: float, serv
 
 def profile(url: str, token: str, server_pid: int, duration: float, out: Path) -> list[tuple[float, str]]:
     """py-spy on the web processes (wall clock, idle included) during a 16-connection run; the inclusive share
-    of each frame among the samples of request threads (those in Django's exception-handling wrapper, i.e. serving a request)."""
+    of each frame among the samples of request threads (those inside Django's exception-handling wrapper, i.e.
+    serving a request)."""
     py_spy = Path(PY).parent / "py-spy"
     if not py_spy.exists():
         return []

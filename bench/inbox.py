@@ -32,18 +32,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.fill_defaults import default_missing  # noqa: E402
+
 RUNS = """
 INSERT INTO runs_run
     (id, workflow, workflow_version, tenant, input, status, attempt, max_attempts, cursor, result, error,
      pause_reason, paused_switch, cancel_requested, idempotency_key, trace_id, priority, not_before,
-     tokens_in, tokens_out, cost, cost_limit, created_by_id, created_at, updated_at, finished_at)
+     tokens_in, tokens_out, cost, cost_limit, created_by_id, created_at, updated_at, finished_at, owner)
 SELECT
     md5('bench-run-' || i)::uuid,
     (ARRAY['refund', 'refund', 'refund', 'dunning', 'kyc'])[1 + abs(hashint8extended(i, 1)) %% 5],
     1, 'default',
     jsonb_build_object('customer_id', 'cus_' || i, 'amount_cents', 1000 + i %% 90000, 'currency', 'EUR'),
     'waiting_human', 0, 3, 3, NULL, '', '', '', false, NULL, substr(md5(i::text), 1, 32), 0, NULL,
-    0, 0, 0, NULL, %(agent)s, now() - interval '1 hour', now(), NULL
+    0, 0, 0, NULL, %(agent)s, now() - interval '1 hour', now(), NULL, ''
 FROM generate_series(%(first)s::bigint, %(last)s) AS i
 """
 
@@ -128,6 +130,8 @@ def main() -> None:
         started = time.perf_counter()
         params = {"first": first, "last": last, "agent": agent.pk, "channels": channels}
         with connection.cursor() as cursor:
+            for table in ("runs_run", "approvals_approval"):
+                default_missing(cursor, table)
             cursor.execute(RUNS, params)
             cursor.execute(CARDS, params)
             cursor.execute("VACUUM ANALYZE runs_run")
@@ -161,7 +165,16 @@ def main() -> None:
             "later page (keyset, ~page 200)": (later_page_url(), {}),
             "htmx poll: rows partial": ("/", {"HX-Request": "true", "HX-Target": "inbox-rows"}),
             "htmx poll: counts partial": ("/", {"HX-Request": "true", "HX-Target": "inbox-counts"}),
+            "a card (the most urgent)": (f"/approvals/{urgent_card()}/", {}),
+            "runs list": ("/runs/", {}),
         }
+
+    def urgent_card() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT id FROM approvals_approval WHERE status IN ('pending', 'escalated') ORDER BY due_at, id LIMIT 1"
+            )
+            return cursor.fetchone()[0]
 
     def explain(name: str, queries: list[dict]) -> None:
         slowest = max(queries, key=lambda q: float(q["time"]))

@@ -213,9 +213,9 @@ class Run(models.Model):
             )
         return existing, False
 
-    def enqueue(self, delay: float | None = None) -> None:
+    def enqueue(self, delay: float | None = None) -> bool:
         """Defer `advance_run` for this run, as part of the caller's transaction (the outbox). At most one job
-        per run waits in the queue (queueing lock) and one runs at a time (lock)."""
+        per run waits in the queue (queueing lock) and one runs at a time (lock). False when one already waited."""
         from procrastinate.exceptions import AlreadyEnqueued
 
         from runs.tasks import advance_run
@@ -231,7 +231,8 @@ class Run(models.Model):
                     schedule_in={"seconds": delay} if delay else None,
                 ).defer(run_id=str(self.pk))
         except AlreadyEnqueued:
-            pass  # a job for this run is already waiting: it will see the new state
+            return False  # a job for this run is already waiting: it will see the new state
+        return True
 
     @classmethod
     def paused_by(cls, switch: str):

@@ -3,7 +3,7 @@
 1. A `running` run is held by its owner (runs.ownership). A running run whose advisory lock is free lost its
    owner's session (the worker was SIGKILLed, crashed, or lost its connection): the sweep takes the lock itself,
    so nobody else can claim meanwhile, and puts the run back in the queue with a job. The dead job's row, still
-   `doing`, is finished as failed in the same transaction, since procrastinate fetches no job of a lock while
+   `doing`, is finished as aborted in the same transaction, since procrastinate fetches no job of a lock while
    another of the same lock is `doing`. No heartbeat is read: a stalled heartbeat never makes a run ownerless.
 2. Every queued run has a job that will advance it: a queued run with neither a waiting nor a running job (a
    job lost with a restored backup, a retry strategy that gave up, a bug) gets one. A run waiting for a slot of
@@ -19,7 +19,7 @@ from datetime import timedelta
 import structlog
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-from django.db.models import CharField, Count, Exists, OuterRef, Value
+from django.db.models import CharField, Exists, OuterRef, Value
 from django.db.models.functions import Cast, Concat
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
@@ -76,8 +76,8 @@ def _recover_ownerless(run_id, owner: str) -> bool:
                 return False
             with connection.cursor() as cursor:
                 # Guarded by its status: the stalled-job sweep may have requeued or finished it meanwhile.
-                cursor.execute(
-                    "UPDATE procrastinate_jobs SET status = 'failed' WHERE lock = %s AND status = 'doing'",
+                cursor.execute(  # aborted, not failed: its worker's session ended, the job did not fail
+                    "UPDATE procrastinate_jobs SET status = 'aborted' WHERE lock = %s AND status = 'doing'",
                     [f"run:{run_id}"],
                 )
             try:
@@ -91,32 +91,31 @@ def _recover_ownerless(run_id, owner: str) -> bool:
 
 
 def _jobless_queued_runs(limit: int) -> list[Run]:
+    """Queued runs with neither a waiting nor a running job. A run waiting for a slot of its tenant has none on
+    purpose: of those, only as many as the tenant has slots nobody is about to take, oldest first (as the
+    wake-up in Run.wake_waiting_for_slot would have), or the sweep would wake every waiting run each period."""
     stale = timezone.now() - GRACE
-    runs = (
+    has_job = Exists(_job_of(OuterRef("pk"), "todo")) | Exists(_job_of(OuterRef("pk"), "doing"))
+    jobless = list(
         Run.objects.filter(status=Run.Status.QUEUED, updated_at__lt=stale)
-        .exclude(Exists(_job_of(OuterRef("pk"), "todo")))
-        .exclude(Exists(_job_of(OuterRef("pk"), "doing")))
+        .exclude(has_job)
         .order_by("-priority", "created_at")[:limit]
     )
-    runs = list(runs)
-    waiting_tenants = {run.tenant for run in runs if run.waiting_for_slot_since is not None}
-    full = {
-        row["tenant"]
-        for row in Run.objects.filter(tenant__in=waiting_tenants, status=Run.Status.RUNNING)
-        .values("tenant")
-        .annotate(n=Count("pk"))
-        if row["n"] >= settings.TENANT_MAX_RUNNING
-    }
-    return [run for run in runs if not (run.waiting_for_slot_since is not None and run.tenant in full)]
+    found = [run for run in jobless if run.waiting_for_slot_since is None]
+    for tenant in {run.tenant for run in jobless if run.waiting_for_slot_since is not None}:
+        running = Run.objects.filter(tenant=tenant, status=Run.Status.RUNNING).count()
+        woken = Run.waiting_for_slot(tenant).filter(has_job).count()  # waiting runs already given a job
+        free = settings.TENANT_MAX_RUNNING - running - woken
+        found += [run for run in jobless if run.tenant == tenant and run.waiting_for_slot_since][: max(free, 0)]
+    return found
 
 
 def _give_a_job(run: Run) -> bool:
     with transaction.atomic():
         locked = Run.objects.select_for_update().filter(pk=run.pk, status=Run.Status.QUEUED).first()
-        if locked is None:
-            return False
-        locked.enqueue()
-        _audit(locked, "no_job", {})
+        if locked is None or not locked.enqueue():
+            return False  # it moved, or another sweep gave it a job meanwhile
+        _audit(locked, "no_job", {"waiting_for_slot": locked.waiting_for_slot_since is not None})
     log.warning("a queued run had no job: gave it one", run_id=str(run.pk))
     return True
 

@@ -63,10 +63,11 @@ async def requeue_stalled_jobs(context, timestamp: int) -> None:
         try:
             await manager.retry_job(job)
         except exceptions.UniqueViolation:
-            # Another job of the same queueing lock already waits (a run re-enqueued meanwhile): that one
-            # carries on, and this one must leave `doing`, or its lock would keep the waiting one from starting.
+            # Another job of the same queueing lock already waits (a run re-enqueued meanwhile, or the next tick
+            # of a periodic task): that one carries on, and this one must leave `doing`, or its lock would keep the
+            # waiting one from starting. Aborted, not failed: its worker died, the job did not fail.
             try:
-                await manager.finish_job_by_id_async(job.id, status=Status.FAILED, delete_job=False)
+                await manager.finish_job_by_id_async(job.id, status=Status.ABORTED, delete_job=False)
             except exceptions.ProcrastinateException:
                 continue  # finished meanwhile (the recovery sweep got there first): nothing left to do
             outcome = "finished: a newer job of its lock waits"

@@ -209,6 +209,24 @@ def test_the_sweep_gives_a_job_to_a_queued_run_that_has_none(demo):
     assert recovery.sweep() == {"owner_gone": 0, "no_job": 0}
 
 
+def test_the_sweep_wakes_only_as_many_waiting_runs_as_their_tenant_has_free_slots(demo, settings):
+    settings.TENANT_MAX_RUNNING = 2
+    busy, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    Run.objects.filter(pk=busy.pk).update(status=Run.Status.RUNNING, owner="alive")
+    waiting = [Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")[0] for _ in range(3)]
+    ProcrastinateJob.objects.filter(lock__in=[f"run:{run.pk}" for run in [busy, *waiting]]).delete()
+    Run.objects.filter(pk__in=[run.pk for run in waiting]).update(waiting_for_slot_since=timezone.now())
+    for run in waiting:
+        _age(run)
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
+        owner_session.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(busy.pk)])
+        # One slot free: the oldest waiting run gets a job, the others keep waiting without one.
+        assert recovery.sweep() == {"owner_gone": 0, "no_job": 1}
+        assert [queued_jobs(run) for run in waiting] == [1, 0, 0]
+        # That job is about to take the slot: nothing more to wake.
+        assert recovery.sweep() == {"owner_gone": 0, "no_job": 0}
+
+
 def test_the_sweep_requeues_a_running_run_whose_owner_is_gone_and_frees_its_dead_job(demo):
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
@@ -222,7 +240,7 @@ def test_the_sweep_requeues_a_running_run_whose_owner_is_gone_and_frees_its_dead
     Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, owner="worker-that-died")
     assert recovery.sweep()["owner_gone"] == 1
     assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.QUEUED, "")
-    assert ProcrastinateJob.objects.get(pk=dead_job).status == "failed"
+    assert ProcrastinateJob.objects.get(pk=dead_job).status == "aborted"
     assert queued_jobs(run) == 1 and _retry_causes(run) == ["owner_gone"]
     assert drive(run).status == Run.Status.SUCCEEDED
 
@@ -284,7 +302,7 @@ def test_a_queueing_lock_collision_does_not_stop_the_stalled_sweep_nor_wedge_the
     sweeper.start()
     sweeper.join(30)
     statuses = dict(ProcrastinateJob.objects.filter(pk__in=[colliding, waiting, other]).values_list("pk", "status"))
-    assert statuses == {colliding: "failed", waiting: "todo", other: "todo"}
+    assert statuses == {colliding: "aborted", waiting: "todo", other: "todo"}
 
 
 # --- one lock order -------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from django.conf import settings
 
 from jobs.models import DeadLetter
-from runs.models import Run, Step
+from runs.models import Receipt, Run, Step
 from tests.system.conftest import (
     GRACEFUL_TIMEOUT,
     STALLED_AFTER,
@@ -82,7 +82,8 @@ def test_a_rolling_deploy_loses_no_run_and_pays_each_once(system, slow_payment_s
     submitter = threading.Thread(target=submit_all, name="submitter", daemon=True)
     submitter.start()
     wait_until(
-        lambda: Step.objects.filter(run_id=slow_run, name="issue_refund", status="running").exists(),
+        # Its receipt is written before the call (a step's own row only at its checkpoint).
+        lambda: Receipt.objects.filter(run_id=slow_run, channel="payments", status="pending").exists(),
         timeout=30,
         message="the slow payment to start",
     )

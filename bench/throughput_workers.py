@@ -23,6 +23,7 @@ Prints a table and one `BENCH_JSON {...}` line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -196,6 +197,9 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    if not os.environ.get("BENCH_KEEP_TMP"):
+        # Registered before Django starts the embedded server, so it runs after the server's own stop handler.
+        atexit.register(shutil.rmtree, tmp, True)
     for name in list(os.environ):
         if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
             del os.environ[name]
@@ -286,10 +290,8 @@ def main() -> None:
         if admin is not None:
             admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
             admin.close()
-        if not os.environ.get("BENCH_KEEP_TMP"):
-            import atexit
-
-            atexit.register(shutil.rmtree, tmp, True)
+        if os.environ.get("BENCH_KEEP_TMP"):
+            print(f"kept {tmp}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Prints a table and `BENCH_JSON {...}` lines for bench/run_all.py.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -35,6 +36,13 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+T0 = time.monotonic()
+
+
+def progress(what: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def start_worker(env: dict, log: Path) -> subprocess.Popen:
@@ -79,6 +87,7 @@ def recovery(env: dict, tmp: Path) -> dict:
     workers = [start_worker(env, tmp / f"recovery-{i}.log") for i in range(2)]
     try:
         wait_until(lambda: ProcrastinateWorker.objects.count() >= 2, 120, "two worker heartbeats")
+        progress("two workers up")
         # Baseline: a new run picked up by a live worker (submission to owned).
         started = time.perf_counter()
         probe = Run.submit(workflow="bench_noop", input={"i": -1}, created_by=agent)[0]
@@ -97,6 +106,7 @@ def recovery(env: dict, tmp: Path) -> dict:
             for worker in workers:
                 if f":{worker.pid}:" in owner:
                     victim = worker
+        progress("killing the slow run's worker")
         os.killpg(victim.pid, signal.SIGKILL)
         killed = time.perf_counter()
         victim.wait()
@@ -132,7 +142,8 @@ def memory(env: dict, tmp: Path, sizes: list[int]) -> dict:
     from runs.models import Run
 
     agent = User.objects.get(username="agent")
-    worker = start_worker(env, tmp / "memory.log")
+    # The recovery case's run is still in its (slow) step: here it finishes at once instead of holding the worker.
+    worker = start_worker({**env, "BENCH_SLOW_STEP_SECONDS": "0"}, tmp / "memory.log")
     proc = psutil.Process(worker.pid)
     done = 0
     batch = 500
@@ -180,6 +191,9 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-worker-life-"))
+    if not os.environ.get("BENCH_KEEP_TMP"):
+        # Registered before Django starts the embedded server, so it runs after the server's own stop handler.
+        atexit.register(shutil.rmtree, tmp, True)
     os.environ.pop("DATABASE_URL", None)
     os.environ["EMBEDDED_PGDATA"] = str(tmp / "pgdata")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
@@ -190,13 +204,16 @@ def main() -> None:
     from django.core.management import call_command
 
     django.setup()
+    progress("migrating")
     call_command("migrate", verbosity=0)
     call_command("demo_setup", verbosity=0)
+    progress("migrated")
     env = {
         **os.environ,
         "DATABASE_URL": settings.DATABASE_URL,
         "DATABASE_CONN_MAX_AGE": "300",
         "PYTHONUNBUFFERED": "1",
+        "LOG_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "WARNING"),
     }
     try:
         if not args.skip_recovery:
@@ -208,6 +225,7 @@ def main() -> None:
             )
             print("BENCH_JSON " + json.dumps(r))
         if not args.skip_memory:
+            progress("memory")
             m = memory(env, tmp, [int(s) for s in args.memory_runs.split(",")])
             print(
                 "memory: worker RSS "
@@ -219,10 +237,8 @@ def main() -> None:
         from django.db import connections
 
         connections.close_all()
-        if not os.environ.get("BENCH_KEEP_TMP"):
-            import atexit
-
-            atexit.register(shutil.rmtree, tmp, True)
+        if os.environ.get("BENCH_KEEP_TMP"):
+            print(f"kept {tmp}")
 
 
 if __name__ == "__main__":

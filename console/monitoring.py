@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 
+from django.apps import apps
 from django.conf import settings
 from django.db import connection
 from django.db.models import Avg, Count, F, Min, Q, Sum
@@ -42,7 +43,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from approvals.models import Agreement, Approval, Decision
 from console.models import AuditEntry, Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
-from runs import breakers, ratelimit, sandbox
+from runs import breakers, ratelimit
 from runs.models import Run, ShadowEffect
 
 QUEUES = ["agent", "outbound", "hitl", "maintenance"]  # DESIGN's queues; others are shown when they have jobs
@@ -196,6 +197,15 @@ class Snapshot:
     @property
     def sla_breaches(self) -> int:
         return sum(self.approvals_breached.values())
+
+
+def _sandbox_duplicates() -> int:
+    """Duplicate side effects the demo's fake external systems received (0 where the demo is not installed)."""
+    if not apps.is_installed("demo"):
+        return 0
+    from demo import sandbox
+
+    return sandbox.stats()["duplicates"]
 
 
 def stuck_after(usual_seconds: float) -> float:
@@ -391,7 +401,7 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         oldest_card_sla=(oldest_card["due_at"] - oldest_card["created_at"]).total_seconds() if oldest_card else None,
         tool_errors=tool_errors(now),
         duplicates_blocked=duplicates_blocked(),
-        sandbox_duplicates=sandbox.stats()["duplicates"],
+        sandbox_duplicates=_sandbox_duplicates(),
         tokens_in=totals["tokens_in"] or 0,
         tokens_out=totals["tokens_out"] or 0,
         cost=totals["cost"] or Decimal(0),

@@ -92,6 +92,10 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
 ]
+# The demo (the `refund` workflow, its fake external systems and scripted model): development and tests only.
+DEMO_ENABLED = env_bool("DEMO_ENABLED", DEVELOPMENT)
+if DEMO_ENABLED:
+    INSTALLED_APPS.append("demo")
 
 MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
@@ -192,9 +196,12 @@ TENANT_MAX_RUNNING = env_int("TENANT_MAX_RUNNING", 8)
 # A job that finds its run driven by another live job (runs.ownership) tries again after this long.
 OWNER_WAIT_SECONDS = env_float("OWNER_WAIT_SECONDS", 2.0)
 AGENT_MODEL = env_str("AGENT_MODEL", "runs.llm.model_for_run")
-AGENT_TOOLS = env_str("AGENT_TOOLS", "runs.sandbox.Tools")
-# Modules that register workflows, imported at start-up besides runs.demo.
-WORKFLOW_MODULES = ["runs.demo", *env_list("WORKFLOW_MODULES")]
+# Without MODEL_BASE_URL, runs.llm.model_for_run answers with this (the demo's scripted fake; none in production).
+SCRIPTED_MODEL = env_str("SCRIPTED_MODEL", "demo.model.ScriptedModel" if DEMO_ENABLED else "")
+# The tools a step sees as ctx.tools (a factory of (run, step)); unset, ctx.tools is None.
+AGENT_TOOLS = env_str("AGENT_TOOLS", "demo.sandbox.Tools" if DEMO_ENABLED else "")
+# Modules that register workflows, imported at start-up (the demo's when it is enabled).
+WORKFLOW_MODULES = [*(["demo.workflows"] if DEMO_ENABLED else []), *env_list("WORKFLOW_MODULES")]
 # An OpenAI-compatible endpoint for the model; unset, the demo's scripted fake model answers.
 MODEL_BASE_URL = env_str("MODEL_BASE_URL")
 MODEL_API_KEY = env_str("MODEL_API_KEY")
@@ -327,7 +334,7 @@ AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 AXES_DISABLE_ACCESS_LOG = True  # successful logins are not axes' business; its table would grow for ever
 AXES_VERBOSE = False
 # The demo's fault injection (`faults` in a refund's input: 429s, timeouts, a worker made to hang for days) is
-# honoured in development only (runs.sandbox).
+# honoured in development only (demo.sandbox).
 DEMO_FAULTS_ENABLED = DEVELOPMENT
 # --- end of security headers, HTTPS and login throttling ----------------------------------------------------
 

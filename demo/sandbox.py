@@ -19,8 +19,9 @@ import uuid
 from django.conf import settings
 from django.db.models import Count, Q
 
+from demo.models import SandboxCall
 from runs import breakers
-from runs.models import Run, SandboxCall
+from runs.models import Run
 from runs.workflow import Fatal, Retryable
 
 HANG_SECONDS = 120  # a hang ends (as a timeout) if nobody kills the worker, so no test can block forever

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, St
 
 from runs.currencies import check_currency
 from runs.gates import ApprovalRequest
+from runs.webhooks import Source, register_source
 from runs.workflow import Display, Fatal, Workflow, register
 
 Currency = Annotated[StrictStr, AfterValidator(check_currency)]
@@ -29,7 +30,7 @@ class RefundInput(BaseModel):
     amount_cents: Cents
     currency: Currency
     reason: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
-    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (runs.sandbox), development only
+    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (demo.sandbox), development only
 
     @field_validator("faults")
     @classmethod
@@ -187,3 +188,7 @@ def notify_customer(ctx):
     return ctx.effect(
         lambda key: email.send(**arguments, idempotency_key=key), preview={"call": "email.send", **arguments}
     )
+
+
+# The demo's webhook source (DESIGN "Fixed names"): its body is the refund input, as POST /api/runs takes it.
+register_source(Source("demo", workflow="refund", to_input=lambda payload: payload))

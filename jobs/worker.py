@@ -366,9 +366,7 @@ class Worker(procrastinate_worker.Worker):
                 # The job was to be retried, but another job of the same queueing lock already waits (its run was
                 # re-enqueued meanwhile): that one carries on. This one must leave `doing`, or its lock would keep
                 # the waiting one from ever starting.
-                await self.app.job_manager.finish_job(
-                    job=kwargs["job"], status=jobs.Status.FAILED, delete_job=False
-                )
+                await self.app.job_manager.finish_job(job=kwargs["job"], status=jobs.Status.FAILED, delete_job=False)
                 log.warning("a retry found a newer job of its lock waiting: finished this one", job_id=kwargs["job"].id)
                 return
             except Exception as exc:

@@ -376,7 +376,8 @@ _RETRY_HOW = [("429", r"\b429\b"), ("5xx", r"\b5\d\d\b"), ("timeout", r"time(d )
 
 
 def _make(setting: str, run: Run, step_def: StepDef):
-    return import_string(getattr(settings, setting))(run, step_def.name)
+    factory = getattr(settings, setting)
+    return import_string(factory)(run, step_def.name) if factory else None
 
 
 def _ms(started: float) -> float:

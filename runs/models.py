@@ -573,27 +573,6 @@ class Receipt(models.Model):
             Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).delete()
 
 
-class SandboxCall(models.Model):
-    """A call received by one of the demo's fake external systems (payments, email, crm) or its fake model.
-
-    Deliberately not idempotent: every call is a row, so a duplicate side effect is visible."""
-
-    system = models.CharField(max_length=16)
-    operation = models.CharField(max_length=64)
-    idempotency_key = models.CharField(max_length=300, blank=True)
-    run_id = models.UUIDField(null=True, blank=True)
-    payload = models.JSONField(default=dict, encoder=DjangoJSONEncoder)
-    applied = models.BooleanField(default=True, help_text="False: received but refused (an injected fault).")
-    external_id = models.CharField(max_length=64, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-
-    class Meta:
-        indexes = [
-            models.Index(fields=["system", "idempotency_key"], name="runs_sandbox_system_key"),
-            models.Index(fields=["run_id", "system", "operation"], name="runs_sandbox_run_op"),
-        ]
-
-
 class WebhookDelivery(models.Model):
     """A signed webhook delivery (runs.webhooks): the provider's delivery id, unique per source, is what makes
     the same delivery sent again (retried, or sent twice at once) answer with the run the first one made.

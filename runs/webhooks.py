@@ -207,7 +207,3 @@ def _refused(source: Source, delivery_id: str, refusal: Refused, error: str | No
             error=error, received_at=timezone.now()
         )
     return refusal
-
-
-# The demo's source (DESIGN "Fixed names"): its body is the refund input, as POST /api/runs takes it.
-register_source(Source("demo", workflow="refund", to_input=lambda payload: payload))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from procrastinate.contrib.django.models import ProcrastinateJob
 
+from demo.models import SandboxCall
 from runs import engine
-from runs.models import Run, SandboxCall
+from runs.models import Run
 
 REFUND = {
     "customer_id": "cus_1042",

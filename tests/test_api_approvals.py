@@ -17,8 +17,9 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
 from console.models import ApiToken, Channel
-from runs import sandbox
-from runs.models import Run, SandboxCall
+from demo import sandbox
+from demo.models import SandboxCall
+from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
 

@@ -19,7 +19,8 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals.models import Approval
 from console.models import ApiToken
-from runs.models import Run, SandboxCall, Step
+from demo.models import SandboxCall
+from runs.models import Run, Step
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
 DESIGN_RUN_FIELDS = {

@@ -11,8 +11,10 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from console.models import ApiToken, AuditEntry
-from runs import breakers, sandbox
-from runs.models import Breaker, Receipt, Run, SandboxCall, Step
+from demo import sandbox
+from demo.models import SandboxCall
+from runs import breakers
+from runs.models import Breaker, Receipt, Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import SMALL_REFUND, drive
 from tests.test_metrics import scrape

@@ -13,8 +13,9 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from approvals.models import Approval, Decision
-from runs import sandbox
-from runs.models import Run, SandboxCall
+from demo import sandbox
+from demo.models import SandboxCall
+from runs.models import Run
 from tests.conftest import set_production_password
 from tests.engine_helpers import REFUND, drive
 from tests.worker import wait_until

@@ -374,7 +374,7 @@ def test_a_confirmed_edit_is_the_payload_that_runs(client, card, bob):
     assert 'data-status="edited"' in response.content.decode()
     run = drive(Run.objects.get(pk=card.run_id))
     assert run.status == Run.Status.SUCCEEDED
-    from runs.models import SandboxCall
+    from demo.models import SandboxCall
 
     assert SandboxCall.objects.get(system="payments").payload["amount_cents"] == 4321
 

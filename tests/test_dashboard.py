@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from approvals.models import Approval
 from console import monitoring
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs.models import Run, SandboxCall
+from runs.models import Run
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
 URL = "/dashboard/"

@@ -13,8 +13,9 @@ from django.db import connection
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import Approval
 from console.models import AuditEntry
+from demo import sandbox
 from jobs.models import DeadLetter
-from runs import dead_letters, sandbox
+from runs import dead_letters
 from runs.dead_letters import DeadLetterError
 from runs.models import Run, Step
 from runs.workflow import Retryable

@@ -11,9 +11,10 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
 from console.models import Channel
+from demo import sandbox
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import sandbox
-from runs.models import IdempotencyConflict, Receipt, Run, SandboxCall, Step
+from runs.models import IdempotencyConflict, Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
 

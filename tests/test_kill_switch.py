@@ -14,8 +14,10 @@ from django.test import Client
 from guardian.shortcuts import assign_perm
 
 from console.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
-from runs import engine, sandbox
-from runs.models import Receipt, Run, SandboxCall
+from demo import sandbox
+from demo.models import SandboxCall
+from runs import engine
+from runs.models import Receipt, Run
 from runs.workflow import Park
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
 from tests.worker import wait_until

@@ -16,9 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from approvals.models import Approval
 from console.models import Channel, GlobalKillSwitch
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs import dead_letters, engine
-from runs.models import Run, SandboxCall, Step
+from runs.models import Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 

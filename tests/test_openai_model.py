@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from runs.llm import OpenAICompatibleModel, ScriptedModel, model_for_run
+from demo.model import ScriptedModel
+from runs.llm import OpenAICompatibleModel, model_for_run
 from runs.models import Run
 from runs.workflow import Fatal, Retryable
 

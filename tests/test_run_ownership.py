@@ -16,8 +16,9 @@ from django.core.management import call_command
 from django.db import connection
 from procrastinate.contrib.django.models import ProcrastinateJob, ProcrastinateWorker
 
-from runs import sandbox
-from runs.models import Receipt, Run, SandboxCall, Step
+from demo import sandbox
+from demo.models import SandboxCall
+from runs.models import Receipt, Run, Step
 from runs.tasks import advance_run
 from tests.engine_helpers import SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs

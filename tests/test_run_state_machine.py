@@ -20,9 +20,11 @@ import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals import policy
 from approvals.models import Approval, SecondApproverNeeded
 from console.models import AuditEntry, Channel
+from demo import sandbox
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import ownership, recovery, sandbox
-from runs.models import OwnershipLost, Receipt, Run, SandboxCall, Step, TransitionRefused
+from runs import ownership, recovery
+from runs.models import OwnershipLost, Receipt, Run, Step, TransitionRefused
 from runs.tasks import requeue_stalled_jobs
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs

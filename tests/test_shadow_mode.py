@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from approvals.models import Approval, Decision
 from console.models import ApiToken, AuditEntry, Channel
-from runs import sandbox
+from demo import sandbox
 from runs.models import Receipt, Run, ShadowEffect
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 

@@ -17,7 +17,7 @@ from approvals import policy
 from approvals.models import AlreadyDecided, Approval, Decision, Notification
 from approvals.tasks import card_due, sla_sweep
 from console.models import AuditEntry, Channel
-from runs import sandbox
+from demo import sandbox
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive
 

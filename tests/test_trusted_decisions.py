@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from approvals.models import Approval, Decision
 from console.models import Channel
-from runs import llm, sandbox
+from demo import sandbox
+from demo.model import ScriptedModel
 from runs.gates import ApprovalRequest
 from runs.models import Run
 from runs.workflow import Display, Workflow, register
@@ -252,14 +253,14 @@ def test_approve_then_edit_through_the_card_page(client, two_person):
     ],
 )
 def test_a_small_refund_whose_draft_does_not_match_the_request_asks_a_person(demo, monkeypatch, tamper):
-    draft = llm.ScriptedModel._draft_refund
+    draft = ScriptedModel._draft_refund
 
     def tampered(self, rng, **payload):
         answer = draft(self, rng, **payload)
         answer["refund"].update(tamper)
         return answer
 
-    monkeypatch.setattr(llm.ScriptedModel, "_draft_refund", tampered)
+    monkeypatch.setattr(ScriptedModel, "_draft_refund", tampered)
     run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN
     assert Approval.objects.filter(run=run, status="pending").exists()

@@ -11,7 +11,7 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
 from console.models import ApiToken, AuditEntry, Channel
-from runs import sandbox
+from demo import sandbox
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -98,7 +98,7 @@ def test_an_edit_then_an_approval_executes_the_edit(demo, rita):
     card.refresh_from_db()
     assert card.status == "edited"
     drive(run)
-    from runs.models import SandboxCall
+    from demo.models import SandboxCall
 
     payment = SandboxCall.objects.get(system="payments")
     assert payment.payload["amount_cents"] == 3_000

@@ -19,8 +19,9 @@ from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from runs import sandbox
-from runs.models import Run, SandboxCall, WebhookDelivery
+from demo import sandbox
+from demo.models import SandboxCall
+from runs.models import Run, WebhookDelivery
 from runs.webhooks import signature
 from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
 

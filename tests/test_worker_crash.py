@@ -1,6 +1,6 @@
 """Crash safety with real worker processes: a worker SIGKILLed in the middle of a step.
 
-The injected `hang` fault (runs.sandbox) applies the call, then blocks: the test kills the worker there, at
+The injected `hang` fault (demo.sandbox) applies the call, then blocks: the test kills the worker there, at
 the worst moment (work done, checkpoint or receipt not yet written). A new worker must pick the run up
 through the stalled-job sweep and finish it from its last checkpoint: done steps are not executed again,
 and no side effect reaches a fake system twice."""
@@ -14,9 +14,10 @@ import pytest
 from django.core.management import call_command
 
 from approvals.models import Approval
+from demo import sandbox
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import sandbox
-from runs.models import Receipt, Run, SandboxCall, Step
+from runs.models import Receipt, Run, Step
 from tests.engine_helpers import REFUND, SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs
 

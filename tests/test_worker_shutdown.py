@@ -14,8 +14,8 @@ import pytest
 from django.core.management import call_command
 from procrastinate.contrib.django.models import ProcrastinateJob
 
+from demo import sandbox
 from jobs.models import DeadLetter
-from runs import sandbox
 from runs.models import Receipt, Run, Step
 from tests.engine_helpers import SMALL_REFUND, model_calls, queued_jobs
 from tests.worker import FAST_WORKER_ENV, settles_as, wait_with_logs, worker_logs

@@ -4,7 +4,7 @@ import pytest
 from django.core.management import call_command
 
 from approvals.models import Approval
-from runs import sandbox
+from demo import sandbox
 from runs.models import Run
 from tests.engine_helpers import REFUND
 from tests.worker import wait_until

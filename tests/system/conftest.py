@@ -37,7 +37,8 @@ from guardian.shortcuts import assign_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from console.models import Channel, Role
-from runs.models import Run, SandboxCall, Step
+from demo.models import SandboxCall
+from runs.models import Run, Step
 from tests.conftest import ConsoleServer, _free_port
 from tests.worker import FAST_WORKER_ENV, Worker, database_url
 

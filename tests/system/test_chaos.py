@@ -50,7 +50,7 @@ WORKERS = env_int("CHAOS_WORKERS", 3)
 SETTLE_SECONDS = env_int("CHAOS_SETTLE_SECONDS", 120)
 SEED = env_int("CHAOS_SEED", 20240601)
 
-# Faults a run recovers from by itself (runs.sandbox): one per faulty run, so that a fault plus a crash in
+# Faults a run recovers from by itself (demo.sandbox): one per faulty run, so that a fault plus a crash in
 # the same step stays within the step's retry budget (RUN_MAX_ATTEMPTS = 3).
 RECOVERABLE_FAULTS = [
     {"classify": ["latency:800"]},  # a slow model

@@ -15,8 +15,9 @@ import time
 import pytest
 from django.utils import timezone
 
+from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs.models import Receipt, Run, SandboxCall
+from runs.models import Receipt, Run
 from tests.system.conftest import describe_runs, effects_per_run, env_int, jobs_doing, report, sandbox_stats
 from tests.worker import wait_until
 

@@ -325,7 +325,8 @@ class Command(BaseCommand):
         call_command("collectstatic", interactive=False, verbosity=0)
         if settings.DEVELOPMENT:
             call_command("demo_setup", verbosity=0)
-            if env_bool("DEMO_TRAFFIC", True) and not Run.objects.exists():  # a new database: show some cards
+            demo = settings.DEMO_ENABLED and env_bool("DEMO_TRAFFIC", True)
+            if demo and not Run.objects.exists():  # a new database: show some cards
                 call_command("demo_traffic", runs=6, seed=1, verbosity=0)
 
         env = {**os.environ, "DATABASE_URL": settings.DATABASE_URL}

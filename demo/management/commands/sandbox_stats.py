@@ -2,7 +2,7 @@ import json
 
 from django.core.management.base import BaseCommand
 
-from runs import sandbox
+from demo import sandbox
 
 
 class Command(BaseCommand):

@@ -10,7 +10,8 @@ DATABASE_CONN_MAX_AGE=300 and WORKFLOW_MODULES=bench.noop_workflow.
   once the step is running. Measured: from the SIGKILL until the other worker owns the run (Run.owner changes
   to a token of another job), with the production defaults (STALLED_AFTER_SECONDS 30, STALLED_SWEEP_SECONDS 10,
   WORKER_HEARTBEAT_INTERVAL 10) unless the environment sets them. The bound (docs/DESIGN-NOTES.md, "Recovery
-  bound after a SIGKILL"): stalled-after + one sweep period + a job fetch. Baseline, in the same run: the
+  bound after a SIGKILL"): the run's lock is free at once, the recovery sweep runs every STALLED_SWEEP_SECONDS
+  and its job is taken at worst at the next poll: S + P = 11 s plus a claim. Baseline, in the same run: the
   time the same worker takes to pick up a newly submitted run (the floor of "another worker takes it").
 * memory: one worker; `bench_noop` runs (one empty step) in batches of 500; the worker's RSS (psutil) after
   the first batch (baseline), then after each size in --memory-runs. Goal: no growth beyond noise.

@@ -87,8 +87,8 @@ def _try_again_later(run_id, job: JobInfo) -> None:
     delay = settings.OWNER_WAIT_SECONDS
     with transaction.atomic():
         run = Run.objects.filter(pk=run_id).first()
-        if run is None or run.is_finished:
-            return
+        if run is None or run.status not in (Run.Status.QUEUED, Run.Status.RUNNING):
+            return  # parked or finished: a decision, a release or nothing will give it its next job
         run.enqueue(delay=delay)
     log.info(
         "the run is driven by another live job: trying again later",

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/resume_latency.py [--runs 150] [--interval-ms 15]
 
-Parks --runs refund runs at their gate, then approves them one every --interval-ms while a worker (one
+Parks --runs refund runs at their gate, then approves them one every --interval-ms (with --closed-loop: each as
+soon as the worker has taken the previous one again, back to back, plus --interval-ms) while a worker (one
 process, the default concurrency) resumes and finishes them. Latency = the gate step's restart
 (Step.started_at, written by the worker) minus the decision's creation (Decision.created_at, written just
 before the decision commits), both on this machine's clock.
@@ -32,7 +33,7 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-def measure(runs: int, interval: float, keep_notifications: bool) -> list[float]:
+def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: bool = False) -> list[float]:
     from django.conf import settings
     from django.contrib.auth.models import User
 
@@ -67,6 +68,11 @@ def measure(runs: int, interval: float, keep_notifications: bool) -> list[float]
             time.sleep(0.1)
         for card in Approval.objects.filter(run_id__in=ids, status="pending"):
             card.decide(reviewer, "approve")
+            if closed_loop:  # back to back: the next decision as soon as the worker has taken this run again
+                deadline = time.monotonic() + 30
+                while Run.objects.filter(pk=card.run_id, status="queued").exists():
+                    assert time.monotonic() < deadline, "a decided run was not resumed within 30 s"
+                    time.sleep(0.001)
             time.sleep(interval)
         deadline = time.monotonic() + 60
         while Run.objects.filter(id__in=ids, status="succeeded").count() < runs:
@@ -84,6 +90,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=150)
     parser.add_argument("--interval-ms", type=float, default=15)
+    parser.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="decide the next card once the worker has taken the previous run again (then --interval-ms more)",
+    )
     args = parser.parse_args()
     os.environ.pop("DATABASE_URL", None)
     os.environ["EMBEDDED_PGDATA"] = str(Path(tempfile.mkdtemp(prefix="bench-resume-")) / "pgdata")
@@ -104,7 +115,7 @@ def main() -> None:
             cursor.execute("SET LOCAL console.allow_audit_truncate = on")
             call_command("flush", interactive=False, verbosity=0)
         call_command("demo_setup", verbosity=0)
-        latencies = measure(args.runs, args.interval_ms / 1000, keep)
+        latencies = measure(args.runs, args.interval_ms / 1000, keep, args.closed_loop)
         results[name] = latencies
         print(
             f"{name:26s} n={len(latencies)}  p50 {percentile(latencies, 50):7.1f} ms  "

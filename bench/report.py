@@ -81,6 +81,17 @@ def render(meta: dict, sections: list[dict]) -> str:
         f"**The machine was shared** with other sessions running test suites: load average {meta['load_before']}",
         f"before, {meta['load_after']} after (2 cores), so absolute figures are pessimistic and noisy; the ratios to",
         "the same-run baselines are what to compare.",
+        *(
+            [
+                "",
+                f"Sections {', '.join(meta['rerun']['only'])} were re-run on {meta['rerun']['date']} at commit"
+                f" {meta['rerun']['commit']} (`BENCH_ONLY={','.join(meta['rerun']['only'])} make bench`, load"
+                f" average {meta['rerun']['load_before']} before, {meta['rerun']['load_after']} after) and replace"
+                " those of the full run; each section states its own load.",
+            ]
+            if meta.get("rerun")
+            else []
+        ),
         "",
         "Commands: `make bench` (everything, < 15 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
         "(tiny sizes, writes nothing: CI runs it after `make test`), `BENCH_ONLY=enqueue make bench` (a subset:",

@@ -206,7 +206,17 @@ def main() -> None:
             print("BENCH_JSON " + json.dumps(r))
     print(f"total {meta['seconds']:.0f} s")
     if not SMOKE:
-        (ROOT / "bench" / "last_run.json").write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
+        last = ROOT / "bench" / "last_run.json"
+        if ONLY and last.exists():
+            # A subset re-run (BENCH_ONLY): its sections replace those of the last full run, the others stay.
+            previous = json.loads(last.read_text())
+            fresh = {x["title"] for x in sections}
+            sections = [
+                x if x["title"] not in fresh else next(y for y in sections if y["title"] == x["title"])
+                for x in previous["sections"]
+            ] + [y for y in sections if y["title"] not in {x["title"] for x in previous["sections"]}]
+            meta = {**previous["meta"], "rerun": {**meta, "only": ONLY}}
+        last.write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
         render()
         print("wrote docs/BENCHMARKS.md and bench/last_run.json")
     if failed:

@@ -134,7 +134,19 @@ def render(meta: dict, sections: list[dict]) -> str:
             f"| {title}: p50 < 10, p99 < 25, max < 100 ms | p50 {resume['p50']:g}, p99 {resume['p99']:g},"
             f" max {resume['max']:g} ms | {'yes' if met else 'no'} |"
         )
-    out.append("| console: p99 < 100 ms, query count independent of size | see the tables below | see below |")
+    for s in sections:
+        if s["section"] == "console":
+            blocks = _tables(s["output"])
+            if len(blocks) >= 2:
+                small, big = blocks[0], blocks[-1]
+                worst = max(big.items(), key=lambda kv: kv[1][1])
+                same = all(small[name][2] == big[name][2] for name in big if name in small)
+                slow = [name for name, (_, p99, _) in big.items() if p99 >= 100]
+                out.append(
+                    f"| {s['title']}: p99 < 100 ms, query count independent of size | worst p99 {worst[1][1]:g} ms"
+                    f" ({worst[0]}); queries {'the same' if same else 'NOT the same'} at both sizes |"
+                    f" {'yes' if not slow and same else 'no: ' + ', '.join(slow)} |"
+                )
     for _s, r in _results(sections, "recovery"):
         bound = r["sweep_s"] + 1  # docs/DESIGN-NOTES.md: sweep period S + poll P (WORKER_POLL_INTERVAL 1 s)
         out.append(
@@ -179,6 +191,17 @@ def render(meta: dict, sections: list[dict]) -> str:
             "",
         ]
     return "\n".join(out) + "\n"
+
+
+def _tables(output: str) -> list[dict[str, tuple[float, float, int]]]:
+    """The case tables a console bench prints (a `case ... p50 ms p99 ms queries` header, then rows)."""
+    blocks: list[dict] = []
+    for line in output.splitlines():
+        if line.startswith("case "):
+            blocks.append({})
+        elif blocks and (m := re.match(r"^(\S.*?)\s{2,}([\d.]+)\s+([\d.]+)\s+(\d+)\b", line)):
+            blocks[-1][m.group(1).strip()] = (float(m.group(2)), float(m.group(3)), int(m.group(4)))
+    return [b for b in blocks if b]
 
 
 def _enqueue_table(r: dict) -> list[str]:

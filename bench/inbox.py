@@ -10,7 +10,7 @@ a new database connection per request as in production (CONN_MAX_AGE 0), so ever
 
 1. Baseline: 10 open cards (3 channels, 3 risks, 3 workflows), cases below.
 2. Fill: `--cards` more open cards in two INSERT ... SELECT generate_series (runs_run, then approvals_approval):
-   waiting_human refund/dunning/kyc runs started by the agent, cards on the three channels, risk by hash, 5%
+   waiting_human refund/dunning/kyc runs started by the agent (10 s apart), cards on the three channels, risk by hash, 5%
    escalated, due between 30 min ago and 4 h ahead (so every SLA state occurs), a refund proposal with an
    amount. Then VACUUM ANALYZE, as autovacuum would do after such a load.
 3. Each case `--requests` times after a warm-up, interleaved round by round; p50 and p99 of the wall time per
@@ -45,7 +45,7 @@ SELECT
     1, 'default',
     jsonb_build_object('customer_id', 'cus_' || i, 'amount_cents', 1000 + i %% 90000, 'currency', 'EUR'),
     'waiting_human', 0, 3, 3, NULL, '', '', '', false, NULL, substr(md5(i::text), 1, 32), 0, NULL,
-    0, 0, 0, NULL, %(agent)s, now() - interval '1 hour', now(), NULL, ''
+    0, 0, 0, NULL, %(agent)s, now() - interval '1 hour' - i * interval '10 seconds', now(), NULL, ''
 FROM generate_series(%(first)s::bigint, %(last)s) AS i
 """
 

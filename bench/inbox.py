@@ -10,8 +10,8 @@ a new database connection per request as in production (CONN_MAX_AGE 0), so ever
 
 1. Baseline: 10 open cards (3 channels, 3 risks, 3 workflows), cases below.
 2. Fill: `--cards` more open cards in two INSERT ... SELECT generate_series (runs_run, then approvals_approval):
-   waiting_human refund/dunning/kyc runs started by the agent (10 s apart), cards on the three channels, risk by hash, 5%
-   escalated, due between 30 min ago and 4 h ahead (so every SLA state occurs), a refund proposal with an
+   waiting_human refund/dunning/kyc runs started by the agent (10 s apart), cards on the three channels, risk by
+   hash, 5% escalated, due between 30 min ago and 4 h ahead (so every SLA state occurs), a refund proposal with an
    amount. Then VACUUM ANALYZE, as autovacuum would do after such a load.
 3. Each case `--requests` times after a warm-up, interleaved round by round; p50 and p99 of the wall time per
    request, and the number of queries of one extra request.

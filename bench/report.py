@@ -47,6 +47,36 @@ writes are being reduced in parallel with this bench (issue 11, "one write trans
 are the engine at the commit above."""
 
 
+BOUNDS = {
+    "throughput": """\
+**What bounds it now.** The worker waits on PostgreSQL. py-spy on one `manage.py worker` during the engine batch
+(PostgreSQL 15, 1 worker process, wall clock, run by hand on 2026-12-01 next to this bench): the job threads
+spend 91 % of their samples in psycopg waiting for an answer (`Connection.wait`), 24 % of them in COMMIT;
+`Run.claim` (the run's lock, the tenant's slot, the compare-and-swap) 14 %, recording each step 13 %, re-reading
+the step on resume (`_resumed_step`) 10 %, finishing the run 11 %. So the figure is round trips and commits per
+step: 6.3 commits per step against the baseline's 2.0 (most of the difference are single reads in autocommit, each
+its own transaction), 1.8 write transactions against 1.4, 3.4 rows against 2.0 and ~1,600 WAL bytes against ~560.
+More worker processes hardly help either side on 2 cores (PostgreSQL and the workers share them): the engine goes
+from 1 to 4 processes by ~1.6x at most. The write-path reduction is the engine work of issue 11 (not this bench).""",
+    "resume": """\
+**Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
+step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken
+the previous run again) is where procrastinate 3.10's stock worker drops a notification and waits for its 5 s
+poll (the baseline's max); the shipped latch (jobs/worker.py) removes that tail. What is left above the goal is
+the wake-up and claim path: LISTEN/NOTIFY delivery, the worker's fetch, the run's claim (lock, tenant slot,
+compare-and-swap) and the step's replay of earlier outputs, each a round trip, on a machine shared with other
+sessions (the idle-gap case, where the worker sleeps between decisions, meets it).""",
+    "console": """\
+**Reading.** Query counts are the same with 10 and 100,010 cards (and with an empty and a full audit log). The
+pages over 100 ms at p99: the runs list as a reviewer (its visibility filter, `created_by = me OR id IN (runs of
+cards on my channels)`, is a hashed subplan over every card of the reviewer's channels, ~100 ms at 100,000 cards,
+computed before the first row: `bench/inbox.py --explain`); the inbox's first page and filtered pages at p99 (p50
+~48 ms: the facet counts, one GROUP BY over every open card); the audit page's six-month range that ended six
+months ago and the one-day CSV export (both described in earlier runs: the range walks half the primary key; the
+export streams 2,700 rows).""",
+}
+
+
 def _fmt(v) -> str:
     return "–" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
@@ -173,6 +203,9 @@ def render(meta: dict, sections: list[dict]) -> str:
         if s["section"] == "throughput":
             out += [THROUGHPUT_NOTE, ""]
         out += ["```", s["output"].strip(), "```", ""]
+        last_of_kind = s is [x for x in sections if x["section"] == s["section"]][-1]
+        if last_of_kind and s["section"] in BOUNDS:
+            out += [BOUNDS[s["section"]], ""]
     enqueue = _results(sections, "enqueue")
     if enqueue:
         r = enqueue[0][1]

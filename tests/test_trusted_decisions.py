@@ -5,6 +5,7 @@ approvals given after the last change, and the demo never auto-approves on the m
 from __future__ import annotations
 
 import json
+from io import StringIO
 
 import pytest
 from django.contrib.auth.models import User
@@ -172,6 +173,18 @@ def test_a_reconcile_card_is_not_edited(client, demo):
     card = Approval.objects.get(run=run, kind="reconcile")
     response = decide(client, demo["reviewer"], card, decision="edit", comment="", payload={"receipt": "x"})
     assert response.status_code == 422
+
+
+@pytest.mark.parametrize("number", [1e16, -0.0, 1.5e300, 0.1])
+def test_an_edit_holding_an_awkward_float_leaves_the_audit_log_verifiable(client, demo, number):
+    """jsonb rewrites numbers (1e16 comes back as 10000000000000000): the chain must hash what is stored."""
+    import tests.workflows  # noqa: F401 - registers test_float_gate
+
+    run = drive(Run.submit(workflow="test_float_gate", input={})[0])
+    card = Approval.objects.get(run=run)
+    response = decide(client, demo["reviewer"], card, decision="edit", comment="", payload={"factor": number})
+    assert response.status_code == 200, response.content
+    call_command("audit_verify", stdout=StringIO())  # exits non-zero (SystemExit) on an entry it finds altered
 
 
 # --- the two-person rule with edits -----------------------------------------------------------------------------

@@ -56,3 +56,12 @@ def pay_inside_atomic(ctx):
 
     with transaction.atomic():
         return ctx.effect(lambda key: effect_in_atomic_calls.append(key) or {"id": key})
+
+
+# A gate that declares nothing about its proposal (any values, the same shape), proposing a float.
+float_gate = register(Workflow("test_float_gate"))
+
+
+@float_gate.gate("payments")
+def ask_for_a_number(ctx):
+    return ctx.gate(proposed={"factor": 1.5}, summary="scale it")

@@ -12,30 +12,29 @@ for web server *and* PostgreSQL together on these 2 cores. The baseline, one INS
 /api/runs` costs {runs_cpu} ms (token lookup, validation, the run INSERT, Procrastinate's defer and the commit, all
 through Django's ORM) and the machine is shared (load average {load}). The profile of the request threads (py-spy,
 wall clock, in the enqueue section above) shows where a request's time goes: waiting for the pool while the other
-requests of its
-process hold the connections and the GIL (`WaitingClient.wait`), the bearer-token lookup, `Run.submit` and the
-commit. None of it is a lock or a serial section: it is CPU per request on two cores. What moved it: the pool
-(DATABASE_POOL, on in `console.webserver`): before it, every request opened a PostgreSQL connection (a backend
-fork, on the same two cores): at 16 connections 62 req/s, p50 248 ms, p99 580 ms, against 113-135 req/s and p50
-110-126 ms with the pool (same machine, same hour, load average 15; 1 connection: p50 43 ms before, 14.5 ms with
-the pool). Measured and rejected: 1 or 4 web processes instead of 2 (119 and 100 req/s, p99 362 and 1418 ms:
-one per core is best), dropping the per-request JSON log line (LOG_LEVEL=WARNING: 0.4 ms of CPU a request, ~6 %,
-kept: it carries the request id operators need). Sync views do not run one at a time per process here: Django's
-ASGI handler gives each request its own thread-sensitive context, so requests of one process overlap, but under
-one GIL.
+requests of its process hold the connections and the GIL (`WaitingClient.wait`), the bearer-token lookup,
+`Run.submit` and the commit. None of it is a lock or a serial section: it is CPU per request on two cores. What
+moved it: the pool (DATABASE_POOL, on in `console.webserver`): before it, every request opened a PostgreSQL
+connection (a backend fork, on the same two cores): at 16 connections 62 req/s, p50 248 ms, p99 580 ms, against
+113-135 req/s and p50 110-126 ms with the pool (same machine, same hour, load average 15; 1 connection: p50 43 ms
+before, 14.5 ms with the pool). Measured and rejected: 1 or 4 web processes instead of 2 (119 and 100 req/s, p99
+362 and 1418 ms: one per core is best), dropping the per-request JSON log line (LOG_LEVEL=WARNING: 0.4 ms of CPU a
+request, ~6 %, kept: it carries the request id operators need). Sync views do not run one at a time per process
+here: Django's ASGI handler gives each request its own thread-sensitive context, so requests of one process
+overlap, but under one GIL.
 
 Where the CPU goes (py-spy `--gil`, samples of the thread holding the GIL, 16 connections, PostgreSQL 15, run by
 hand on 2026-12-01 next to this bench): 42 % in the event loop's thread (uvicorn and h11, asgiref scheduling, and
 the async-capable middlewares), 38 % in the request threads, of which the view (ninja's `Operation.run`) is 29 %:
 the bearer-token lookup 14 %, `Run.submit` 13 % (ORM compile, INSERT, Procrastinate's defer). Each request crosses
-from the loop to a thread and back several times: Django's ASGI handler gives every request a new
-thread-sensitive context (a new single-thread executor, so a new OS thread per request), and WhiteNoise is a
-sync-only middleware in the middle of async-capable ones, so the stack goes sync -> async -> sync around it. An
-experiment (not shipped) showed the size of that: the same Django app as WSGI in a fixed pool of threads
-(uvicorn's deprecated `WSGIMiddleware`) answered the one-INSERT baseline at 942 req/s against 392 and `POST
-/api/runs` at 252 against 164 req/s (16 connections, same machine and minutes). It is not a drop-in change (that
-middleware is deprecated and, with the pool, kept connections checked out at 1 connection), but it is the next
-lever for the web server: a threaded WSGI server (e.g. gunicorn's gthread workers) or an async view path."""
+from the loop to a thread and back several times: Django's ASGI handler gives every request a new thread-sensitive
+context (a new single-thread executor, so a new OS thread per request), and WhiteNoise is a sync-only middleware in
+the middle of async-capable ones, so the stack goes sync -> async -> sync around it. An experiment (not shipped)
+showed the size of that: the same Django app as WSGI in a fixed pool of threads (uvicorn's deprecated
+`WSGIMiddleware`) answered the one-INSERT baseline at 942 req/s against 392 and `POST /api/runs` at 252 against 164
+req/s (16 connections, same machine and minutes). It is not a drop-in change (that middleware is deprecated and,
+with the pool, kept connections checked out at 1 connection), but it is the next lever for the web server: a
+threaded WSGI server (e.g. gunicorn's gthread workers) or an async view path."""
 
 THROUGHPUT_NOTE = """\
 Write transactions are transaction ids consumed (cluster-wide: exact on the private embedded server, other
@@ -112,15 +111,10 @@ def render(meta: dict, sections: list[dict]) -> str:
         f"before, {meta['load_after']} after (2 cores), so absolute figures are pessimistic and noisy; the ratios to",
         "the same-run baselines are what to compare.",
         *(
-            [
-                "",
-                f"Sections {', '.join(meta['rerun']['only'])} were re-run on {meta['rerun']['date']} at commit"
-                f" {meta['rerun']['commit']} (`BENCH_ONLY={','.join(meta['rerun']['only'])} make bench`, load"
-                f" average {meta['rerun']['load_before']} before, {meta['rerun']['load_after']} after) and replace"
-                " those of the full run; each section states its own load.",
-            ]
-            if meta.get("rerun")
-            else []
+            f"\nSections {', '.join(r['only'])} were re-run on {r['date']} at commit {r['commit']}"
+            f" (`BENCH_ONLY={','.join(r['only'])} make bench`, load average {r['load_before']} before,"
+            f" {r['load_after']} after) and replace those of the full run; each section states its own load."
+            for r in meta.get("reruns", [])
         ),
         "",
         "Commands: `make bench` (everything, < 15 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",

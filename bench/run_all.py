@@ -215,7 +215,8 @@ def main() -> None:
                 x if x["title"] not in fresh else next(y for y in sections if y["title"] == x["title"])
                 for x in previous["sections"]
             ] + [y for y in sections if y["title"] not in {x["title"] for x in previous["sections"]}]
-            meta = {**previous["meta"], "rerun": {**meta, "only": ONLY}}
+            reruns = [*previous["meta"].get("reruns", []), {**meta, "only": ONLY}]
+            meta = {**{k: v for k, v in previous["meta"].items() if k != "rerun"}, "reruns": reruns}
         last.write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
         render()
         print("wrote docs/BENCHMARKS.md and bench/last_run.json")

@@ -64,6 +64,16 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
                 " same workers (bench_plain_run in bench/noop_workflow.py)",
             )
         )
+    if pg15_up():
+        out.append(
+            (
+                "webhook",
+                "signed webhooks, machine's PostgreSQL 15 (TCP)",
+                ["bench/webhook_latency.py", "--duration", "1" if SMOKE else "10"],
+                {"_FRESH_PG_DB": "bench_webhook"},
+                "GET /healthz on the same server under the same connections; the duplicate-delivery path",
+            )
+        )
     out += [
         (
             "enqueue",
@@ -167,10 +177,32 @@ def main() -> None:
         print(f"\n=== {title}: {' '.join(argv)}", flush=True)
         t0 = time.monotonic()
         load0 = os.getloadavg()[0]
-        done = subprocess.run(
-            [PY, *argv], cwd=ROOT, env={**os.environ, **extra}, capture_output=True, text=True, timeout=1800
-        )
+        env = {**os.environ, **extra}
+        fresh = env.pop("_FRESH_PG_DB", None)
+        if fresh:  # a script that benches the database of DATABASE_URL gets a new one on the machine's server
+            fresh = f"{fresh}_{os.getpid()}"
+            subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", f"CREATE DATABASE {fresh}"], check=True)
+            env["DATABASE_URL"] = f"postgres://postgres@127.0.0.1:5432/{fresh}"
+        try:
+            done = subprocess.run([PY, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        finally:
+            if fresh:
+                subprocess.run(
+                    [
+                        "psql",
+                        "-h",
+                        "127.0.0.1",
+                        "-U",
+                        "postgres",
+                        "-qc",
+                        f"DROP DATABASE IF EXISTS {fresh} WITH (FORCE)",
+                    ],
+                    check=False,
+                )
         seconds = time.monotonic() - t0
+        shown = {k: v for k, v in extra.items() if not k.startswith("_")}
+        if fresh:
+            shown["DATABASE_URL"] = "postgres://postgres@127.0.0.1:5432/<a new database>"
         output = done.stdout
         print(output, end="")
         if done.returncode != 0:
@@ -181,8 +213,8 @@ def main() -> None:
             {
                 "section": section,
                 "title": title,
-                "command": " ".join(f"{k}={v}" for k, v in extra.items())
-                + (" " if extra else "")
+                "command": " ".join(f"{k}={v}" for k, v in shown.items())
+                + (" " if shown else "")
                 + ".venv/bin/python "
                 + " ".join(argv),
                 "baseline": baseline,

@@ -115,9 +115,9 @@ def _out_of_attempts(run: Run, exc: Exception, job: JobInfo) -> bool:
 
 
 def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
-    outputs = _outputs(run)  # read once per job, then carried in memory
+    outputs, unfinished = _checkpoints(run)  # read once per job, then carried in memory
     while True:
-        if Run.objects.filter(pk=run.pk, cancel_requested=True).exists():
+        if run.cancel_requested:  # as read by the claim, then by each checkpoint
             with transaction.atomic():
                 run.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
             log.info("run finished", status=Run.Status.CANCELLED)
@@ -133,25 +133,33 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
             return
         if not _within_budget(run, workflow):
             return
-        if not _run_step(run, workflow, workflow.steps[run.cursor], outputs):
+        if not _run_step(run, workflow, workflow.steps[run.cursor], outputs, unfinished):
             return
 
 
-def _outputs(run: Run) -> dict:
-    return dict(Step.objects.filter(run=run, status=Step.Status.DONE).order_by("seq").values_list("name", "output"))
+def _checkpoints(run: Run) -> tuple[dict, dict]:
+    """The run's step rows, read once per job: the outputs of done steps by name, and the input hash of each step
+    an earlier attempt left unfinished (it failed, or parked) by seq."""
+    outputs, unfinished = {}, {}
+    for name, seq, status, output, input_hash in (
+        Step.objects.filter(run=run).order_by("seq").values_list("name", "seq", "status", "output", "input_hash")
+    ):
+        if status == Step.Status.DONE:
+            outputs[name] = output
+        else:
+            unfinished[seq] = input_hash
+    return outputs, unfinished
 
 
-def _resumed_step(run: Run, step_def: StepDef, seq: int, input_hash: str) -> Step | None:
-    """The row an earlier attempt of this step left (it failed, or parked), if any. Nothing is written when a
+def _check_resumed_input(step_def: StepDef, seq: int, input_hash: str, unfinished: dict) -> None:
+    """A step an earlier attempt left unfinished runs again only on the same input. Nothing is written when a
     step starts: a crash is counted by the owner that takes the run over (Run.claim, Run.recover), an effect's
     start is its receipt, and the step's one write is its checkpoint."""
-    step = Step.objects.filter(run=run, seq=seq).first()
-    if step is not None and step.input_hash != input_hash:
+    if seq in unfinished and unfinished[seq] != input_hash:
         raise Fatal(
             f"the input of step {seq} ({step_def.name}) changed since it was checkpointed: "
             "refusing to re-run it on different input"
         )
-    return step
 
 
 def _record_step(run: Run, step_def: StepDef, seq: int, step_input: dict, input_hash: str, **fields) -> None:
@@ -174,12 +182,12 @@ def _record_step(run: Run, step_def: StepDef, seq: int, step_input: dict, input_
     )
 
 
-def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) -> bool:
+def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, unfinished: dict) -> bool:
     """Run (or resume) the step at the cursor. True when the run goes on, False when it parked or ended."""
     seq = run.cursor
     step_input = {"input": run.input, "outputs": outputs}
     input_hash = canonical_hash(step_input)
-    _resumed_step(run, step_def, seq, input_hash)
+    _check_resumed_input(step_def, seq, input_hash, unfinished)
     model, tools = _make("AGENT_MODEL", run, step_def), _make("AGENT_TOOLS", run, step_def)
     ctx = Context(run, step_def, seq, outputs, model=model, tools=tools)
     started_at, started = timezone.now(), time.perf_counter()
@@ -231,9 +239,12 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict) ->
     with transaction.atomic():
         record(status=Step.Status.DONE, error="", output=output, ended_at=timezone.now())
         run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's row back
-    # Later steps see the output as it is stored (JSON: jsonb rewrites numbers, dates become strings), so that a
-    # step's input, and its hash, are the same in this job and on any replay.
-    outputs[step_def.name] = Step.objects.filter(run=run, seq=seq).values_list("output", flat=True).get()
+        # Later steps see the output as it is stored (JSON: jsonb rewrites numbers, dates become strings), so
+        # that a step's input, and its hash, are the same in this job and on any replay.
+        outputs[step_def.name] = Step.objects.filter(run=run, seq=seq).values_list("output", flat=True).get()
+        # A cancel requested while the step ran stops the run before its next step (in this transaction: no
+        # commit of its own).
+        run.cancel_requested = Run.objects.filter(pk=run.pk).values_list("cancel_requested", flat=True).get()
     _log_step(step_def, seq, "done", started, ctx)
 
     if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":

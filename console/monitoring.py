@@ -7,7 +7,7 @@ This module sits on top with the views (it reads runs, approvals and Procrastina
 imports it.
 
 Where a figure comes from, when it is not obvious:
-- retries by cause: the `run.retry` audit entries the engine writes (runs.engine._record_retry); a retried
+- retries by cause: the `run.retry` audit entries the engine writes (runs.engine.record_retry); a retried
   step's row is reused, so the database would not otherwise keep them.
 - duplicate side effects blocked by receipts: done receipts whose effect was asked for again and answered
   from the receipt. Two kinds leave a trace: `replayed` (the receipt was completed before a later attempt of

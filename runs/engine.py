@@ -60,7 +60,7 @@ def advance(run_id, job: JobInfo | None = None) -> None:
                 # The previous owner's session ended with the run still running: its worker was killed, or lost
                 # its connection (a database restart). Its step resumes from the last checkpoint; a pending
                 # receipt is reconciled.
-                _record_retry(run, "owner_gone")
+                record_retry(run, "owner_gone")
             try:
                 _advance(run, job)
             except OwnershipLost as exc:
@@ -79,7 +79,7 @@ def _advance(run: Run, job: JobInfo) -> None:
             _fail(run, exc, job)
             return
         _wait_for_retry(run, exc, job)
-        _record_retry(run, exc=exc)
+        record_retry(run, exc=exc)
         raise  # the job's retry strategy schedules the next attempt
 
 
@@ -125,7 +125,7 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
         if job.should_stop():
             with transaction.atomic():
                 run.release()
-                _record_retry(run, "shutdown")
+                record_retry(run, "shutdown")
             log.info("run requeued", reason="worker shutting down")
             return
         if run.cursor >= len(workflow.steps):
@@ -360,13 +360,14 @@ def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:
     log.warning("step will be retried", error=str(exc), attempt=attempts)
 
 
-def _record_retry(run: Run, cause: str = "", exc: BaseException | None = None) -> None:
+def record_retry(run: Run, cause: str = "", exc: BaseException | None = None, **extra) -> None:
     """One `run.retry` audit entry per retry, with its cause, which the database would not keep otherwise (a
     retried step's row is reused): console.monitoring counts retries by cause from them. Causes: `owner_gone`,
     `shutdown`, or who failed (`model` in a compute step, `tool` in others, `engine` outside any step) and how
-    (`429`, `5xx`, `timeout`, `error`), read from the error the clients raise."""
+    (`429`, `5xx`, `timeout`, `error`), read from the error the clients raise; the recovery sweep's `owner_gone` and
+    `no_job` (runs.recovery). `extra` goes into the entry's data."""
     step = Step.objects.filter(run=run, seq=run.cursor).values("name", "kind").first() or {"name": "", "kind": None}
-    data = {"step": step["name"]}
+    data = {"step": step["name"], **extra}
     if exc is not None:
         data["error"] = text = f"{exc.__class__.__name__}: {exc}"
         how = next((h for h, p in _RETRY_HOW if re.search(p, text, re.IGNORECASE)), "error")

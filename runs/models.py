@@ -422,10 +422,8 @@ class Run(models.Model):
 
     def _tenant_has_room(self) -> bool:
         """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
-        first). The tenant's transaction lock serialises this with the wake-up in `leave_running`."""
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{self.tenant}"])
-        if Run.objects.filter(tenant=self.tenant, status=Run.Status.RUNNING).count() >= settings.TENANT_MAX_RUNNING:
+        first)."""
+        if Run.free_slots(self.tenant) <= 0:
             return False
         older = (
             Run.waiting_for_slot(self.tenant)
@@ -441,13 +439,19 @@ class Run(models.Model):
         ).order_by("-priority", "created_at")
 
     @classmethod
+    def free_slots(cls, tenant: str) -> int:
+        """Slots of `tenant` no running run takes, read under the tenant's transaction lock, which serialises
+        claims (`_tenant_has_room`) with wake-ups (`wake_waiting_for_slot`): a run cannot start waiting just after
+        the wake-up that would have given it the slot."""
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+        return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
+
+    @classmethod
     def wake_waiting_for_slot(cls, tenant: str) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
         job (in the caller's transaction)."""
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
-        free = settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
-        for waiting in cls.waiting_for_slot(tenant)[: max(free, 0)]:
+        for waiting in cls.waiting_for_slot(tenant)[: max(cls.free_slots(tenant), 0)]:
             waiting.enqueue()
 
 

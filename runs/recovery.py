@@ -17,7 +17,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import structlog
-from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.db.models import CharField, Exists, OuterRef, Value
 from django.db.models.functions import Cast, Concat
@@ -102,9 +101,8 @@ def _jobless_queued_runs(limit: int) -> list[Run]:
     )
     found = [run for run in jobless if run.waiting_for_slot_since is None]
     for tenant in {run.tenant for run in jobless if run.waiting_for_slot_since is not None}:
-        running = Run.objects.filter(tenant=tenant, status=Run.Status.RUNNING).count()
         woken = Run.waiting_for_slot(tenant).filter(has_job).count()  # waiting runs already given a job
-        free = settings.TENANT_MAX_RUNNING - running - woken
+        free = Run.free_slots(tenant) - woken
         found += [run for run in jobless if run.tenant == tenant and run.waiting_for_slot_since][: max(free, 0)]
     return found
 

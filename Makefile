@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast browser lint format install clean bench bench-smoke
+.PHONY: run test test-fast browser wrk lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -61,10 +61,25 @@ clean:
 # Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
 # the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes
 # nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same.
-bench: install
+# The load generator of the enqueue and webhook benchmarks: Debian's wrk, installed here like Chromium above.
+WRK ?= /usr/bin/wrk
+
+wrk:
+	@if [ -x "$(WRK)" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing Debian's wrk for the benchmarks (apt-get install wrk)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; \
+	fi; \
+	if [ ! -x "$(WRK)" ]; then \
+		echo "The benchmarks need wrk at $(WRK) and it is not there. Install it as root" \
+			"(Debian/Ubuntu: 'sudo apt-get install wrk') and run the benchmarks again." >&2; \
+		exit 1; \
+	fi
+
+bench: install wrk
 	$(PY) manage.py collectstatic --noinput -v0
 	$(PY) bench/run_all.py
 
-bench-smoke: install
+bench-smoke: install wrk
 	$(PY) manage.py collectstatic --noinput -v0
 	BENCH_SMOKE=1 $(PY) bench/run_all.py

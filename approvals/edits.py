@@ -3,7 +3,8 @@ decisions all pass through it): what executes is a payload the card's declaratio
 
 - action cards: the gate's declaration in its workflow (runs.workflow.GateSpec: proposal schema, editable leaves,
   bounds); a gate that declares nothing may change values but not the proposal's shape (keys and types).
-- budget cards: only `cost_limit`, a decimal at least the run's spent cost and at most BUDGET_CEILING.
+- budget cards: only `cost_limit`, a decimal at least the run's spent cost and at most BUDGET_CEILING; or, for an
+  agent's turn limit (runs.agent), only `max_turns`, a whole number above the turns taken, at most AGENT_MAX_TURNS.
 - reconcile cards: not edited (approve: it happened; reject: it did not).
 
 Errors are [{loc, msg}], loc a dotted path into the payload.
@@ -18,7 +19,7 @@ from django.conf import settings
 
 from runs import workflow as workflows
 from runs.gates import Kind
-from runs.workflow import GateSpec, UnknownWorkflow
+from runs.workflow import ANY_LEAF, GateSpec, UnknownWorkflow
 
 if TYPE_CHECKING:
     from approvals.models import Approval
@@ -29,19 +30,18 @@ def gate_spec(card: Approval) -> GateSpec | None:
     if card.kind != Kind.ACTION:
         return None
     try:
-        steps = workflows.get(card.run.workflow, card.run.workflow_version).steps
+        step = workflows.get(card.run.workflow, card.run.workflow_version).step_of(card.run, card.step_seq)
     except UnknownWorkflow:
         return None
-    step = steps[card.step_seq] if card.step_seq < len(steps) else None
     return step.gate if step is not None else None
 
 
 def editable_paths(card: Approval) -> tuple[str, ...] | None:
     """The leaves a person may change, or None when the gate declares none (every leaf, same shape)."""
     if card.kind == Kind.BUDGET:
-        return ("cost_limit",)
+        return ("max_turns",) if "max_turns" in card.proposed else ("cost_limit",)
     spec = gate_spec(card)
-    return spec.editable if spec is not None and spec.editable else None
+    return spec.editable if spec is not None and spec.editable and spec.editable != ANY_LEAF else None
 
 
 def edit_errors(card: Approval, payload: Any) -> list[dict]:
@@ -56,6 +56,8 @@ def edit_errors(card: Approval, payload: Any) -> list[dict]:
 
 
 def _budget_errors(card: Approval, payload: Any) -> list[dict]:
+    if "max_turns" in card.proposed:
+        return _turn_limit_errors(card, payload)
     if not isinstance(payload, dict) or set(payload) != {"cost_limit"}:
         return [{"loc": "payload", "msg": "must be {cost_limit} and nothing else"}]
     raw = payload["cost_limit"]
@@ -73,6 +75,19 @@ def _budget_errors(card: Approval, payload: Any) -> list[dict]:
         return [{"loc": "cost_limit", "msg": f"must be at most {settings.BUDGET_CEILING} (BUDGET_CEILING)"}]
     if limit.as_tuple().exponent < -6:
         return [{"loc": "cost_limit", "msg": "has at most 6 decimal places"}]
+    return []
+
+
+def _turn_limit_errors(card: Approval, payload: Any) -> list[dict]:
+    if not isinstance(payload, dict) or set(payload) != {"max_turns"}:
+        return [{"loc": "payload", "msg": "must be {max_turns} and nothing else"}]
+    value, taken = payload["max_turns"], (card.current or {}).get("turns", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return [{"loc": "max_turns", "msg": "must be a whole number"}]
+    if value <= taken:
+        return [{"loc": "max_turns", "msg": f"must be more than the turns taken ({taken})"}]
+    if value > settings.AGENT_MAX_TURNS:
+        return [{"loc": "max_turns", "msg": f"must be at most {settings.AGENT_MAX_TURNS} (AGENT_MAX_TURNS)"}]
     return []
 
 

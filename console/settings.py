@@ -216,6 +216,8 @@ MODEL_API_KEY = env_str("MODEL_API_KEY")
 MODEL_NAME = env_str("MODEL_NAME", "gpt-4o-mini")
 # A budget card may raise a run's cost limit to at most this (approvals.edits).
 BUDGET_CEILING = env_decimal("BUDGET_CEILING", "100")
+# A budget card may raise an agent's turn limit (runs.agent) to at most this.
+AGENT_MAX_TURNS = env_int("AGENT_MAX_TURNS", 100)
 # The demo's refund gate approves by itself below this amount.
 AUTO_APPROVE_CENTS = env_int("AUTO_APPROVE_CENTS", 2000)
 # Shadow mode (runs.workflow, approvals.gates): workflows whose gates make shadow cards and whose effects are

@@ -29,7 +29,7 @@ from runs import gates, ownership, ratelimit
 from runs import workflow as workflows
 from runs.gates import ApprovalRequest, canonical_hash
 from runs.models import OwnershipLost, Run, Step
-from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, UnknownWorkflow, Wait, Workflow
+from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, Stop, UnknownWorkflow, Wait, Workflow
 
 log = structlog.get_logger("runs.engine")
 
@@ -128,12 +128,13 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
                 record_retry(run, "shutdown")
             log.info("run requeued", reason="worker shutting down")
             return
-        if run.cursor >= len(workflow.steps):
-            _finish(run, outputs.get(workflow.steps[-1].name) if workflow.steps else None)
+        step_def = workflow.step_at(run.cursor, outputs)
+        if step_def is None:
+            _finish(run, workflow.result(outputs))
             return
         if not _within_budget(run, workflow):
             return
-        if not _run_step(run, workflow, workflow.steps[run.cursor], outputs, unfinished):
+        if not _run_step(run, workflow, step_def, outputs, unfinished):
             return
 
 
@@ -185,7 +186,11 @@ def _record_step(run: Run, step_def: StepDef, seq: int, step_input: dict, input_
 def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, unfinished: dict) -> bool:
     """Run (or resume) the step at the cursor. True when the run goes on, False when it parked or ended."""
     seq = run.cursor
-    step_input = {"input": run.input, "outputs": outputs}
+    step_input = {
+        "input": run.input,
+        "outputs": outputs,
+        **({"versions": step_def.versions} if step_def.versions else {}),
+    }
     input_hash = canonical_hash(step_input)
     _check_resumed_input(step_def, seq, input_hash, unfinished)
     model, tools = _make("AGENT_MODEL", run, step_def), _make("AGENT_TOOLS", run, step_def)
@@ -204,6 +209,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             tokens_in=ctx.usage.tokens_in,
             tokens_out=ctx.usage.tokens_out,
             cost=ctx.usage.cost,
+            **(step_def.versions or {}),
             **fields,
         )
 
@@ -220,6 +226,12 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         return False
     except OwnershipLost:
         raise
+    except Stop as stop:
+        # A person stopped the run from a budget card (an agent's turn limit).
+        with transaction.atomic():
+            run.finish(Run.Status.CANCELLED, stop.result)
+        _log_step(step_def, seq, "stopped", started, ctx)
+        return False
     except Wait as wait:
         # Not attempted (an open circuit breaker, the token rate limit): no failure is recorded and no attempt
         # counted; the run goes back to the queue with a job due when the wait should be over.

@@ -490,6 +490,9 @@ class Step(models.Model):
     tokens_out = models.PositiveIntegerField(default=0)
     cost = models.DecimalField(max_digits=12, decimal_places=6, default=Decimal(0))
     latency_ms = models.FloatField(null=True, blank=True)
+    # An agent's steps (runs.agent): the prompt's version and a hash of the tools' schemas the turn was run with.
+    prompt_version = models.CharField(max_length=64, blank=True)
+    tools_version = models.CharField(max_length=64, blank=True)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
 

@@ -16,6 +16,7 @@ from runs import gates
 from runs.gates import ApprovalRequest, Decision
 
 if TYPE_CHECKING:
+    from runs.agent import AgentSpec, Tool
     from runs.models import Run
 
 
@@ -42,6 +43,14 @@ class Wait(Exception):
         super().__init__(reason)
         self.reason = reason
         self.delay = delay
+
+
+class Stop(Exception):
+    """Raised inside a step to end the run as cancelled with `result` (a person stopped it from a budget card)."""
+
+    def __init__(self, result: dict):
+        super().__init__(result.get("outcome", "stopped"))
+        self.result = result
 
 
 class Park(Exception):
@@ -101,6 +110,9 @@ class Display:
         }
 
 
+ANY_LEAF = ("*",)  # GateSpec.editable: a person may change any leaf (keeping the proposal's schema)
+
+
 @dataclass(frozen=True)
 class GateSpec:
     """What a person may do with a gate's proposal: its schema, the leaves they may edit (dotted paths), a check
@@ -115,11 +127,17 @@ class GateSpec:
     def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
         if not isinstance(edited, dict):
             return [{"loc": "payload", "msg": "must be an object"}]
-        errors = [
-            {"loc": path, "msg": "may not be changed"}
-            for path in sorted(set(leaves(proposed)) | set(leaves(edited)))
-            if path not in self.editable and leaf(proposed, path, _MISSING) != leaf(edited, path, _MISSING)
-        ]
+        if self.editable == ANY_LEAF:  # any value, but no leaf the proposal does not have
+            errors = [
+                {"loc": p, "msg": "is not part of the proposal"}
+                for p in sorted(set(leaves(edited)) - set(leaves(proposed)))
+            ]
+        else:
+            errors = [
+                {"loc": path, "msg": "may not be changed"}
+                for path in sorted(set(leaves(proposed)) | set(leaves(edited)))
+                if path not in self.editable and leaf(proposed, path, _MISSING) != leaf(edited, path, _MISSING)
+            ]
         if self.proposal is not None:
             errors += schema_errors(self.proposal, edited)
         if not errors and self.check_edit is not None:
@@ -157,10 +175,12 @@ def _int_or_none(value: Any) -> int | None:
 @dataclass(frozen=True)
 class StepDef:
     name: str
-    kind: str  # compute | read | effect | gate
+    kind: str  # compute | read | effect | gate | agent (a stage of steps: runs.agent)
     fn: StepFn
     channel: str | None = None
     gate: GateSpec | None = None
+    agent: AgentSpec | None = None
+    versions: dict | None = None  # recorded on the step (prompt_version, tools_version) and part of its input
 
 
 @dataclass
@@ -222,6 +242,64 @@ class Workflow:
         errors ({loc, msg}) such as bounds relative to the proposal; `display` the card's headline and amount."""
         spec = GateSpec(proposal, tuple(editable), check_edit, display or Display())
         return self._add("gate", channel=channel, name=name, gate=spec)
+
+    def agent(
+        self,
+        *,
+        tools: list[Tool],
+        max_turns: int = 10,
+        prompt_version: str = "1",
+        name: str | None = None,
+    ):
+        """A tool-calling loop (runs.agent): the decorated `fn(ctx)` returns the conversation's opening (a list
+        of chat messages, or the user's message as text). Each model turn and each tool call is a checkpointed
+        step; the stage's output (`outputs[name]`) is `{"answer", "turns"}`. `prompt_version` names the prompt
+        the function writes (recorded on each step, with a hash of the tools' schemas)."""
+        from runs.agent import AgentSpec, check_tools
+
+        spec = AgentSpec(tools=check_tools(tools), max_turns=max_turns, prompt_version=prompt_version)
+
+        def decorator(fn: StepFn) -> StepFn:
+            step_name = name or fn.__name__
+            if any(s.name == step_name for s in self.steps):
+                raise ValueError(f"{self.name}: two steps are named {step_name!r}")
+            self.steps.append(StepDef(step_name, "agent", fn, agent=spec))
+            return fn
+
+        return decorator
+
+    def step_at(self, seq: int, outputs: dict) -> StepDef | None:
+        """The step at position `seq` of a run whose done steps' outputs are `outputs`, None past the last. A
+        fixed step has its declared place; an agent stage's steps are read from what its turns recorded."""
+        from runs.agent import expand
+
+        pos = 0
+        for stage in self.steps:
+            if stage.kind != "agent":
+                if pos == seq:
+                    return stage
+                pos += 1
+                continue
+            found, pos = expand(stage, pos, seq, outputs)
+            if found is not None:
+                return found
+        return None
+
+    def result(self, outputs: dict) -> Any:
+        """A finished run's result: the output of its last step (an agent stage's answer)."""
+        return outputs.get(self.steps[-1].name) if self.steps else None
+
+    def step_of(self, run: Run, seq: int) -> StepDef | None:
+        """The step at `seq` of `run`, from the run's recorded outputs (approval cards look up their gate)."""
+        from runs.models import Step
+
+        if all(s.kind != "agent" for s in self.steps):
+            return self.steps[seq] if seq < len(self.steps) else None
+        done = Step.objects.filter(run=run, seq__lt=seq, status=Step.Status.DONE).order_by("seq")
+        try:
+            return self.step_at(seq, dict(done.values_list("name", "output")))
+        except (KeyError, AttributeError, TypeError):
+            return None
 
 
 class UnknownWorkflow(LookupError):

@@ -1,0 +1,354 @@
+"""Agents: a durable tool-calling loop as a stage of a workflow (`Workflow.agent`). See docs/workflows.md.
+
+The model decides which tool to call next, reads the result and calls again until it answers. Each model turn
+and each tool call is its own checkpointed step, with the run's next sequence number: the steps of an agent stage
+are not declared up front but read from what the run recorded (`expand`). A turn's output is the assistant's
+message; the steps after it are its tool calls, then the next turn, until a turn calls no tool: then one last step
+records the answer as the stage's output (`outputs[stage]`). A resumed run replays recorded turns and tool results
+from their checkpoints, never calling the model or a tool again.
+
+Tools are declared with `@tool`: a JSON schema from the function's type hints (or its pydantic argument model), a
+kind (`read`: retried freely; `effect`: through `ctx.effect` on a channel, so kill switches, breakers, shadow mode
+and receipts apply) and an approval policy (`never`, `always`, or a predicate on the arguments). Arguments the
+model produces are validated first; invalid ones go back to the model as the tool's error, never executed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, create_model
+
+from runs import gates
+from runs.gates import ApprovalRequest, canonical_hash
+from runs.workflow import ANY_LEAF, Display, Fatal, GateSpec, Park, Stop, schema_errors
+
+if TYPE_CHECKING:
+    from runs.workflow import Context, StepDef
+
+ALWAYS, NEVER = "always", "never"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call. `fn(ctx, args)` with the validated argument model when the function takes
+    one, else `fn(ctx, **arguments)`. `current(ctx, args)`: the target's state now, shown beside the proposal on
+    an approval card."""
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    args: type[BaseModel]
+    kind: str = "read"  # read | effect
+    channel: str | None = None
+    approval: str | Callable[[BaseModel], bool] = NEVER
+    current: Callable[[Context, BaseModel], dict] | None = None
+    display: Display = field(default_factory=Display)
+    risk: str = "medium"
+    takes_model: bool = False
+
+    def schema(self) -> dict:
+        """The OpenAI function-tool declaration."""
+        parameters = self.args.model_json_schema()
+        parameters.pop("title", None)
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": parameters},
+        }
+
+    def needs_approval(self, args: BaseModel) -> bool:
+        if self.approval == ALWAYS:
+            return True
+        if self.approval == NEVER:
+            return False
+        return bool(self.approval(args))
+
+    def call(self, ctx: Context, args: BaseModel) -> Any:
+        return self.fn(ctx, args) if self.takes_model else self.fn(ctx, **args.model_dump())
+
+
+def tool(
+    fn: Callable | None = None,
+    *,
+    kind: str = "read",
+    channel: str | None = None,
+    approval: str | Callable[[BaseModel], bool] = NEVER,
+    current: Callable | None = None,
+    display: Display | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    risk: str = "medium",
+):
+    """Declare a tool. Its arguments are the function's parameters after `ctx`, with type hints (or a single
+    pydantic model parameter); its description is the docstring."""
+
+    def decorator(fn: Callable) -> Tool:
+        if kind not in ("read", "effect"):
+            raise ValueError(f"tool {fn.__name__}: kind must be 'read' or 'effect', not {kind!r}")
+        if (kind == "effect" or approval != NEVER) and not channel:
+            raise ValueError(f"tool {fn.__name__}: an effect or an approval needs a channel")
+        if isinstance(approval, str) and approval not in (ALWAYS, NEVER):
+            raise ValueError(f"tool {fn.__name__}: approval is 'always', 'never' or a predicate")
+        args, takes_model = _argument_model(fn)
+        return Tool(
+            name=name or fn.__name__,
+            description=description or inspect.getdoc(fn) or "",
+            fn=fn,
+            args=args,
+            kind=kind,
+            channel=channel,
+            approval=approval,
+            current=current,
+            display=display or Display(),
+            risk=risk,
+            takes_model=takes_model,
+        )
+
+    return decorator(fn) if fn else decorator
+
+
+def _argument_model(fn: Callable) -> tuple[type[BaseModel], bool]:
+    params = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]  # after ctx
+    if len(params) == 1 and isinstance(params[0].annotation, type) and issubclass(params[0].annotation, BaseModel):
+        return params[0].annotation, True
+    fields = {}
+    for p in params:
+        if p.annotation is inspect.Parameter.empty:
+            raise ValueError(f"tool {fn.__name__}: parameter {p.name} needs a type hint")
+        fields[p.name] = (p.annotation, ... if p.default is inspect.Parameter.empty else p.default)
+    return create_model(f"{fn.__name__}_arguments", **fields), False
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent stage: `fn(ctx)` gives the conversation's opening messages (from the run's input and the steps
+    before the stage, not from the agent's own steps); the model then loops over `tools` for at most
+    `max_turns` turns (a person may extend it from a budget card)."""
+
+    tools: dict[str, Tool]
+    max_turns: int = 10
+    prompt_version: str = "1"
+
+    @property
+    def tools_version(self) -> str:
+        return canonical_hash([t.schema() for t in self.tools.values()])[:16]
+
+    def schemas(self) -> list[dict]:
+        return [t.schema() for t in self.tools.values()]
+
+
+def turn_name(stage: str, turn: int) -> str:
+    return f"{stage}.turn{turn}"
+
+
+def call_name(stage: str, turn: int, index: int, call: dict) -> str:
+    return f"{stage}.turn{turn}.{index + 1}.{_call_tool(call)}"[:100]
+
+
+def expand(stage: StepDef, start: int, seq: int, outputs: dict) -> tuple[StepDef | None, int]:
+    """The step at `seq` when it falls in this agent stage (which began at `start`), else (None, the position
+    after the stage). Steps before `seq` are done, so their outputs are in `outputs`."""
+    from runs.workflow import StepDef
+
+    spec: AgentSpec = stage.agent
+    versions = {"prompt_version": spec.prompt_version, "tools_version": spec.tools_version}
+    pos, turn = start, 1
+    while True:
+        if pos == seq:
+            return StepDef(turn_name(stage.name, turn), "compute", _turn_fn(stage, turn), versions=versions), pos
+        message = outputs[turn_name(stage.name, turn)]
+        pos += 1
+        calls = message.get("tool_calls") or []
+        if not calls:
+            if pos == seq:
+                return StepDef(stage.name, "compute", _answer_fn(message, turn), versions=versions), pos
+            return None, pos + 1
+        for index, call in enumerate(calls):
+            if pos == seq:
+                return _call_step(stage, turn, index, call, message, versions), pos
+            pos += 1
+        turn += 1
+
+
+def _call_step(stage: StepDef, turn: int, index: int, call: dict, message: dict, versions: dict) -> StepDef:
+    from runs.workflow import StepDef
+
+    known = stage.agent.tools.get(_call_tool(call))
+    gate = None
+    if known is not None and known.approval != NEVER:
+        gate = GateSpec(proposal=known.args, editable=ANY_LEAF, display=known.display)
+    return StepDef(
+        call_name(stage.name, turn, index, call),
+        known.kind if known else "read",
+        _call_fn(stage, call, message),
+        channel=known.channel if known else None,
+        gate=gate,
+        versions=versions,
+    )
+
+
+def _turn_fn(stage: StepDef, turn: int) -> Callable[[Context], dict]:
+    def run_turn(ctx: Context) -> dict:
+        spec: AgentSpec = stage.agent
+        limit = _max_turns(stage, turn, ctx.outputs)
+        extended = {}
+        if turn > limit:
+            limit = _extend_turns(ctx, stage, limit, turn)
+            extended = {"max_turns": limit}
+        message = ctx.model.chat(conversation(ctx, stage, turn), spec.schemas())
+        return {**_message(message), "model": getattr(ctx.model, "name", ""), **extended}
+
+    return run_turn
+
+
+def _answer_fn(message: dict, turns: int) -> Callable[[Context], dict]:
+    return lambda ctx: {"answer": message.get("content") or "", "turns": turns}
+
+
+def _max_turns(stage: StepDef, turn: int, outputs: dict) -> int:
+    """The stage's turn limit as a person last extended it (recorded on the turn that asked)."""
+    limit = stage.agent.max_turns
+    for t in range(1, turn):
+        limit = outputs.get(turn_name(stage.name, t), {}).get("max_turns", limit)
+    return limit
+
+
+def _extend_turns(ctx: Context, stage: StepDef, limit: int, turn: int) -> int:
+    """Past its turn limit the run parks with a budget card: a person extends the limit or stops the run."""
+    channel = next((t.channel for t in stage.agent.tools.values() if t.channel), "payments")
+    request = ApprovalRequest(
+        channel=channel,
+        kind=gates.Kind.BUDGET,
+        proposed={"max_turns": limit * 2},
+        current={"turns": turn - 1, "max_turns": limit},
+        summary=f"The agent '{stage.name}' has taken {turn - 1} turns, its limit. Extend the limit or stop the run.",
+        rule_id="max-turns",
+        risk="medium",
+    )
+    decision = gates.backend().decision(ctx.run, ctx.seq, request)
+    if decision is None:
+        raise Park(f"turn limit {limit} of agent {stage.name} reached", request, paused=True)
+    if decision.rejected:
+        raise Stop({"outcome": "stopped at turn limit", "by": decision.by, "comment": decision.comment})
+    return int((decision.payload or {})["max_turns"])
+
+
+def conversation(ctx: Context, stage: StepDef, turn: int) -> list[dict]:
+    """The messages the model sees at `turn`: the stage's opening, then each recorded turn and its tool results."""
+    opening = stage.fn(ctx)
+    messages = [{"role": "user", "content": opening}] if isinstance(opening, str) else list(opening)
+    for t in range(1, turn):
+        message = ctx.outputs[turn_name(stage.name, t)]
+        messages.append(_message(message))
+        for index, call in enumerate(message.get("tool_calls") or []):
+            result = ctx.outputs[call_name(stage.name, t, index, call)]
+            messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": for_model(result)})
+    return messages
+
+
+def _message(message: dict) -> dict:
+    """The assistant message as the chat API takes it back."""
+    out = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def for_model(result: dict) -> str:
+    """What a tool call's step tells the model (its `content`)."""
+    if "error" in result:
+        return json.dumps({"error": result["error"]})
+    if "rejected" in result:
+        rejected = result["rejected"]
+        return json.dumps(
+            {
+                "error": "a reviewer rejected this call; it was not executed",
+                "comment": rejected.get("comment", ""),
+                "reason": rejected.get("reason", ""),
+                **({"note": "this call was already rejected in this run"} if result.get("repeat") else {}),
+            }
+        )
+    answer: dict = {"result": result.get("result")}
+    if result.get("edited"):
+        answer["executed_arguments"] = result["arguments"]
+        answer["note"] = "a reviewer edited the arguments before the call was executed"
+    return json.dumps(answer, default=str)
+
+
+def _call_tool(call: dict) -> str:
+    return str((call.get("function") or {}).get("name") or "")
+
+
+def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], dict]:
+    def run_call(ctx: Context) -> dict:
+        name = _call_tool(call)
+        base = {"tool": name, "call_id": call.get("id", "")}
+        known = stage.agent.tools.get(name)
+        if known is None:
+            return {**base, "error": f"there is no tool {name!r}; the tools are {', '.join(stage.agent.tools)}"}
+        raw = (call.get("function") or {}).get("arguments") or "{}"
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError as exc:
+            return {**base, "error": f"the arguments are not JSON: {exc}"}
+        if errors := schema_errors(known.args, arguments):
+            return {**base, "error": "invalid arguments, not executed", "details": errors}
+        args = known.args.model_validate(arguments)
+        proposed = args.model_dump(mode="json")
+        decision = None
+        if known.needs_approval(args):
+            if (earlier := _earlier_rejection(stage, ctx.outputs, name, proposed)) is not None:
+                return {**base, "arguments": proposed, "rejected": earlier, "repeat": True}
+            decision = ctx.gate(
+                ApprovalRequest(
+                    channel=known.channel,
+                    proposed=proposed,
+                    current=known.current(ctx, args) if known.current else None,
+                    summary=message.get("content") or f"The agent wants to call {name}.",
+                    rule_id=f"tool:{name}",
+                    risk=known.risk,
+                )
+            )
+            if decision["decision"] == "rejected":
+                rejected = {k: decision[k] for k in ("comment", "reason", "by")}
+                return {**base, "arguments": proposed, "rejected": rejected}
+            if decision["payload"] != proposed:
+                args = known.args.model_validate(decision["payload"])  # validated as the card was decided
+        executed = args.model_dump(mode="json")
+        result = known.call(ctx, args)
+        out = {**base, "arguments": executed, "result": result}
+        if decision is not None:
+            out.update(approved_by=decision["by"], edited=executed != proposed)
+        return out
+
+    return run_call
+
+
+def _earlier_rejection(stage: StepDef, outputs: dict, name: str, proposed: dict) -> dict | None:
+    """A person's rejection of the same call with the same arguments earlier in this run: not asked twice."""
+    prefix, wanted = f"{stage.name}.turn", canonical_hash(proposed)
+    for step, output in outputs.items():
+        if (
+            step.startswith(prefix)
+            and isinstance(output, dict)
+            and output.get("tool") == name
+            and "rejected" in output
+            and canonical_hash(output.get("arguments")) == wanted
+        ):
+            return output["rejected"]
+    return None
+
+
+def check_tools(tools: list[Tool]) -> dict[str, Tool]:
+    by_name: dict[str, Tool] = {}
+    for t in tools:
+        if not isinstance(t, Tool):
+            raise Fatal(f"{t!r} is not a tool: declare it with @runs.agent.tool")
+        if t.name in by_name:
+            raise ValueError(f"two tools are named {t.name!r}")
+        by_name[t.name] = t
+    return by_name

@@ -1,0 +1,104 @@
+"""An agent workflow for tests and the scripted chat model that drives it from the run's input.
+
+The run's input carries `script`: the model's turns in order, each `{"calls": [[tool, arguments], ...],
+"say": "..."}` (a turn that calls tools) or `{"answer": "..."}` (the final one). Every model call and every tool
+call is counted as a demo SandboxCall, so tests (in-process or with real worker processes) can check that a
+recorded turn is never asked again and an effect never repeated. Select the model with
+AGENT_MODEL=tests.agent_workflows.ScriptedChat.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel, Field
+
+from demo.models import SandboxCall
+from runs.agent import tool
+from runs.llm import Model
+from runs.workflow import Display, Fatal, Workflow, register
+
+
+class ScriptedChat(Model):
+    name = "scripted"
+
+    def chat(self, messages: list[dict], tools: list[dict]) -> dict:
+        turn = sum(1 for m in messages if m["role"] == "assistant")
+        SandboxCall.objects.create(
+            system="model", operation=self.step, run_id=self.run.id, payload={"turn": turn + 1}, applied=True
+        )
+        script = self.run.input["script"]
+        if turn >= len(script):
+            raise Fatal("the script has no more turns")
+        step = script[turn]
+        self._account(100 + 10 * len(messages), 20)
+        if "answer" in step:
+            return {"role": "assistant", "content": step["answer"], "tool_calls": []}
+        calls = [
+            {
+                "id": f"call_{turn + 1}_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+            for i, (name, args) in enumerate(step["calls"])
+        ]
+        return {"role": "assistant", "content": step.get("say"), "tool_calls": calls}
+
+
+def _count(ctx, system: str, payload: dict) -> dict:
+    call = SandboxCall.objects.create(
+        system=system, operation=ctx.step.name, run_id=ctx.run.id, payload=payload, applied=True
+    )
+    return {"id": f"{system}_{call.pk}"}
+
+
+@tool
+def lookup_customer(ctx, customer_id: str) -> dict:
+    """Look up a customer by id."""
+    _count(ctx, "crm_read", {"customer_id": customer_id})
+    return {"id": customer_id, "name": "Ada", "balance_cents": 5_000}
+
+
+class Payment(BaseModel):
+    customer_id: str
+    amount_cents: int = Field(gt=0, le=100_000)
+    note: str = ""
+
+
+def _current_balance(ctx, args: Payment) -> dict:
+    return {"customer_id": args.customer_id, "refunded_cents": 0}
+
+
+@tool(
+    kind="effect",
+    channel="payments",
+    approval=lambda args: args.amount_cents > 1_000,
+    current=_current_balance,
+    display=Display(headline="note", amount_minor="amount_cents"),
+    risk="high",
+)
+def pay(ctx, args: Payment) -> dict:
+    """Refund a customer (amount in cents)."""
+    return ctx.effect(lambda key: {**_count(ctx, "payments", {"key": key, **args.model_dump()}), "status": "paid"})
+
+
+@tool(kind="effect", channel="payments", approval="never")
+def note(ctx, text: str) -> dict:
+    """Write a note on the customer's record."""
+    return ctx.effect(lambda key: _count(ctx, "crm", {"key": key, "text": text}))
+
+
+agent = register(Workflow("test_agent"))
+
+
+@agent.agent(tools=[lookup_customer, pay, note], max_turns=4, prompt_version="test-1")
+def helper(ctx):
+    return [
+        {"role": "system", "content": "You help customers."},
+        {"role": "user", "content": ctx.input.get("message", "help")},
+    ]
+
+
+@agent.compute
+def after(ctx):
+    return {"agent_said": ctx.outputs["helper"]["answer"]}

@@ -1,0 +1,213 @@
+"""The durable agent loop (runs.agent), driven in-process by the scripted chat model of tests.agent_workflows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tests.agent_workflows  # noqa: F401 - registers test_agent
+from approvals.models import Approval, InvalidDecision
+from console.models import Channel
+from demo.models import SandboxCall
+from runs.models import Run, Step
+from tests.engine_helpers import drive
+
+
+@pytest.fixture
+def agent(db, settings):
+    settings.AGENT_MODEL = "tests.agent_workflows.ScriptedChat"
+    Channel.objects.get_or_create(name="payments")
+
+
+def submit(*turns, message="my order never came") -> Run:
+    return Run.submit(workflow="test_agent", input={"message": message, "script": list(turns)})[0]
+
+
+def calls(run: Run, system: str) -> int:
+    return SandboxCall.objects.filter(run_id=run.id, system=system).count()
+
+
+def steps(run: Run) -> list[tuple[str, str, str]]:
+    return list(run.steps.order_by("seq").values_list("name", "kind", "status"))
+
+
+def tool_messages(run: Run, turn: int) -> list[dict]:
+    """What the model was told about tool results before `turn` (rebuilt from the recorded steps)."""
+    sent = []
+    for step in run.steps.order_by("seq"):
+        if step.name.startswith("helper.turn") and step.name.count(".") == 2 and step.kind != "compute":
+            sent.append(step.output)
+    return sent
+
+
+def test_a_loop_calls_tools_until_it_answers_each_step_checkpointed(agent):
+    run = drive(
+        submit(
+            {"calls": [["lookup_customer", {"customer_id": "c1"}]], "say": "Let me look."},
+            {"calls": [["note", {"text": "customer asked"}], ["pay", {"customer_id": "c1", "amount_cents": 500}]]},
+            {"answer": "Refunded 5.00."},
+        )
+    )
+    assert run.status == Run.Status.SUCCEEDED, run.error
+    assert steps(run) == [
+        ("helper.turn1", "compute", "done"),
+        ("helper.turn1.1.lookup_customer", "read", "done"),
+        ("helper.turn2", "compute", "done"),
+        ("helper.turn2.1.note", "effect", "done"),
+        ("helper.turn2.2.pay", "effect", "done"),
+        ("helper.turn3", "compute", "done"),
+        ("helper", "compute", "done"),
+        ("after", "compute", "done"),
+    ]
+    assert run.result == {"agent_said": "Refunded 5.00."}
+    assert (calls(run, "model"), calls(run, "payments"), calls(run, "crm")) == (3, 1, 1)
+    turn = run.steps.get(name="helper.turn2")
+    assert turn.tokens_in > 0 and turn.cost > 0
+    assert turn.prompt_version == "test-1" and len(turn.tools_version) == 16
+    assert run.steps.get(name="helper.turn1.1.lookup_customer").output["result"]["name"] == "Ada"
+
+
+def test_the_model_sees_every_tool_result_in_order(agent, settings):
+    seen = []
+
+    class Spy(tests.agent_workflows.ScriptedChat):
+        def chat(self, messages, tools):
+            seen.append((messages, tools))
+            return super().chat(messages, tools)
+
+    tests.agent_workflows.Spy = Spy
+    settings.AGENT_MODEL = "tests.agent_workflows.Spy"
+    drive(submit({"calls": [["lookup_customer", {"customer_id": "c1"}]]}, {"answer": "ok"}))
+    messages, tools = seen[1]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[3]["tool_call_id"] == messages[2]["tool_calls"][0]["id"]
+    assert json.loads(messages[3]["content"])["result"]["name"] == "Ada"
+    assert {t["function"]["name"] for t in tools} == {"lookup_customer", "pay", "note"}
+    pay = next(t for t in tools if t["function"]["name"] == "pay")["function"]["parameters"]
+    assert pay["properties"]["amount_cents"]["type"] == "integer" and "customer_id" in pay["required"]
+
+
+@pytest.mark.parametrize(
+    "arguments, error",
+    [
+        ({"customer_id": "c1", "amount_cents": -5}, "invalid arguments"),
+        ({"customer_id": "c1"}, "invalid arguments"),
+        ('{"customer_id": "c1", "amount_cents": ', "not JSON"),
+    ],
+)
+def test_invalid_arguments_go_back_to_the_model_and_are_not_executed(agent, arguments, error):
+    run = drive(submit({"calls": [["pay", arguments]]}, {"answer": "sorry"}))
+    assert run.status == Run.Status.SUCCEEDED
+    assert calls(run, "payments") == 0 and not Approval.objects.exists()
+    assert error in run.steps.get(name="helper.turn1.1.pay").output["error"]
+
+
+def test_an_unknown_tool_goes_back_to_the_model(agent):
+    run = drive(submit({"calls": [["drop_tables", {}]]}, {"answer": "sorry"}))
+    assert run.status == Run.Status.SUCCEEDED
+    assert "no tool 'drop_tables'" in run.steps.get(name="helper.turn1.1.drop_tables").output["error"]
+
+
+def big_payment():
+    return {"calls": [["pay", {"customer_id": "c1", "amount_cents": 5_000, "note": "late"}]], "say": "It was late."}
+
+
+def test_a_call_that_needs_approval_parks_with_a_card_and_executes_once_approved(agent, bob):
+    run = drive(submit(big_payment(), {"answer": "done"}))
+    assert run.status == Run.Status.WAITING_HUMAN and calls(run, "payments") == 0
+    card = Approval.objects.get(run=run)
+    assert card.proposed == {"customer_id": "c1", "amount_cents": 5_000, "note": "late"}
+    assert card.current == {"customer_id": "c1", "refunded_cents": 0}
+    assert card.summary == "It was late." and card.rule_id == "tool:pay"
+    assert (card.headline, card.amount_minor, card.channel.name) == ("late", 5_000, "payments")
+    card.decide(bob, "approve")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED and calls(run, "payments") == 1
+    assert calls(run, "model") == 2  # the parked turn was not asked again
+    assert run.steps.get(name="helper.turn1.1.pay").output["approved_by"] == "bob"
+
+
+def test_an_edited_call_executes_the_edited_arguments_and_the_model_is_told(agent, bob):
+    run = drive(submit(big_payment(), {"answer": "done"}))
+    card = Approval.objects.get(run=run)
+    card.decide(bob, "edit", payload={**card.proposed, "amount_cents": 2_500})
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    paid = SandboxCall.objects.get(run_id=run.id, system="payments")
+    assert paid.payload["amount_cents"] == 2_500
+    output = run.steps.get(name="helper.turn1.1.pay").output
+    assert output["edited"] is True and output["arguments"]["amount_cents"] == 2_500
+
+
+def test_an_edit_the_tool_schema_refuses_changes_nothing(agent, bob):
+    run = drive(submit(big_payment(), {"answer": "done"}))
+    card = Approval.objects.get(run=run)
+    for payload in ({**card.proposed, "amount_cents": -1}, {**card.proposed, "extra": 1}, {"amount_cents": 10}):
+        with pytest.raises(InvalidDecision):
+            card.decide(bob, "edit", payload=payload)
+    card.refresh_from_db()
+    assert card.status == "pending" and calls(run, "payments") == 0
+
+
+def test_a_rejection_reaches_the_model_and_the_same_call_is_not_proposed_again(agent, bob):
+    run = drive(submit(big_payment(), big_payment(), {"answer": "I could not refund."}))
+    card = Approval.objects.get(run=run)
+    card.decide(bob, "reject", comment="policy says no refunds after 30 days", reason="policy")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED, run.error
+    assert calls(run, "payments") == 0 and Approval.objects.filter(run=run).count() == 1
+    first = run.steps.get(name="helper.turn1.1.pay").output
+    again = run.steps.get(name="helper.turn2.1.pay").output
+    assert first["rejected"]["comment"] == "policy says no refunds after 30 days"
+    assert again["rejected"] == first["rejected"] and again["repeat"] is True
+    assert run.result == {"agent_said": "I could not refund."}
+
+
+def test_the_turn_limit_parks_with_a_budget_card_then_extends_or_stops(agent, bob):
+    lookups = [{"calls": [["lookup_customer", {"customer_id": f"c{i}"}]]} for i in range(6)]
+    run = drive(submit(*lookups, {"answer": "done"}))
+    assert run.status == Run.Status.PAUSED and calls(run, "model") == 4
+    card = Approval.objects.get(run=run)
+    assert card.kind == "budget" and card.proposed == {"max_turns": 8}
+    with pytest.raises(InvalidDecision):
+        card.decide(bob, "edit", payload={"max_turns": 3})
+    card.decide(bob, "edit", payload={"max_turns": 7})
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED and calls(run, "model") == 7
+
+    run = drive(submit(*lookups, {"answer": "done"}))
+    Approval.objects.get(run=run).decide(bob, "reject", comment="enough")
+    run = drive(run)
+    assert run.status == Run.Status.CANCELLED and run.result["outcome"] == "stopped at turn limit"
+
+
+def test_a_model_error_in_a_turn_is_retried_without_repeating_done_tool_calls(agent, settings):
+    class FlakyOnce(tests.agent_workflows.ScriptedChat):
+        failed = False
+
+        def chat(self, messages, tools):
+            if len(messages) > 2 and not FlakyOnce.failed:
+                FlakyOnce.failed = True
+                from runs.workflow import Retryable
+
+                raise Retryable("model answered 503")
+            return super().chat(messages, tools)
+
+    tests.agent_workflows.FlakyOnce = FlakyOnce
+    settings.AGENT_MODEL = "tests.agent_workflows.FlakyOnce"
+    run = submit({"calls": [["note", {"text": "hi"}]]}, {"answer": "done"})
+    with pytest.raises(Exception, match="503"):
+        drive(run)
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.SUCCEEDED and calls(run, "crm") == 1 and calls(run, "model") == 2
+    assert run.steps.get(name="helper.turn2").attempt == 2
+
+
+def test_a_changed_prompt_on_resume_is_an_error(agent, bob):
+    run = drive(submit(big_payment(), {"answer": "done"}))
+    Step.objects.filter(run=run, name="helper.turn1.1.pay").update(input_hash="0" * 64)
+    Approval.objects.get(run=run).decide(bob, "approve")
+    run = drive(run)
+    assert run.status == Run.Status.FAILED and "changed since it was checkpointed" in run.error
+    assert calls(run, "payments") == 0

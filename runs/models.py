@@ -6,7 +6,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, models, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 
@@ -153,9 +153,13 @@ class Run(models.Model):
             return cls.objects.none()
         if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return cls.objects.all()
+        from approvals.models import Approval
+
         channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
-        with_cards = cls.objects.filter(approvals__channel__in=channels).values("pk")
-        return cls.objects.filter(Q(created_by=user) | Q(pk__in=with_cards))
+        # EXISTS per run (an index probe on the run's cards), not `pk IN (every card of those channels)`: a page
+        # of the newest runs stops after its rows instead of hashing all the channels' cards first.
+        with_a_card = Exists(Approval.objects.filter(run=OuterRef("pk"), channel__in=channels))
+        return cls.objects.filter(Q(created_by=user) | with_a_card)
 
     def is_visible_to(self, user) -> bool:
         from console.models import Role

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import connection
 from django.template.defaultfilters import floatformat
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval
@@ -101,12 +106,30 @@ def test_it_pages_newest_first(world):
     for i in range(60):
         Run.objects.create(workflow="refund", workflow_version=1, input={"i": i}, tenant=f"t{i}")
     client = as_user(world["users"]["alice"])
-    first = client.get("/runs/").content.decode()
+    response = client.get("/runs/")
+    first = response.content.decode()
     assert first.count("data-run=") == 50 and ">t59<" in first and 'rel="next"' in first
-    second = client.get("/runs/?page=2").content.decode()
-    assert second.count("data-run=") == 12 and 'rel="prev"' in second
-    status_page = client.get("/runs/?status=queued&page=2").content.decode()
+    older = response.context["older"]
+    second = client.get("/runs/", {"before": older}).content.decode()
+    assert second.count("data-run=") == 12 and 'rel="first"' in second and 'rel="next"' not in second
+    assert not set(re.findall(r'data-run="([^"]+)"', first)) & set(re.findall(r'data-run="([^"]+)"', second))
+    status_page = client.get("/runs/", {"status": "queued", "before": older}).content.decode()
     assert "status=queued" in status_page  # the filter is kept in the page links
+    for bad in ("nonsense", "2026-01-01~not-a-uuid", "2026-01-01T00:00:00~" + str(uuid.uuid4())):
+        assert client.get("/runs/", {"before": bad}).status_code == 200  # the first page, not a 500
+
+
+def test_a_page_of_runs_costs_the_same_queries_however_many_there_are(world):
+    client = as_user(world["users"]["bob"])
+    client.get("/runs/")
+    with CaptureQueriesContext(connection) as few:
+        client.get("/runs/")
+    for i in range(120):
+        Run.objects.create(workflow="refund", workflow_version=1, input={"i": i}, tenant=f"t{i}")
+    with CaptureQueriesContext(connection) as many:
+        client.get("/runs/")
+    assert len(many) == len(few)
+    assert not any("COUNT(" in q["sql"] for q in many.captured_queries)
 
 
 def test_the_run_page_shows_its_timeline_card_and_decisions(world):

@@ -214,6 +214,19 @@ WORKFLOW_MODULES = [*(["demo.workflows"] if DEMO_ENABLED else []), *env_list("WO
 MODEL_BASE_URL = env_str("MODEL_BASE_URL")
 MODEL_API_KEY = env_str("MODEL_API_KEY")
 MODEL_NAME = env_str("MODEL_NAME", "gpt-4o-mini")
+# Seconds a model call may take (connect and each read) before it fails as a timeout, which the engine retries.
+MODEL_TIMEOUT_SECONDS = env_float("MODEL_TIMEOUT_SECONDS", 60)
+# What a model's tokens cost (runs.llm): USD per million (input, output) tokens, by model name as in MODEL_NAME,
+# recorded on each step. A model not in the table costs MODEL_DEFAULT_PRICE, which is what every model cost
+# before the table existed ($0.0006 per 1K tokens, in and out alike).
+MODEL_PRICES = {
+    "gpt-4o-mini": ("0.15", "0.60"),
+    "gpt-4o": ("2.50", "10.00"),
+    "gpt-4.1-mini": ("0.40", "1.60"),
+    "gpt-4.1": ("2.00", "8.00"),
+    "scripted": ("0.60", "0.60"),  # the demo's scripted fake (demo.model): the figures the demo always showed
+}
+MODEL_DEFAULT_PRICE = ("0.60", "0.60")
 # A budget card may raise a run's cost limit to at most this (approvals.edits).
 BUDGET_CEILING = env_decimal("BUDGET_CEILING", "100")
 # A budget card may raise an agent's turn limit (runs.agent) to at most this.

@@ -16,6 +16,8 @@ from runs.llm import Model
 
 
 class ScriptedModel(Model):
+    name = "scripted"  # its price in MODEL_PRICES
+
     def complete(self, task: str, **payload) -> dict:
         with breakers.guard("model"):  # while the model's breaker is open, no call (BreakerOpen, a Wait)
             return self._complete(task, **payload)

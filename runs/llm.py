@@ -1,24 +1,25 @@
-"""The model a step sees as `ctx.model` (settings.AGENT_MODEL): `complete(task, **payload) -> dict`.
+"""The model a step sees as `ctx.model` (settings.AGENT_MODEL): `complete(task, **payload) -> dict` for a JSON
+answer, and `chat(messages, tools)` for one turn of a tool-calling agent.
 
-An OpenAI-compatible endpoint when MODEL_BASE_URL is set; otherwise SCRIPTED_MODEL, in development and tests the
-demo's deterministic scripted fake (demo.model), so that demo runs and tests are repeatable.
+An OpenAI-compatible endpoint when MODEL_BASE_URL is set (OpenAI, vLLM, Ollama, LiteLLM: through the official
+`openai` SDK); otherwise SCRIPTED_MODEL, in development and tests the demo's deterministic scripted fake
+(demo.model), so that demo runs and tests are repeatable.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import urllib.error
-import urllib.request
+import os
 from decimal import Decimal
 
+import openai
 from django.conf import settings
 from django.utils.module_loading import import_string
 
 from runs import breakers
 from runs.models import Run
 from runs.workflow import Fatal, Retryable, Usage
-
-PRICE_PER_1K_TOKENS = Decimal("0.0006")
 
 
 def model_for_run(run: Run, step: str):
@@ -31,53 +32,129 @@ def model_for_run(run: Run, step: str):
     return import_string(settings.SCRIPTED_MODEL)(run, step)
 
 
+def cost(model: str, tokens_in: int, tokens_out: int) -> Decimal:
+    """What the tokens cost in USD, from the model's (input, output) price per million tokens (MODEL_PRICES)."""
+    price_in, price_out = settings.MODEL_PRICES.get(model, settings.MODEL_DEFAULT_PRICE)
+    return (Decimal(price_in) * tokens_in + Decimal(price_out) * tokens_out) / 1_000_000
+
+
 class Model:
+    """A step's model: what it answers, and the tokens it used (`usage`, which the step's Context records on the
+    step). `name` is the model's name as the price table (MODEL_PRICES) knows it."""
+
+    name = ""
+
     def __init__(self, run: Run, step: str):
         self.run = run
         self.step = step
         self.usage = Usage()  # the step's Context reports it on the step
 
     def _account(self, tokens_in: int, tokens_out: int) -> None:
-        self.usage.add(tokens_in, tokens_out, PRICE_PER_1K_TOKENS * (tokens_in + tokens_out) / 1000)
+        self.usage.add(tokens_in, tokens_out, cost(self.name, tokens_in, tokens_out))
+
+    def chat(self, messages: list[dict], tools: list[dict], *, tool_choice="auto") -> dict:
+        """One assistant turn (see OpenAICompatibleModel.chat). A model that cannot call tools says so, rather than
+        an agent step failing on an AttributeError that would be retried."""
+        raise Fatal("this model cannot call tools")
+
+
+@functools.lru_cache(maxsize=8)
+def _client(base_url: str, api_key: str, timeout: float, pid: int) -> openai.OpenAI:
+    """One SDK client (and its connection pool) per endpoint and process, shared by the steps; a forked process
+    makes its own. The SDK never retries: the engine does, with its backoff and attempt budget."""
+    # Local servers (vLLM, Ollama) take any key, but the SDK refuses to start without one.
+    return openai.OpenAI(base_url=base_url, api_key=api_key or "unused", timeout=timeout, max_retries=0)
+
+
+def client() -> openai.OpenAI:
+    return _client(settings.MODEL_BASE_URL, settings.MODEL_API_KEY, settings.MODEL_TIMEOUT_SECONDS, os.getpid())
 
 
 class OpenAICompatibleModel(Model):
-    """Chat completions on MODEL_BASE_URL, answering JSON. Errors are classified for the engine."""
+    """Chat completions on MODEL_BASE_URL with MODEL_NAME. Errors are classified for the engine: Retryable (429,
+    5xx, timeouts, connection errors, an answer that is not what was asked) or Fatal (other 4xx, a refusal)."""
 
-    TIMEOUT_SECONDS = 60
+    def __init__(self, run: Run, step: str):
+        super().__init__(run, step)
+        self.name = settings.MODEL_NAME
 
     def complete(self, task: str, **payload) -> dict:
-        body = {
-            "model": settings.MODEL_NAME,
-            "response_format": {"type": "json_object"},
-            "messages": [
-                {
-                    "role": "system",
-                    "content": f"You are a support agent. Task: {task}. Answer one JSON object.",
-                },
+        """The model's answer to `task` on `payload`, as the JSON object it was asked for."""
+        message = self._create(
+            messages=[
+                {"role": "system", "content": f"You are a support agent. Task: {task}. Answer one JSON object."},
                 {"role": "user", "content": json.dumps(payload, default=str)},
             ],
-        }
-        request = urllib.request.Request(
-            settings.MODEL_BASE_URL.rstrip("/") + "/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {settings.MODEL_API_KEY}"},
+            response_format={"type": "json_object"},
         )
+        try:
+            answer = json.loads(message.content or "")
+        except ValueError as exc:
+            raise Retryable(f"model answer is not the JSON asked for: {exc}") from exc
+        if not isinstance(answer, dict):
+            raise Retryable(f"model answer is not the JSON object asked for: {type(answer).__name__}")
+        return answer
+
+    def chat(self, messages: list[dict], tools: list[dict], *, tool_choice="auto") -> dict:
+        """One chat completion with tool calling. `tools` are OpenAI function tools ({"type": "function",
+        "function": {name, description, parameters}}). Returns the assistant message as a plain JSON-able dict
+        in the chat format, {"role": "assistant", "content", "tool_calls": [{id, type, function: {name,
+        arguments}}]} (`arguments` the JSON string as the model sent it; `tool_calls` [] when there are none), so
+        that it can be recorded as a step's output and sent back as a message of the next turn."""
+        request: dict = {"messages": [_wire(m) for m in messages]}
+        if tools:  # OpenAI refuses an empty tool list, and a tool_choice without tools
+            request |= {"tools": tools, "tool_choice": tool_choice}
+        message = self._create(**request)
+        calls = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for call in message.tool_calls or []
+            if call.type == "function"  # the only kind of tool offered
+        ]
+        if not message.content and not calls:
+            raise Retryable("model answer is empty: no content and no tool calls")
+        return {"role": "assistant", "content": message.content, "tool_calls": calls}
+
+    def _create(self, **request):
+        """One chat completion: its tokens accounted, its errors classified; the first choice's message."""
         # Through the model's circuit breaker, which sees the errors as classified here (a 4xx is an answer).
         with breakers.guard("model"):
             try:
-                with urllib.request.urlopen(request, timeout=self.TIMEOUT_SECONDS) as response:
-                    answer = json.load(response)
-            except urllib.error.HTTPError as exc:
-                if exc.code == 429 or exc.code >= 500:
-                    raise Retryable(f"model answered {exc.code}") from exc
-                raise Fatal(f"model answered {exc.code}: {exc.read()[:500]!r}") from exc
-            except (urllib.error.URLError, TimeoutError) as exc:
-                raise Retryable(f"model unreachable: {exc}") from exc
-        try:
-            content = json.loads(answer["choices"][0]["message"]["content"])
-        except (KeyError, IndexError, ValueError) as exc:
-            raise Retryable(f"model answer is not the JSON asked for: {exc}") from exc
-        usage = answer.get("usage", {})
-        self._account(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-        return content
+                response = client().chat.completions.create(model=self.name, **request)
+            except openai.APIError as exc:
+                raise _classified(exc) from exc
+        if response.usage is not None:  # spent even when the answer is refused
+            self._account(response.usage.prompt_tokens or 0, response.usage.completion_tokens or 0)
+        if not response.choices:
+            raise Retryable("model answer has no choices")
+        choice = response.choices[0]
+        if choice.message.refusal:
+            raise Fatal(f"model refused: {choice.message.refusal[:500]}")
+        if choice.finish_reason == "content_filter":
+            raise Fatal("model answer was withheld by its content filter")
+        return choice.message
+
+
+def _classified(exc: openai.APIError) -> Exception:
+    """The engine's error for an SDK error: the messages name the status or the timeout, which is how the engine
+    tells retry causes apart (runs.engine.record_retry)."""
+    if isinstance(exc, openai.APITimeoutError):
+        return Retryable(f"model timed out after {settings.MODEL_TIMEOUT_SECONDS:g}s")
+    if isinstance(exc, openai.APIConnectionError):
+        return Retryable(f"model unreachable: {exc.__cause__ or exc}")
+    if isinstance(exc, openai.APIStatusError):
+        if exc.status_code == 429 or exc.status_code >= 500:
+            return Retryable(f"model answered {exc.status_code}")
+        return Fatal(f"model answered {exc.status_code}: {exc.response.text[:500]!r}")
+    return Retryable(f"model answer is not what was asked: {exc}")  # e.g. a body the SDK cannot read
+
+
+def _wire(message: dict) -> dict:
+    """A message as the API takes it: a recorded assistant turn without tool calls keeps `tool_calls: []`, which
+    OpenAI refuses (an empty array), so it is left out."""
+    if message.get("role") == "assistant" and "tool_calls" in message and not message["tool_calls"]:
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    return message

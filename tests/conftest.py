@@ -14,6 +14,7 @@ from django.contrib.auth.models import Group, User
 from django.db import connection, connections
 
 from console.models import Channel, Role
+from tests.openai_stub import openai_stub  # noqa: F401 - a fixture
 from tests.worker import database_url, start_worker  # noqa: F401 - start_worker is a fixture
 
 # Playwright's sync API runs an event loop in the test thread; Django refuses ORM calls there unless told.

@@ -211,3 +211,56 @@ def test_a_changed_prompt_on_resume_is_an_error(agent, bob):
     run = drive(run)
     assert run.status == Run.Status.FAILED and "changed since it was checkpointed" in run.error
     assert calls(run, "payments") == 0
+
+
+# Against a local OpenAI-compatible server through the openai SDK (runs.llm), never the internet.
+
+
+@pytest.fixture
+def agent_on_stub(db, settings, openai_stub):
+    settings.AGENT_MODEL = "runs.llm.model_for_run"
+    settings.MODEL_NAME = "gpt-4o-mini"
+    Channel.objects.get_or_create(name="payments")
+    return openai_stub
+
+
+def test_a_loop_on_an_openai_compatible_endpoint_records_tokens_and_cost(agent_on_stub):
+    from tests.openai_stub import text, tool_calls
+
+    agent_on_stub.script(
+        tool_calls([("lookup_customer", {"customer_id": "c9"})], prompt_tokens=1_000, completion_tokens=50),
+        tool_calls([("pay", '{"customer_id": "c9", "amount_cents": "lots"}')], content="Refunding."),
+        text("I could not refund: the amount was invalid.", prompt_tokens=2_000, completion_tokens=20),
+    )
+    run = drive(submit())
+    assert run.status == Run.Status.SUCCEEDED, run.error
+    assert agent_on_stub.calls == 3
+    assert run.result == {"agent_said": "I could not refund: the amount was invalid."}
+    first = run.steps.get(name="helper.turn1")
+    # gpt-4o-mini: 0.15 in, 0.60 out per million tokens
+    assert (first.tokens_in, first.tokens_out, str(first.cost)) == (1_000, 50, "0.000180")
+    assert run.tokens_in == 1_000 + 10 + 2_000
+    # The invalid argument went back to the model as the tool's error, and nothing was paid.
+    assert calls(run, "payments") == 0 and not Approval.objects.exists()
+    sent = agent_on_stub.requests[2]["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert "invalid arguments" in json.loads(sent[5]["content"])["error"]
+    assert sent[4]["tool_calls"][0]["function"]["arguments"] == '{"customer_id": "c9", "amount_cents": "lots"}'
+    assert {t["function"]["name"] for t in agent_on_stub.requests[0]["tools"]} == {"lookup_customer", "pay", "note"}
+
+
+def test_a_429_in_a_turn_is_retried_and_a_400_is_fatal(agent_on_stub):
+    from jobs.models import DeadLetter
+    from tests.openai_stub import error, text
+
+    agent_on_stub.script(error(429), text("fine"))
+    run = submit()
+    with pytest.raises(Exception, match="429"):
+        drive(run)
+    run = drive(run, attempts=1)
+    assert run.status == Run.Status.SUCCEEDED and agent_on_stub.calls == 2
+
+    agent_on_stub.script(error(400))
+    run = drive(submit(message="again"))
+    assert run.status == Run.Status.FAILED and agent_on_stub.calls == 3
+    assert DeadLetter.objects.filter(run_id=run.id, step="helper.turn1").exists()

@@ -249,3 +249,25 @@ def test_a_rejected_tool_call_reaches_the_model_and_is_not_proposed_again(system
     assert told["comment"] == comment and "rejected" in told["error"] and "note" not in told
     assert seen_at(run, 3)[0]["comment"] == comment and "already rejected" in seen_at(run, 3)[0]["note"]
     assert model_turns(run) == {1: 1, 2: 1, 3: 1}, describe_runs([run.id])
+
+
+def test_a_turn_limit_extended_through_the_api_holds_when_the_worker_dies_in_the_next_turn(system):
+    victim = one_worker(system)
+    lookups = [{"calls": [lookup(f"c{i}")]} for i in range(1, 5)]  # max_turns is 4
+    run = submit(
+        system, *lookups, {"calls": [lookup("c5")], "sleep": SLEEP}, {"calls": [lookup("c6")]}, {"answer": "ok"}
+    )
+    card = pending_card(system, run)
+    run.refresh_from_db()
+    assert run.status == Run.Status.PAUSED and card["kind"] == "budget" and card["proposed"] == {"max_turns": 8}
+    assert model_turns(run) == {1: 1, 2: 1, 3: 1, 4: 1}  # turn 5 asked a person before the model
+    decide(system, card, "edit", payload={"max_turns": 7}, comment="three more")
+    # Killed in turn 5, after the decision: the turn's output (which records the new limit) is lost with it.
+    kill_when(system, victim, lambda: model_turns(run)[5] == 1, "the model to be asked for turn 5")
+
+    settles_as(run, Run.Status.SUCCEEDED, system.workers.all, timeout=SETTLE)
+    assert run.result == {"agent_said": "ok"}
+    assert model_turns(run) == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 1, 7: 1}
+    assert output(run, "helper.turn5")["max_turns"] == 7
+    assert len(calls(run, "crm_read")) == 6
+    assert list(Approval.objects.filter(run=run).values_list("kind", "status")) == [("budget", "edited")]

@@ -5,11 +5,18 @@ The run's input carries `script`: the model's turns in order, each `{"calls": [[
 call is counted as a demo SandboxCall, so tests (in-process or with real worker processes) can check that a
 recorded turn is never asked again and an effect never repeated. Select the model with
 AGENT_MODEL=tests.agent_workflows.ScriptedChat.
+
+A model call's SandboxCall payload is `{"turn": N, "seen": [...]}`, `seen` the tool results (their `content`,
+parsed) the model was sent since its previous turn. For tests that kill a worker in the middle of a run:
+a turn with `"sleep": seconds` sleeps after its model call was counted, and the run input's `"hang": {step:
+seconds}` makes the tool call step `step` (such as `helper.turn2.1.pay`) sleep once its call was counted (an
+effect: applied, its receipt not yet completed). Each sleeps on its first call only, not when resumed.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 from pydantic import BaseModel, Field
 
@@ -24,13 +31,21 @@ class ScriptedChat(Model):
 
     def chat(self, messages: list[dict], tools: list[dict]) -> dict:
         turn = sum(1 for m in messages if m["role"] == "assistant")
+        since = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        seen = [_parsed(m["content"]) for m in messages[since + 1 :] if m["role"] == "tool"]
         SandboxCall.objects.create(
-            system="model", operation=self.step, run_id=self.run.id, payload={"turn": turn + 1}, applied=True
+            system="model",
+            operation=self.step,
+            run_id=self.run.id,
+            payload={"turn": turn + 1, "seen": seen},
+            applied=True,
         )
         script = self.run.input["script"]
         if turn >= len(script):
             raise Fatal("the script has no more turns")
         step = script[turn]
+        if step.get("sleep") and _first(self.run.id, "model", {"turn": turn + 1}):
+            time.sleep(step["sleep"])
         self._account(100 + 10 * len(messages), 20)
         if "answer" in step:
             return {"role": "assistant", "content": step["answer"], "tool_calls": []}
@@ -45,10 +60,26 @@ class ScriptedChat(Model):
         return {"role": "assistant", "content": step.get("say"), "tool_calls": calls}
 
 
+def _parsed(content):
+    try:
+        return json.loads(content)
+    except (TypeError, ValueError):
+        return content
+
+
+def _first(run_id, system: str, payload: dict, operation: str | None = None) -> bool:
+    """Whether the call just counted is the first of its kind in this run (a resumed call sleeps no more)."""
+    calls = SandboxCall.objects.filter(run_id=run_id, system=system, payload__contains=payload)
+    return (calls.filter(operation=operation) if operation else calls).count() == 1
+
+
 def _count(ctx, system: str, payload: dict) -> dict:
     call = SandboxCall.objects.create(
         system=system, operation=ctx.step.name, run_id=ctx.run.id, payload=payload, applied=True
     )
+    seconds = (ctx.input.get("hang") or {}).get(ctx.step.name)
+    if seconds and _first(ctx.run.id, system, {}, operation=ctx.step.name):
+        time.sleep(seconds)
     return {"id": f"{system}_{call.pk}"}
 
 

@@ -444,10 +444,17 @@ def _token(username: str) -> str:
 
 
 @pytest.fixture
-def system(_console_env, transactional_db, tmp_path):
+def system_env() -> dict:
+    """Environment variables for the system's web server and workers on top of SYSTEM_ENV: a test module
+    overrides this fixture to deploy its own workflows (WORKFLOW_MODULES) or model (AGENT_MODEL)."""
+    return {}
+
+
+@pytest.fixture
+def system(_console_env, system_env, transactional_db, tmp_path):
     """A fresh database seeded like `make run` seeds it (demo_setup), API tokens for the agent, the demo
     reviewer, a second reviewer (`rita`: approve_channel on payments) and ops, the production web server and
-    SYSTEM_WORKERS (2) standalone workers. Everything is stopped at the end."""
+    SYSTEM_WORKERS (2) standalone workers (with `system_env`). Everything is stopped at the end."""
     # The roles' groups come from a migration, which the flush after an earlier transactional test undid
     # (demo_setup only adds users to existing groups).
     for role in Role:
@@ -460,6 +467,7 @@ def system(_console_env, transactional_db, tmp_path):
     env = {
         **{k: v for k, v in _console_env.items() if not k.startswith("STALLED_SWEEP_")},
         **SYSTEM_ENV,
+        **system_env,
         "DATABASE_URL": database_url(connection.settings_dict),
     }
     server = WebServer(env, tmp_path / "web.log")

@@ -137,13 +137,13 @@ def test_the_api_names_the_agent_step_at_the_cursor_and_documents_the_input(demo
     assert set(schema["required"]) == {"customer_id", "message"} and "order_id" in schema["properties"]
 
 
-def test_the_run_page_shows_the_conversation_escaped(demo, bob, client):
+def test_the_run_page_shows_the_conversation_escaped(demo, alice, bob, client):
     message = "Never arrived <script>alert('x')</script> refund please."
     run = drive(submit(message))
     card = Approval.objects.get(run=run)
     card.decide(bob, "reject", comment="No refund <b>without</b> a photo", reason="policy")
     run = drive(run)
-    client.force_login(bob)
+    client.force_login(alice)
     page = client.get(f"/runs/{run.pk}/").content.decode()
     assert "<script>alert" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
     assert "<b>without</b>" not in page and "No refund &lt;b&gt;without&lt;/b&gt; a photo" in page

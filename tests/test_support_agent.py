@@ -154,3 +154,21 @@ def test_the_run_page_shows_the_conversation_escaped(demo, alice, bob, client):
     assert "rejected by bob" in page and f'href="/approvals/{card.pk}/"' in page
     assert "I did not refund" in page  # the answer
     assert json.dumps(run.result["turns"]) in page
+
+
+def test_the_run_page_shows_who_edited_and_approved(demo, alice, bob, client):
+    run = drive(submit("Order never arrived, I want my money back."))
+    refund_card = Approval.objects.get(run=run)
+    refund_card.decide(bob, "edit", payload={**refund_card.proposed, "amount_cents": 1_500})
+    run = drive(run)
+    email_card = Approval.objects.get(run=run, status="pending")
+    email_card.decide(bob, "approve")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED, run.error
+    client.force_login(alice)
+    page = client.get(f"/runs/{run.pk}/").content.decode()
+    assert page.count("edited by bob") == 1 and page.count("approved by bob") == 1
+    assert f'href="/approvals/{refund_card.pk}/"' in page and f'href="/approvals/{email_card.pk}/"' in page
+    assert "executed arguments (as edited)" in page and "&quot;amount_cents&quot;: 1500" in page
+    assert "no approval needed" in page  # the CRM note
+    assert page.count('class="agent-turn') == 6 and 'class="agent-answer' in page

@@ -95,8 +95,12 @@ class _System:
 class Payments(_System):
     system = "payments"
 
-    def refund(self, *, customer_id: str, amount_cents: int, currency: str, idempotency_key: str) -> dict:
+    def refund(
+        self, *, customer_id: str, amount_cents: int, currency: str, idempotency_key: str, order_id: str = ""
+    ) -> dict:
         payload = {"customer_id": customer_id, "amount_cents": amount_cents, "currency": currency}
+        if order_id:  # support_agent refunds one order; refund's refunds are the customer's
+            payload["order_id"] = order_id
         call = self._call(payload, idempotency_key)
         return {"id": call.external_id, "status": "refunded", **payload}
 
@@ -133,6 +137,57 @@ class Crm(_System):
             "balance_cents": seed % 10_000,
         }
 
+    def list_orders(self, customer_id: str) -> list[dict]:
+        self._call({"customer_id": customer_id})
+        return orders_of(customer_id)
+
+    def add_note(self, *, customer_id: str, text: str, idempotency_key: str) -> dict:
+        call = self._call({"customer_id": customer_id, "text": text}, idempotency_key)
+        return {"id": call.external_id, "status": "noted", "customer_id": customer_id}
+
+    @staticmethod
+    def lookup_note(idempotency_key: str) -> dict | None:
+        """The CRM can say whether a note with this key exists (reconciles ambiguous writes)."""
+        call = SandboxCall.objects.filter(system="crm", idempotency_key=idempotency_key, applied=True).first()
+        if call is None:
+            return None
+        return {"id": call.external_id, "status": "noted", "customer_id": call.payload.get("customer_id")}
+
+
+def orders_of(customer_id: str) -> list[dict]:
+    """A customer's orders, newest first (deterministic from the id), with what has been refunded on each so far
+    (the seeded history plus the fake payment system's refunds naming the order)."""
+    seed = int(hashlib.sha256(f"orders:{customer_id}".encode()).hexdigest(), 16)
+    currency = ["EUR", "USD", "GBP"][seed % 3]
+    items = ["headphones", "desk lamp", "running shoes", "coffee grinder", "backpack", "phone case", "kettle"]
+    orders = []
+    for i in range(3):
+        part = seed >> (24 * i)
+        order_id = f"ord_{customer_id[-4:].lower()}{i + 1}"
+        total = 2_500 + part % 80_000
+        refunded = total if i == 2 and part % 2 else 0  # some customers' oldest order was refunded already
+        orders.append(
+            {
+                "id": order_id,
+                "item": items[part % len(items)],
+                "total_cents": total,
+                "currency": currency,
+                "status": "delivered" if i else "shipped",
+                "placed_days_ago": 3 + 17 * i + part % 9,
+                "refunded_cents": refunded,
+            }
+        )
+    paid = (
+        SandboxCall.objects.filter(system="payments", applied=True, payload__customer_id=customer_id)
+        .filter(payload__has_key="order_id")
+        .values_list("payload", flat=True)
+    )
+    for payload in paid:
+        for order in orders:
+            if order["id"] == payload.get("order_id"):
+                order["refunded_cents"] += int(payload.get("amount_cents") or 0)
+    return orders
+
 
 class Tools:
     """The tool clients a step sees as `ctx.tools` (settings.AGENT_TOOLS), bound to the run and the step."""
@@ -143,9 +198,12 @@ class Tools:
         self.crm = Crm(run, step)
 
 
-def stats() -> dict:
-    """Side effects received per system, and duplicates: calls beyond the first for one idempotency key."""
+def stats(effects_only: bool = False) -> dict:
+    """Side effects received per system, and duplicates: calls beyond the first for one idempotency key.
+    `effects_only`: count only writes (calls with an idempotency key), not the CRM's reads."""
     applied = SandboxCall.objects.filter(applied=True)
+    if effects_only:
+        applied = applied.exclude(idempotency_key="")
     per_system = dict(applied.values_list("system").annotate(n=Count("id")))
     duplicates = sum(
         n - 1

@@ -1,8 +1,13 @@
-"""The `refund` demo workflow: the worked example of docs/workflows.md.
+"""The demo workflows, the worked examples of docs/workflows.md.
 
-Input: {customer_id, amount_cents, currency, reason}. classify (compute) -> lookup_customer (read) ->
-draft_refund (compute) -> approve_refund (gate on payments, skipped below AUTO_APPROVE_CENTS) ->
-issue_refund (effect on payments) -> notify_customer (effect on email).
+`refund`, fixed steps. Input: {customer_id, amount_cents, currency, reason}. classify (compute) ->
+lookup_customer (read) -> draft_refund (compute) -> approve_refund (gate on payments, skipped below
+AUTO_APPROVE_CENTS) -> issue_refund (effect on payments) -> notify_customer (effect on email).
+
+`support_agent`, an agent (runs.agent). Input: {customer_id, message, order_id?}. One agent stage, `support`,
+whose model looks the customer and their orders up (read tools on the CRM), may refund an order (an effect on
+payments, approved by a person from AUTO_APPROVE_CENTS up), emails the customer (on email, always approved) and
+writes a note on the customer's record (on crm, never asked), then answers.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Annotated
 from django.conf import settings
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from runs.agent import tool
 from runs.currencies import check_currency
 from runs.gates import ApprovalRequest
 from runs.webhooks import Source, register_source
@@ -192,3 +198,177 @@ def notify_customer(ctx):
 
 # The demo's webhook source (DESIGN "Fixed names"): its body is the refund input, as POST /api/runs takes it.
 register_source(Source("demo", workflow="refund", to_input=lambda payload: payload))
+
+
+# --- support_agent: the same systems, driven by a tool-calling model --------------------------------------------
+
+CustomerId = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
+class SupportInput(BaseModel):
+    """A customer's message to support (POST /api/runs, demo_traffic): validated before the run exists."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    customer_id: CustomerId
+    message: Annotated[StrictStr, Field(min_length=1, max_length=4000)]
+    order_id: CustomerId | None = None  # the order the customer wrote about, when they named one
+    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (demo.sandbox), development only
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_in_development_only(cls, faults):
+        if faults and not settings.DEMO_FAULTS_ENABLED:
+            raise ValueError("fault injection is only available in development")
+        return faults
+
+
+def _recorded(ctx, tool_name: str):
+    """The latest successful result of `tool_name` in this run (the agent's recorded tool calls)."""
+    found = None
+    for output in ctx.outputs.values():
+        if isinstance(output, dict) and output.get("tool") == tool_name and "result" in output:
+            found = output["result"]
+    return found
+
+
+@tool(name="lookup_customer")  # not to shadow refund's step of that name in this module
+def find_customer(ctx, customer_id: str) -> dict:
+    """Look a customer up in the CRM: name, email, lifetime value, refunds in the last 90 days."""
+    return ctx.tools.crm.get_customer(customer_id)
+
+
+@tool
+def list_orders(ctx, customer_id: str) -> list[dict]:
+    """A customer's orders, newest first: id, item, total and refunded amounts (cents), currency, status."""
+    return ctx.tools.crm.list_orders(customer_id)
+
+
+class OrderRefund(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    customer_id: CustomerId
+    order_id: CustomerId
+    amount_cents: Cents
+    currency: Currency
+    reason: Annotated[StrictStr, Field(min_length=1, max_length=500)]
+
+
+def _order_refund_state(ctx, args: OrderRefund) -> dict:
+    """The order's refund as it stands (the card's "Now" column): what has been refunded on it so far."""
+    from demo.sandbox import orders_of
+
+    order = next((o for o in orders_of(args.customer_id) if o["id"] == args.order_id), None)
+    return {
+        "customer_id": args.customer_id,
+        "order_id": args.order_id,
+        "amount_cents": order["refunded_cents"] if order else 0,
+        "currency": order["currency"] if order else args.currency,
+        "reason": "",
+    }
+
+
+def _needs_a_person(args: OrderRefund) -> bool:
+    return args.amount_cents >= settings.AUTO_APPROVE_CENTS  # as refund's gate: below it, approved by itself
+
+
+@tool(
+    kind="effect",
+    channel="payments",
+    approval=_needs_a_person,
+    current=_order_refund_state,
+    display=Display(headline="reason", amount_minor="amount_cents", currency="currency"),
+    risk="high",
+)
+def refund_order(ctx, args: OrderRefund) -> dict:
+    """Refund (part of) one of the customer's orders, in the order's currency; amount in cents, no more than the
+    order's total less what was already refunded. From a threshold up, a person approves it first."""
+    from demo.sandbox import orders_of
+
+    order = next((o for o in orders_of(args.customer_id) if o["id"] == args.order_id), None)
+    if order is None:
+        return {"error": f"the customer has no order {args.order_id}", "refunded": False}
+    refundable = order["total_cents"] - order["refunded_cents"]
+    if args.amount_cents > refundable or args.currency != order["currency"]:
+        return {
+            "error": f"at most {refundable} {order['currency']} cents can be refunded on {args.order_id}",
+            "refunded": False,
+        }
+    payments = ctx.tools.payments
+    arguments = {
+        "customer_id": args.customer_id,
+        "order_id": args.order_id,
+        "amount_cents": args.amount_cents,
+        "currency": args.currency,
+    }
+    return ctx.effect(
+        lambda key: payments.refund(**arguments, idempotency_key=key),
+        lookup=payments.lookup,
+        preview={"call": "payments.refund", **arguments},
+    )
+
+
+def _email_now(ctx, args: CustomerEmail) -> dict:
+    """Nothing is sent yet; the address on the customer's record, to compare with the one the agent wrote."""
+    customer = _recorded(ctx, "lookup_customer") or {}
+    return {"to": customer.get("email", ""), "subject": "", "body": ""}
+
+
+@tool(
+    kind="effect",
+    channel="email",
+    approval="always",
+    current=_email_now,
+    display=Display(headline="subject"),
+    risk="medium",
+)
+def send_email(ctx, args: CustomerEmail) -> dict:
+    """Email the customer. A person reads every email before it is sent."""
+    email = ctx.tools.email
+    arguments = args.model_dump()
+    # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person.
+    return ctx.effect(
+        lambda key: email.send(**arguments, idempotency_key=key), preview={"call": "email.send", **arguments}
+    )
+
+
+@tool(kind="effect", channel="crm", approval="never", risk="low")
+def add_note(ctx, customer_id: str, text: str) -> dict:
+    """Write a note on the customer's CRM record: what was asked, what was done and why."""
+    crm = ctx.tools.crm
+    return ctx.effect(
+        lambda key: crm.add_note(customer_id=customer_id, text=text[:4000], idempotency_key=key),
+        lookup=crm.lookup_note,
+        preview={"call": "crm.add_note", "customer_id": customer_id, "text": text[:4000]},
+    )
+
+
+SUPPORT_PROMPT = """You are a customer support agent for an online shop. Look the customer up, then their \
+orders. When the customer is owed a refund on an order, refund it with refund_order (never more than the order's \
+total less what was refunded, in the order's currency), then email the customer what you did, then write a note \
+on their record with add_note. If a tool answers an error or a reviewer rejects a call, do not try it again: \
+write the note saying why, and answer. Finish with a short answer for the support team."""
+
+support = register(
+    Workflow(
+        "support_agent",
+        version=1,
+        description="Answer a customer's message with a tool-calling agent: refunds and emails need a person.",
+        input_schema=SupportInput,
+    )
+)
+
+
+@support.agent(
+    tools=[find_customer, list_orders, refund_order, send_email, add_note], max_turns=8, prompt_version="support-1"
+)
+def support_agent(ctx):
+    order = ctx.input.get("order_id") or "none given"
+    return [
+        {"role": "system", "content": SUPPORT_PROMPT},
+        {
+            "role": "user",
+            "content": f"Customer id: {ctx.input['customer_id']}\nOrder id: {order}\n"
+            f"Message from the customer:\n{ctx.input['message']}",
+        },
+    ]

@@ -85,10 +85,16 @@ def run_out(run: Run) -> dict:
     from runs import workflow as workflows
 
     steps = list(run.steps.order_by("seq"))
-    try:
-        names = [s.name for s in workflows.get(run.workflow, run.workflow_version).steps]
-    except UnknownWorkflow:
-        names = []
+    current = None
+    if not run.is_finished:
+        # An agent stage's steps are not declared: the step at the cursor is read from what the run recorded.
+        try:
+            step = workflows.get(run.workflow, run.workflow_version).step_at(
+                run.cursor, {s.name: s.output for s in steps if s.status == "done" and s.seq < run.cursor}
+            )
+        except (UnknownWorkflow, KeyError, AttributeError, TypeError):
+            step = None
+        current = step.name if step is not None else None
     open_card = run.approvals.filter(status__in=["pending", "escalated"]).order_by("-created_at").first()
     return {
         **{
@@ -110,7 +116,7 @@ def run_out(run: Run) -> dict:
                 "updated_at",
             )
         },
-        "current_step": names[run.cursor] if not run.is_finished and run.cursor < len(names) else None,
+        "current_step": current,
         "steps_done": sum(1 for s in steps if s.status == "done"),
         "steps": steps,
         "approval_id": open_card.pk if open_card else None,

@@ -4,6 +4,7 @@ decisions; ops and the run's creator cancel from there."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import datetime
 
@@ -18,6 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 from runs import workflow as workflows
 from runs.api import can_operate_run
 from runs.models import Run, Step
+from runs.workflow import UnknownWorkflow
 
 PAGE_SIZE = 50
 
@@ -102,12 +104,114 @@ def run_detail(request, pk):
         {
             "run": run,
             "steps": steps,
+            "timeline": timeline(run, steps, cards),
             "cards": cards,
             "result_json": _pretty(run.result),
             "input_json": _pretty(run.input),
             "can_cancel": not run.is_finished and can_operate_run(request.user, run),
         },
     )
+
+
+def _agent_stages(run: Run) -> list[str]:
+    try:
+        definition = workflows.get(run.workflow, run.workflow_version)
+    except UnknownWorkflow:
+        return []
+    return [s.name for s in definition.steps if s.kind == "agent"]
+
+
+def timeline(run: Run, steps: list[Step], cards: list) -> list[dict]:
+    """The run's steps as the page shows them: a fixed step as itself; an agent stage's steps as a conversation,
+    each model turn (`<stage>.turn<N>`, its words, tokens and cost) with the tool calls it made
+    (`<stage>.turn<N>.<i>.<tool>`: arguments, result, error or rejection, who decided, the card) and the answer
+    (`<stage>`). Everything here is shown as text: the model's words and the tools' results are untrusted."""
+    stages = _agent_stages(run)
+    cards_at: dict[int, list] = {}
+    for card in cards:
+        cards_at.setdefault(card.step_seq, []).append(card)
+    patterns = [
+        (stage, re.compile(rf"{re.escape(stage)}\.turn(\d+)"), re.compile(rf"{re.escape(stage)}\.turn(\d+)\.(\d+)\..+"))
+        for stage in stages
+    ]
+    entries: list[dict] = []
+    turns: dict[tuple[str, int], dict] = {}
+    for step in steps:
+        entry = None
+        for stage, turn_re, call_re in patterns:
+            if step.name == stage and step.kind == "compute":
+                output = step.output if isinstance(step.output, dict) else {}
+                entry = {"type": "answer", "stage": stage, "step": step, "answer": output.get("answer", "")}
+                entry["turns"] = output.get("turns")
+            elif match := turn_re.fullmatch(step.name):
+                entry = _turn(stage, int(match.group(1)), step, cards_at.get(step.seq, []))
+                turns[(stage, entry["number"])] = entry
+            elif (match := call_re.fullmatch(step.name)) and (stage, int(match.group(1))) in turns:
+                turn = turns[(stage, int(match.group(1)))]
+                turn["calls"].append(_call(turn, int(match.group(2)) - 1, step, cards_at.get(step.seq, [])))
+                entry = False  # shown inside its turn
+            if entry is not None:
+                break
+        if entry is None:
+            entry = {"type": "step", "step": step}
+        if entry:
+            entries.append(entry)
+    return entries
+
+
+def _turn(stage: str, number: int, step: Step, cards: list) -> dict:
+    message = step.output if isinstance(step.output, dict) else {}
+    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    return {
+        "type": "turn",
+        "stage": stage,
+        "number": number,
+        "step": step,
+        "content": message.get("content") or "",
+        "model": message.get("model") or "",
+        "max_turns": message.get("max_turns"),
+        "tool_calls": calls,
+        "calls": [],
+        "cards": cards,
+    }
+
+
+def _arguments_text(raw) -> str:
+    """The arguments as the model wrote them: pretty JSON when they are JSON, else the text itself."""
+    if isinstance(raw, str):
+        try:
+            return _pretty(json.loads(raw))
+        except ValueError:
+            return raw
+    return _pretty(raw)
+
+
+def _call(turn: dict, index: int, step: Step, cards: list) -> dict:
+    asked = turn["tool_calls"][index] if index < len(turn["tool_calls"]) else {}
+    function = asked.get("function") or {}
+    output = step.output if isinstance(step.output, dict) else {}
+    call = {
+        "step": step,
+        "tool": output.get("tool") or function.get("name") or step.name.rsplit(".", 1)[-1],
+        "call_id": output.get("call_id") or asked.get("id", ""),
+        "arguments_json": _arguments_text(function.get("arguments") or "{}"),
+        "cards": cards,
+        "outcome": step.status,
+    }
+    if step.status != Step.Status.DONE:
+        return call
+    if "error" in output:
+        call.update(outcome="error", error=output["error"], details=output.get("details") or [])
+    elif "rejected" in output:
+        rejected = output["rejected"] or {}
+        call.update(outcome="rejected", rejected=rejected, repeat=bool(output.get("repeat")))
+    else:
+        call.update(outcome="done", result_json=_pretty(output.get("result")))
+        if output.get("approved_by"):
+            call.update(approved_by=output["approved_by"], edited=bool(output.get("edited")))
+            if output.get("edited"):
+                call["executed_json"] = _pretty(output.get("arguments"))
+    return call
 
 
 @require_POST

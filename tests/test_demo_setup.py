@@ -61,3 +61,32 @@ def test_ops_can_reach_the_dead_letter_queue_in_admin(client, db):
     client.force_login(User.objects.get(username="ops"))
     assert client.get("/admin/jobs/deadletter/").status_code == 200
     assert client.get("/admin/console/channel/").status_code == 403  # staff, but not an admin
+
+
+def test_the_make_run_seed_has_both_demo_workflows_with_cards_in_the_inbox(client, db):
+    """What `serve` (make run) seeds a new database with: refund and support_agent runs, whose cards a reviewer
+    finds in the inbox once the worker has driven them."""
+    from approvals.models import Approval
+    from runs.models import Run
+    from tests.engine_helpers import drive
+
+    call_command("demo_setup", verbosity=0)
+    call_command("demo_traffic", runs=8, seed=1, workflow="all", verbosity=0)
+    assert sorted(Run.objects.values_list("workflow", flat=True)) == ["refund"] * 4 + ["support_agent"] * 4
+    for run in Run.objects.all():
+        drive(run)
+    agent_runs = Run.objects.filter(workflow="support_agent")
+    assert set(agent_runs.values_list("status", flat=True)) == {Run.Status.WAITING_HUMAN}  # a refund or an email
+    cards = Approval.objects.filter(workflow="support_agent", status="pending")
+    assert cards.count() == 4 and {c.rule_id for c in cards} <= {"tool:refund_order", "tool:send_email"}
+    client.force_login(User.objects.get(username="reviewer"))
+    inbox = client.get("/").content.decode()
+    for card in cards:
+        assert f"/approvals/{card.pk}/" in inbox
+
+
+def test_demo_traffic_submits_refunds_by_default(db):
+    from runs.models import Run
+
+    call_command("demo_traffic", runs=3, seed=2, no_gates=True, verbosity=0)
+    assert set(Run.objects.values_list("workflow", flat=True)) == {"refund"}

@@ -44,6 +44,13 @@ def _wait_for(url: str, status: int, timeout: float) -> None:
         time.sleep(0.25)
 
 
+def _pending_cards(conn) -> dict[str, int]:
+    rows = conn.execute(
+        "SELECT workflow, count(*) FROM approvals_approval WHERE status = 'pending' GROUP BY workflow"
+    ).fetchall()
+    return dict(rows)
+
+
 class MakeRun:
     def __init__(self, pgdata, port):
         env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
@@ -84,6 +91,11 @@ def test_make_run_serves_and_ctrl_c_stops_everything(tmp_path):
         assert worker.environ()["DATABASE_CONN_MAX_AGE"] == "300"  # the worker keeps its connections
         with psycopg.connect(f"postgresql://postgres@/postgres?host={pgdata}", autocommit=True) as conn:
             conn.execute("CREATE TABLE kept (note text)")
+            # The seeded demo: the worker parks both demo workflows' runs with cards for the inbox.
+            deadline = time.monotonic() + 60
+            while (waiting := _pending_cards(conn)).get("support_agent", 0) < 4 or not waiting.get("refund"):
+                assert time.monotonic() < deadline, f"pending cards by workflow: {waiting}"
+                time.sleep(0.5)
     finally:
         output = run.ctrl_c()
     assert "Stopped." in output, output

@@ -326,8 +326,8 @@ class Command(BaseCommand):
         if settings.DEVELOPMENT:
             call_command("demo_setup", verbosity=0)
             demo = settings.DEMO_ENABLED and env_bool("DEMO_TRAFFIC", True)
-            if demo and not Run.objects.exists():  # a new database: show some cards
-                call_command("demo_traffic", runs=6, seed=1, verbosity=0)
+            if demo and not Run.objects.exists():  # a new database: show some cards, of both demo workflows
+                call_command("demo_traffic", runs=8, seed=1, workflow="all", verbosity=0)
 
         env = {**os.environ, "DATABASE_URL": settings.DATABASE_URL}
         web_argv = [sys.executable, "-m", "console.webserver", "--host", host, "--port", str(port)]

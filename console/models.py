@@ -318,19 +318,77 @@ class ApiToken(models.Model):
         return token.user if token is not None else None
 
     @classmethod
+    def _active(cls, digest: str):
+        return cls.objects.select_related("user").filter(digest=digest, revoked_at__isnull=True, user__is_active=True)
+
+    @classmethod
     def find(cls, raw: str) -> ApiToken | None:
         """The active token `raw` is (its user active too), or None; notes its use."""
-        token = (
-            cls.objects.select_related("user")
-            .filter(digest=_digest(raw), revoked_at__isnull=True, user__is_active=True)
-            .first()
-        )
+        token = _find_active_token(_digest(raw))
         if token is None:
             return None
         now = timezone.now()
         if token.last_used_at is None or token.last_used_at < now - timedelta(minutes=1):
             cls.objects.filter(pk=token.pk).update(last_used_at=now)
         return token
+
+
+class _TokenQuery(NamedTuple):
+    sql: str
+    token_fields: list[str]
+    user_fields: list[str]
+
+
+_TOKEN_QUERIES: dict[str, _TokenQuery] = {}
+_DIGEST_PLACEHOLDER = "0" * 64
+
+
+def _token_query() -> _TokenQuery:
+    """The SQL Django writes for `ApiToken._active(digest)[:1]`, compiled once per process and database: every API
+    request looks its token up, and compiling the queryset cost more CPU than running it (issue 11). Checked
+    when built: one parameter (the digest) and the token's then its user's columns, in model order."""
+    query = _TOKEN_QUERIES.get(connection.alias)
+    if query is None:
+        compiler = ApiToken._active(_DIGEST_PLACEHOLDER)[:1].query.get_compiler(connection=connection)
+        sql, params = compiler.as_sql()
+        token_fields = [f.attname for f in ApiToken._meta.concrete_fields]
+        user_fields = [f.attname for f in ApiToken._meta.get_field("user").related_model._meta.concrete_fields]
+        columns = [col.target for col, _, _ in compiler.select]
+        # The only conversions the ORM would apply are the fields' own from_db_value (what _converted applies).
+        converters = compiler.get_converters([col for col, _, _ in compiler.select])
+        expected = {i: [f.from_db_value] for i, f in enumerate(columns) if hasattr(f, "from_db_value")}
+        if (
+            list(params) != [_DIGEST_PLACEHOLDER]
+            or [f.attname for f in columns] != token_fields + user_fields
+            or {i: funcs for i, (funcs, _) in converters.items()} != expected
+        ):
+            raise ImproperlyConfigured(f"unexpected token query: {sql} {params}")
+        query = _TOKEN_QUERIES.setdefault(connection.alias, _TokenQuery(sql, token_fields, user_fields))
+    return query
+
+
+def _find_active_token(digest: str) -> ApiToken | None:
+    """`ApiToken._active(digest).first()` without compiling the queryset each time (see _token_query)."""
+    query = _token_query()
+    with connection.cursor() as cursor:
+        cursor.execute(query.sql, [digest])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    split = len(query.token_fields)
+    token = ApiToken.from_db(connection.alias, query.token_fields, _converted(ApiToken, row[:split]))
+    user_model = ApiToken._meta.get_field("user").related_model
+    token.user = user_model.from_db(connection.alias, query.user_fields, _converted(user_model, row[split:]))
+    return token
+
+
+def _converted(model, values) -> list:
+    """Database values as the ORM would hand them to from_db (from_db_value: the tenants' JSON)."""
+    out = list(values)
+    for index, field in enumerate(model._meta.concrete_fields):
+        if hasattr(field, "from_db_value"):
+            out[index] = field.from_db_value(out[index], None, connection)
+    return out
 
 
 class ActorType(models.TextChoices):

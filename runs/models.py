@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -201,21 +202,25 @@ class Run(models.Model):
 
         definition = workflows.get(workflow)  # raises UnknownWorkflow
         definition.validate_input(input)  # raises InvalidInput: nothing is written
+        from runs.outbox import insert_with_first_job
+
+        run = cls(
+            workflow=definition.name,
+            workflow_version=definition.version,
+            input=input,
+            tenant=tenant,
+            priority=priority,
+            idempotency_key=idempotency_key,
+            created_by=created_by,
+            cost_limit=cost_limit,
+            max_attempts=settings.RUN_MAX_ATTEMPTS,
+        )
         try:
-            with transaction.atomic():
-                run = cls.objects.create(
-                    workflow=definition.name,
-                    workflow_version=definition.version,
-                    input=input,
-                    tenant=tenant,
-                    priority=priority,
-                    idempotency_key=idempotency_key,
-                    created_by=created_by,
-                    cost_limit=cost_limit,
-                    max_attempts=settings.RUN_MAX_ATTEMPTS,
-                )
-                run.enqueue()
-                return run, True
+            # The run and its job in one statement (runs/outbox.py): its own transaction in autocommit; inside a
+            # caller's, a savepoint, so that a duplicate key does not abort the caller's transaction.
+            with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+                insert_with_first_job(run)
+            return run, True
         except IntegrityError:
             if idempotency_key is None:
                 raise

@@ -10,11 +10,13 @@ import urllib.request
 import uuid
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Max
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals.models import Approval
@@ -301,6 +303,62 @@ def test_it_creates_one_run_when_requests_race_in_separate_transactions(transact
     assert sorted(status for status, _ in answers) == [200] * 7 + [202]
     assert len({answer["id"] for _, answer in answers}) == 1
     assert queued_jobs(Run.objects.get()) == 1
+
+
+def test_post_runs_costs_two_queries_in_autocommit(transactional_db):
+    """The enqueue path's round trips (issue 11): the token's lookup, then the run's INSERT and its job's defer as
+    one statement in autocommit (runs/outbox.py): no BEGIN, savepoint or COMMIT of its own. Fails if it grows."""
+    call_command("demo_setup", verbosity=0)
+    headers = bearer(User.objects.get(username="agent"))
+    client = Client()
+    post_run(client, headers, {"workflow": "refund", "input": REFUND})  # the token's last_used_at is written once
+    with CaptureQueriesContext(connection) as queries:
+        response = post_run(client, headers, {"workflow": "refund", "input": REFUND, "idempotency_key": "count-1"})
+    assert response.status_code == 202, response.content
+    statements = [q["sql"] for q in queries.captured_queries]
+    assert len(statements) == 2, statements
+    assert statements[0].startswith('SELECT "console_apitoken"')
+    assert statements[1].startswith('WITH inserted AS (INSERT INTO "runs_run"')
+    assert "procrastinate_defer_jobs_v1" in statements[1]
+    run = Run.objects.get(idempotency_key="count-1")
+    assert queued_jobs(run) == 1
+
+
+def test_submit_defers_the_job_that_enqueue_defers(db, new_jobs):
+    """runs/outbox.py writes the job itself: the same task, queue, locks, priority and arguments as Run.enqueue
+    (procrastinate's .defer()) would."""
+    run, created = Run.submit(workflow="refund", input=REFUND, priority=5)
+    assert created
+    ours = new_jobs().get()
+    with connection.cursor() as cursor:  # out of the queue, so that its queueing lock is free again
+        cursor.execute("UPDATE procrastinate_jobs SET status = 'succeeded' WHERE id = %s", [ours.id])
+    with transaction.atomic():
+        assert run.enqueue()
+    theirs = new_jobs().exclude(id=ours.id).get()
+
+    def fields(job):
+        return [getattr(job, f) for f in ("queue_name", "task_name", "priority", "lock", "queueing_lock", "args")]
+
+    assert fields(ours) == fields(theirs)
+    assert (ours.status, ours.scheduled_at, ours.attempts) == (theirs.status, theirs.scheduled_at, theirs.attempts)
+    # The one-statement INSERT sets what save() would: the timestamps and the defaults.
+    stored = Run.objects.get(pk=run.pk)
+    assert stored.created_at == run.created_at and stored.updated_at == run.updated_at
+    assert (stored.status, stored.trace_id, stored.tenant) == (Run.Status.QUEUED, run.trace_id, "default")
+    assert stored.max_attempts == settings.RUN_MAX_ATTEMPTS
+    assert not run._state.adding
+
+
+def test_a_repeated_key_inside_a_callers_transaction_keeps_it_usable(db, demo, new_jobs):
+    """Inside a caller's transaction the statement runs under a savepoint: a duplicate idempotency key gives back
+    the first run, writes no second job, and the caller's transaction goes on."""
+    agent = demo["agent"]
+    with transaction.atomic():
+        first, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
+        again, created_again = Run.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
+        assert (created, created_again, again.pk) == (True, False, first.pk)
+        assert Run.objects.count() == 1  # the transaction is not aborted
+    assert new_jobs().count() == 1
 
 
 def post_chunked(server, headers: dict, body: bytes) -> tuple[int, dict]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 from io import StringIO
 
 import pytest
@@ -75,3 +76,19 @@ def test_a_session_is_not_enough_for_the_api(client, bob):
 
 def test_unknown_api_paths_answer_404(client, db):
     assert client.get("/api/nothing-here").status_code == 404
+
+
+def test_find_gives_what_the_orm_gives_in_one_query(bob, django_assert_num_queries):
+    """ApiToken.find runs the queryset's SQL compiled once per process (console.models._token_query): the token
+    and its user as the ORM would load them, in one query, with no second one for the user."""
+    _, raw = ApiToken.issue(bob, tenants=["acme", "default"])
+    ApiToken.find(raw)  # notes its use (one UPDATE, at most once a minute)
+    expected = ApiToken._active(hashlib.sha256(raw.encode()).hexdigest()).get()
+    with django_assert_num_queries(1):
+        found = ApiToken.find(raw)
+        assert found.user == bob and found.user.username == "bob" and found.user.is_active
+    fields = [f.attname for f in ApiToken._meta.concrete_fields]
+    assert [getattr(found, f) for f in fields] == [getattr(expected, f) for f in fields]
+    assert found.tenants == ["acme", "default"] and found.allows_tenant("acme")
+    assert not found._state.adding and found._state.db == "default"
+    assert ApiToken.find(raw + "x") is None

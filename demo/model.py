@@ -165,7 +165,8 @@ def _support_next(messages: list[dict], tools: set[str]) -> tuple[str, tuple[str
             return (
                 f"{customer.get('name', 'The customer')} writes about order {order['id']} ({order['item']}, "
                 f"{_money(order['total_cents'], order['currency'])}, {order['status']} "
-                f"{order['placed_days_ago']} days ago): {reason.rstrip('.')}. Refunding {_money(amount, order['currency'])}; "
+                f"{order['placed_days_ago']} days ago): {reason.rstrip('.')}. "
+                f"Refunding {_money(amount, order['currency'])}; "
                 f"{customer.get('refunds_last_90d', 0)} refunds in the last 90 days.",
                 (
                     "refund_order",

@@ -95,14 +95,14 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
             "resume",
             "resume latency, back to back, embedded PostgreSQL",
             ["bench/resume_latency.py", "--runs", str(n(200, 5)), "--interval-ms", "0", "--closed-loop"],
-            {"DATABASE_CONN_MAX_AGE": "300"},
+            {},  # a production worker's defaults (it keeps its connections)
             "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
         ),
         (
             "resume",
             "resume latency, with idle gaps, embedded PostgreSQL",
             ["bench/resume_latency.py", "--runs", str(n(50, 3)), "--interval-ms", "250"],
-            {"DATABASE_CONN_MAX_AGE": "300"},
+            {},  # a production worker's defaults (it keeps its connections)
             "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
         ),
         (

@@ -53,9 +53,12 @@ if not DATABASES["default"]["HOST"].startswith("/"):
         "options", "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
     )
 # Seconds a connection is kept between jobs or requests (0: one per unit of work). Workers gain from keeping them
-# (procrastinate closes them around each job as Django does around a request, health-checked before reuse);
-# under ASGI Django advises against it for the web server, so `make run` sets it for its worker only.
-DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 0)
+# (procrastinate closes them around each job as Django does around a request, health-checked before reuse): a
+# decided card's run resumes without a new PostgreSQL backend first (bench/resume_latency.py: p99 ~25 instead of
+# ~85 ms), so a worker keeps them 300 s unless DATABASE_CONN_MAX_AGE says otherwise. Under ASGI Django advises
+# against it for the web server, which has its pool instead (below).
+_WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
+DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 300 if _WORKER_COMMAND else 0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # --- Database connection pool (the web server's) --------------------------------------------------------------
 # DATABASE_POOL=1: Django's psycopg pool, per process, instead of a new PostgreSQL connection per request (which
@@ -64,7 +67,6 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # holds a session-level advisory lock on it, runs/ownership.py). Connections are health-checked when taken.
 # A worker never takes it, whatever the environment says: putconn() would keep a session advisory lock that a
 # failed unlock left behind (ownership closes the connection to end the session) alive in the pool.
-_WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
 if env_bool("DATABASE_POOL", False) and not _WORKER_COMMAND:
     if DATABASES["default"]["CONN_MAX_AGE"]:
         raise ImproperlyConfigured("DATABASE_POOL=1 needs DATABASE_CONN_MAX_AGE=0 (a pool keeps the connections)")

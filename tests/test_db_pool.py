@@ -60,7 +60,14 @@ def test_on_with_sane_defaults():
 def test_a_worker_never_takes_it(argv):
     # A job's thread holds a session-level advisory lock on its connection (runs.ownership): a pool would keep
     # a lock that a failed unlock left behind alive in a connection handed to the next request.
-    assert _pool({"DATABASE_POOL": "1"}, *argv) == [None, 0]
+    assert _pool({"DATABASE_POOL": "1"}, *argv) == [None, 300]
+
+
+@pytest.mark.parametrize("argv", [("worker",), ("procrastinate", "worker")])
+def test_a_worker_keeps_its_connections_by_default(argv):
+    # A resumed run should not wait for a new PostgreSQL backend (bench/resume_latency.py).
+    assert _pool({}, *argv) == [None, 300]
+    assert _pool({"DATABASE_CONN_MAX_AGE": "0"}, *argv) == [None, 0]
 
 
 def test_refused_together_with_kept_connections():

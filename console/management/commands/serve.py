@@ -334,8 +334,7 @@ class Command(BaseCommand):
         web_argv += ["--workers", str(env_int("WEB_CONCURRENCY", os.cpu_count() or 1))]
         children = [Child("web", web_argv, env)]
         if run_worker:
-            worker_env = {"DATABASE_CONN_MAX_AGE": "300", **env}  # unless the caller chose otherwise
-            children.append(Child("worker", None, worker_env))
+            children.append(Child("worker", None, env))
         database = EmbeddedDatabase(settings.EMBEDDED_PGDATA) if settings.DATABASE_IS_EMBEDDED else None
 
         stopping = False

@@ -235,16 +235,22 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
-    # The step's one write: its row and the run's cursor, owner and cursor checked in the run's UPDATE.
-    with transaction.atomic():
-        record(status=Step.Status.DONE, error="", output=output, ended_at=timezone.now())
-        run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's row back
-        # Later steps see the output as it is stored (JSON: jsonb rewrites numbers, dates become strings), so
-        # that a step's input, and its hash, are the same in this job and on any replay.
-        outputs[step_def.name] = Step.objects.filter(run=run, seq=seq).values_list("output", flat=True).get()
-        # A cancel requested while the step ran stops the run before its next step (in this transaction: no
-        # commit of its own).
-        run.cancel_requested = Run.objects.filter(pk=run.pk).values_list("cancel_requested", flat=True).get()
+    # The step's one write, one statement in autocommit: its row and the run's cursor, owner and cursor checked
+    # in the run's UPDATE (OwnershipLost: nothing written). Later steps see the output as it is stored (JSON:
+    # jsonb rewrites numbers, dates become strings), so that a step's input, and its hash, are the same in this
+    # job and on any replay; a cancel requested while the step ran comes back with it and stops the run before
+    # its next step.
+    outputs[step_def.name] = run.checkpoint(
+        seq,
+        ctx.usage,
+        name=step_def.name,
+        kind=step_def.kind,
+        input=step_input,
+        input_hash=input_hash,
+        output=output,
+        started_at=started_at,
+        latency_ms=_ms(started),
+    )
     _log_step(step_def, seq, "done", started, ctx)
 
     if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -38,6 +39,37 @@ class RunStatus(models.TextChoices):
 
 
 _FINISHED = [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
+
+
+_COST_QUANTUM = Decimal("0.000001")
+
+# Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
+# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
+_CHECKPOINT_SQL = """
+WITH moved AS (
+    UPDATE runs_run
+    SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
+        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s
+    WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s
+    RETURNING id, cancel_requested
+), step AS (
+    INSERT INTO runs_step AS s (
+        run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
+        tokens_in, tokens_out, cost, latency_ms, started_at, ended_at
+    )
+    SELECT moved.id, %(seq)s::integer, %(name)s::varchar, %(kind)s::varchar, %(input)s::jsonb,
+        %(input_hash)s::varchar, %(output)s::jsonb, 'done', %(attempt)s::integer, '', %(tokens_in)s::integer,
+        %(tokens_out)s::integer, %(cost)s::numeric, %(latency_ms)s::double precision, %(started_at)s::timestamptz,
+        %(now)s::timestamptz
+    FROM moved
+    ON CONFLICT (run_id, seq) DO UPDATE SET
+        status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
+        tokens_in = EXCLUDED.tokens_in, tokens_out = EXCLUDED.tokens_out, cost = EXCLUDED.cost,
+        latency_ms = EXCLUDED.latency_ms, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
+    RETURNING s.output
+)
+SELECT moved.cancel_requested, step.output FROM moved, step
+"""
 
 
 class Run(models.Model):
@@ -298,25 +330,61 @@ class Run(models.Model):
         if not Run.objects.select_for_update(no_key=True).filter(pk=self.pk, owner=self.owner).exists():
             raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner}")
 
-    def checkpoint(self, seq: int, usage) -> None:
-        """The step at `seq` is done: move the cursor past it and add its usage, in the transaction that
-        records the step's output."""
+    def checkpoint(
+        self,
+        seq: int,
+        usage,
+        *,
+        name: str,
+        kind: str,
+        input,
+        input_hash: str,
+        output,
+        started_at,
+        latency_ms: float | None = None,
+    ):
+        """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated) and the run's
+        cursor moved past it with its usage added, in ONE statement (a data-modifying CTE, atomic on its own in
+        autocommit): the run's UPDATE checks the owner and the cursor, and the step's row is inserted only from
+        the row that UPDATE returned, so a job that lost the run writes nothing and gets OwnershipLost.
+
+        Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
+        would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
+        ran is seen here, with no read of its own)."""
         # Rounded as the column stores it, so the copy in memory stays equal to the row.
-        cost = Decimal(usage.cost).quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
-        self._swap(
-            [Run.Status.RUNNING],
-            by_owner=self.owner,
-            where={"cursor": seq},
-            cursor=seq + 1,
-            attempt=0,
-            error="",
-            tokens_in=F("tokens_in") + usage.tokens_in,
-            tokens_out=F("tokens_out") + usage.tokens_out,
-            cost=F("cost") + cost,
-        )
+        cost = Decimal(usage.cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP)
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _CHECKPOINT_SQL,
+                {
+                    "run": self.pk,
+                    "owner": self.owner,
+                    "seq": seq,
+                    "next": seq + 1,
+                    "tokens_in": usage.tokens_in,
+                    "tokens_out": usage.tokens_out,
+                    "cost": cost,
+                    "now": now,
+                    "name": name,
+                    "kind": kind,
+                    "input": json.dumps(input, cls=DjangoJSONEncoder),
+                    "input_hash": input_hash,
+                    "output": json.dumps(output, cls=DjangoJSONEncoder),
+                    "attempt": self.attempt + 1,
+                    "latency_ms": latency_ms,
+                    "started_at": started_at,
+                },
+            )
+            row = cursor.fetchone()
+        if row is None:
+            raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
+        self.cancel_requested, stored = row
+        self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
         self.tokens_in += usage.tokens_in
         self.tokens_out += usage.tokens_out
         self.cost += cost
+        return json.loads(stored) if isinstance(stored, str | bytes) else stored
 
     def park(self, *, paused: bool, reason: str = "", paused_switch: str = "") -> bool:
         """Wait for a person (waiting_human) or for a switch or budget (paused), in the transaction that opens

@@ -9,6 +9,7 @@ at once, anything else is retried by the job (exponential backoff with full jitt
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import traceback
@@ -18,7 +19,7 @@ from decimal import Decimal
 
 import structlog
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -141,11 +142,14 @@ def _checkpoints(run: Run) -> tuple[dict, dict]:
     """The run's step rows, read once per job: the outputs of done steps by name, and the input hash of each step
     an earlier attempt left unfinished (it failed, or parked) by seq."""
     outputs, unfinished = {}, {}
-    for name, seq, status, output, input_hash in (
-        Step.objects.filter(run=run).order_by("seq").values_list("name", "seq", "status", "output", "input_hash")
-    ):
+    with connection.cursor() as cursor:  # once per job, but on every job: one precompiled statement
+        cursor.execute(
+            "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
+        )
+        rows = cursor.fetchall()
+    for name, seq, status, output, input_hash in rows:
         if status == Step.Status.DONE:
-            outputs[name] = output
+            outputs[name] = json.loads(output) if isinstance(output, str | bytes) else output
         else:
             unfinished[seq] = input_hash
     return outputs, unfinished

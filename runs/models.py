@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
@@ -306,7 +307,7 @@ class Run(models.Model):
         its last checkpoint). Returns (run, took_over), or (None, False) when there is nothing to drive:
         parked, finished, cancelled before it started, or waiting for a slot of its tenant."""
         with transaction.atomic():
-            run = cls.objects.select_for_update().filter(pk=run_id).first()
+            run = cls._row_for_update(run_id)
             if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
                 return None, False
             if run.status == cls.Status.QUEUED:
@@ -314,10 +315,9 @@ class Run(models.Model):
                     run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
-                if not run._tenant_has_room():
+                if not run._start_if_tenant_has_room(owner):
                     run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
                     return None, False
-                run._swap([cls.Status.QUEUED], status=cls.Status.RUNNING, owner=owner, waiting_for_slot_since=None)
                 return run, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
             run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
@@ -370,7 +370,7 @@ class Run(models.Model):
                     "kind": kind,
                     "input": json.dumps(input, cls=DjangoJSONEncoder),
                     "input_hash": input_hash,
-                    "output": json.dumps(output, cls=DjangoJSONEncoder),
+                    "output": None if output is None else json.dumps(output, cls=DjangoJSONEncoder),  # NULL, as the ORM
                     "attempt": self.attempt + 1,
                     "latency_ms": latency_ms,
                     "started_at": started_at,
@@ -408,7 +408,27 @@ class Run(models.Model):
     def finish(self, status: str, result) -> None:
         """Succeeded, or cancelled, by its owner."""
         assert status in (Run.Status.SUCCEEDED, Run.Status.CANCELLED)
-        self._swap([Run.Status.RUNNING], by_owner=self.owner, **self._finished(status, result))
+        assert connection.in_atomic_block, "the wake-up of a waiting run belongs to the finish's transaction"
+        changes = self._finished(status, result)
+        with connection.cursor() as cursor:
+            # The CAS and the tenant's lock in one statement (the lock is taken once the row is updated, the
+            # order of Run._swap), then the wake-up, whose snapshot comes after the lock (Run.free_slots).
+            cursor.execute(
+                _FINISH_SQL,
+                {
+                    "id": self.pk,
+                    "owner": self.owner,
+                    "status": status,
+                    "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
+                    "now": changes["finished_at"],
+                },
+            )
+            if cursor.fetchone() is None:
+                raise OwnershipLost(f"run {self.pk}: cannot go to {status} from its current state")
+        for name, value in changes.items():
+            setattr(self, name, value)
+        self.updated_at = changes["finished_at"]
+        Run.wake_waiting_for_slot(self.tenant, locked=True)
         if status == Run.Status.CANCELLED:
             self._close_cards("cancelled")
 
@@ -488,6 +508,46 @@ class Run(models.Model):
 
         gates.backend().close_pending(self, status)
 
+    @classmethod
+    def _row_for_update(cls, run_id) -> Run | None:
+        """The run's row, locked FOR UPDATE, read with one precompiled statement (the claim's: no ORM compile)."""
+        fields = _run_fields()
+        with connection.cursor() as cursor:
+            cursor.execute(_run_select_sql() + " WHERE id = %s FOR UPDATE", [run_id])
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        values = [
+            value if convert is None else convert(value, None, connection)
+            for (_, convert), value in zip(fields, row, strict=True)
+        ]
+        return cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+
+    def _start_if_tenant_has_room(self, owner: str) -> bool:
+        """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
+        (`_tenant_has_room`, as one conditional UPDATE whose snapshot comes after the tenant's lock). The caller
+        holds the run's row lock. False: nothing changed."""
+        assert connection.in_atomic_block
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{self.tenant}"])
+            cursor.execute(
+                _START_SQL,
+                {
+                    "id": self.pk,
+                    "owner": owner,
+                    "now": now,
+                    "tenant": self.tenant,
+                    "max": settings.TENANT_MAX_RUNNING,
+                    "priority": self.priority,
+                    "created_at": self.created_at,
+                },
+            )
+            if cursor.rowcount != 1:
+                return False
+        self.status, self.owner, self.waiting_for_slot_since, self.updated_at = Run.Status.RUNNING, owner, None, now
+        return True
+
     def _tenant_has_room(self) -> bool:
         """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
         first)."""
@@ -516,11 +576,66 @@ class Run(models.Model):
         return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
 
     @classmethod
-    def wake_waiting_for_slot(cls, tenant: str) -> None:
+    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
-        job (in the caller's transaction)."""
-        for waiting in cls.waiting_for_slot(tenant)[: max(cls.free_slots(tenant), 0)]:
-            waiting.enqueue()
+        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish)."""
+        with connection.cursor() as cursor:
+            if not locked:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+            # Free slots and the runs waiting for them, counted in one statement after the lock.
+            cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
+            waiting = cursor.fetchall()
+        for pk, priority in waiting:
+            Run(pk=pk, priority=priority).enqueue()
+
+
+def _run_fields() -> list:
+    """(attname, from_db_value or None) of the run's columns, in order."""
+    global _RUN_FIELDS
+    if _RUN_FIELDS is None:
+        _RUN_FIELDS = [(f.attname, getattr(f, "from_db_value", None)) for f in Run._meta.concrete_fields]
+    return _RUN_FIELDS
+
+
+@functools.cache
+def _run_select_sql() -> str:
+    return "SELECT " + ", ".join(f'"{Run._meta.get_field(a).column}"' for a, _ in _run_fields()) + " FROM runs_run"
+
+
+_RUN_FIELDS = None
+
+# Run.claim's start of a queued run: the CAS, under the tenant's lock, only when the tenant has a free slot and no
+# older run of it waits for one (Run._tenant_has_room).
+_START_SQL = """
+UPDATE runs_run SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
+WHERE id = %(id)s AND status = 'queued'
+    AND (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running') < %(max)s
+    AND NOT EXISTS (
+        SELECT 1 FROM runs_run w
+        WHERE w.tenant = %(tenant)s AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
+            AND w.id <> %(id)s
+            AND (w.priority > %(priority)s OR (w.priority = %(priority)s AND w.created_at < %(created_at)s))
+    )
+"""
+
+# Run.finish: the owner's CAS, then (once the row is updated) the tenant's lock, as Run._swap orders them.
+_FINISH_SQL = """
+WITH done AS (
+    UPDATE runs_run
+    SET status = %(status)s, owner = '', result = %(result)s::jsonb, finished_at = %(now)s, updated_at = %(now)s
+    WHERE id = %(id)s AND status = 'running' AND owner = %(owner)s
+    RETURNING tenant
+)
+SELECT pg_advisory_xact_lock(hashtext('tenant:' || tenant)) FROM done
+"""
+
+# Run.wake_waiting_for_slot: the oldest runs waiting for a slot of the tenant, one per free slot.
+_WAKE_SQL = """
+SELECT id, priority FROM runs_run
+WHERE tenant = %(tenant)s AND status = 'queued' AND waiting_for_slot_since IS NOT NULL
+ORDER BY priority DESC, created_at
+LIMIT GREATEST(%(max)s - (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running'), 0)
+"""
 
 
 class StepKind(models.TextChoices):

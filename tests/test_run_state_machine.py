@@ -168,6 +168,31 @@ def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_
     assert (step.status, step.error, step.attempt, step.input) == ("done", "", 2, {"first": 1})
 
 
+def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm_does(demo, django_assert_num_queries):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
+    # The row lock, the tenant's lock, the conditional start (and, in this test's transaction, a savepoint and its
+    # release where a worker has BEGIN and COMMIT).
+    with django_assert_num_queries(3 + 2):
+        claimed, took_over = Run.claim(run.pk, "job-a")
+    assert not took_over
+    row = Run.objects.get(pk=run.pk)
+    for field in Run._meta.concrete_fields:
+        assert getattr(claimed, field.attname) == getattr(row, field.attname), field.name
+    assert claimed.input == SMALL_REFUND and claimed.cost_limit == Decimal("1.5")
+    # A job that lost the run finishes nothing.
+    stale = Run.objects.get(pk=run.pk)
+    stale.owner = "job-old"
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        stale.finish(Run.Status.SUCCEEDED, {"late": True})
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.RUNNING, "job-a")
+    # The CAS with the tenant's lock, the wake-up (and the savepoint and its release).
+    with django_assert_num_queries(2 + 2), transaction.atomic():
+        claimed.finish(Run.Status.SUCCEEDED, None)
+    row = Run.objects.get(pk=run.pk)
+    assert (row.status, row.owner, row.result, row.finished_at) == ("succeeded", "", None, claimed.finished_at)
+    assert Run.objects.filter(pk=run.pk, result__isnull=True).exists()  # SQL NULL, as the ORM stores None
+
+
 def test_a_running_run_must_have_an_owner(demo):
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
     from django.db import IntegrityError

@@ -510,27 +510,28 @@ class Run(models.Model):
 
     @classmethod
     def _row_for_update(cls, run_id) -> Run | None:
-        """The run's row, locked FOR UPDATE, read with one precompiled statement (the claim's: no ORM compile)."""
+        """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
+        in one precompiled statement (the claim's: no ORM compile). What the claim reads of the tenant's runs is
+        read by a later statement, whose snapshot comes after the lock (Run.free_slots)."""
         fields = _run_fields()
         with connection.cursor() as cursor:
-            cursor.execute(_run_select_sql() + " WHERE id = %s FOR UPDATE", [run_id])
+            cursor.execute(_claim_select_sql(), [run_id])
             row = cursor.fetchone()
         if row is None:
             return None
         values = [
             value if convert is None else convert(value, None, connection)
-            for (_, convert), value in zip(fields, row, strict=True)
+            for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
         ]
         return cls.from_db(connection.alias, [attname for attname, _ in fields], values)
 
     def _start_if_tenant_has_room(self, owner: str) -> bool:
         """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
-        (`_tenant_has_room`, as one conditional UPDATE whose snapshot comes after the tenant's lock). The caller
-        holds the run's row lock. False: nothing changed."""
+        (`_tenant_has_room`, as one conditional UPDATE). The caller holds the run's row lock and the tenant's lock
+        (Run._row_for_update). False: nothing changed."""
         assert connection.in_atomic_block
         now = timezone.now()
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{self.tenant}"])
             cursor.execute(
                 _START_SQL,
                 {
@@ -598,14 +599,19 @@ def _run_fields() -> list:
 
 
 @functools.cache
-def _run_select_sql() -> str:
-    return "SELECT " + ", ".join(f'"{Run._meta.get_field(a).column}"' for a, _ in _run_fields()) + " FROM runs_run"
+def _claim_select_sql() -> str:
+    columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
+    # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
+    return (
+        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %s FOR UPDATE)"
+        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)) FROM r"
+    )
 
 
 _RUN_FIELDS = None
 
-# Run.claim's start of a queued run: the CAS, under the tenant's lock, only when the tenant has a free slot and no
-# older run of it waits for one (Run._tenant_has_room).
+# Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
+# the tenant has a free slot and no older run of it waits for one (Run._tenant_has_room).
 _START_SQL = """
 UPDATE runs_run SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
 WHERE id = %(id)s AND status = 'queued'

@@ -9,6 +9,7 @@ at once, anything else is retried by the job (exponential backoff with full jitt
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -399,7 +400,13 @@ _RETRY_HOW = [("429", r"\b429\b"), ("5xx", r"\b5\d\d\b"), ("timeout", r"time(d )
 
 def _make(setting: str, run: Run, step_def: StepDef):
     factory = getattr(settings, setting)
-    return import_string(factory)(run, step_def.name) if factory else None
+    return _factory(factory)(run, step_def.name) if factory else None
+
+
+@functools.cache
+def _factory(path: str) -> Callable:
+    """The factory at a dotted path, imported once per path (not on every step)."""
+    return import_string(path)
 
 
 def _ms(started: float) -> float:

@@ -62,11 +62,13 @@ the step checkpoints 52 %, finishing the run 19 % (mostly its COMMIT), `Run.clai
 unlock 9 %, reading the checkpoints 2 %. With `--gil` the GIL is held 28-30 % of the time (the engine 64 % of that,
 Procrastinate's fetch and finish and its event loop ~33 %; psycopg's client-side quoting of parameters ~8 %), while
 the worker process got ~0.5 of a core (load average 4-10 during the runs): on this machine the figure moves with the
-load more than with anything in the engine (one run's ratio, 300 runs x 1 worker, ranged 0.37-0.52 on PostgreSQL 15
-in the same hour). Before issue 11's checkpoint and claim work the same profile showed the ORM's query compile as
-the largest CPU cost (`Run.claim` 13 ms and `Run.finish` 10 ms per run under cProfile, 10.7 ms of CPU per run in
-process, now 2.5 ms); the next levers are fewer per-run round trips (folding the checkpoints read into the claim,
-the lock and unlock into it) and server-side parameter binding for the checkpoint.""",
+load more than with anything in the engine (in one hour, the ratio of 300 runs x 1 worker ranged 0.37-0.52 on
+PostgreSQL 15; of 1,000 runs 0.15-0.30 with 1 worker and 0.37-0.46 with 2, on both servers, against 0.14-0.15 and
+0.16-0.22 for the engine before this work, measured alternately with it). Before issue 11's checkpoint and claim
+work the same profile showed the ORM's query compile as the largest CPU cost (`Run.claim` 13 ms and `Run.finish` 10
+ms per run under cProfile, 10.7 ms of CPU per run in process, now 2.5 ms); the next levers are fewer per-run round
+trips (folding the checkpoints read into the claim, the lock and unlock into it) and server-side parameter binding
+for the checkpoint.""",
     "resume": """\
 **Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
 step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken

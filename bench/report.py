@@ -41,22 +41,34 @@ Write transactions are transaction ids consumed (cluster-wide: exact on the priv
 sessions' writes included on the shared PostgreSQL 15); commits are `pg_stat_database.xact_commit` of the bench's
 database (read-only transactions included: the workers' fetches and polls); rows are its inserted + updated +
 deleted tuples; WAL bytes are cluster-wide. Every figure is per step and includes the job's own share (fetch,
-finish: about 0.4 write transactions per step for a 5-step job, as the baseline shows). The engine's per-step
-writes are being reduced in parallel with this bench (issue 11, "one write transaction per step"): these figures
-are the engine at the commit above."""
+finish: about 0.4 write transactions per step for a 5-step job, as the baseline shows). The engine's floor with
+this shape is 1.8 write transactions per step: one per step (its checkpoint, one statement in autocommit), plus
+the run's claim and its finish and the job's fetch and finish, four per run."""
 
 
 BOUNDS = {
     "throughput": """\
-**What bounds it now.** The worker waits on PostgreSQL. py-spy on one `manage.py worker` during the engine batch
-(PostgreSQL 15, 1 worker process, wall clock, run by hand on 2026-12-01 next to this bench): the job threads
-spend 91 % of their samples in psycopg waiting for an answer (`Connection.wait`), 24 % of them in COMMIT;
-`Run.claim` (the run's lock, the tenant's slot, the compare-and-swap) 14 %, recording each step 13 %, re-reading
-the step on resume (`_resumed_step`) 10 %, finishing the run 11 %. So the figure is round trips and commits per
-step: 6.3 commits per step against the baseline's 2.0 (most of the difference are single reads in autocommit, each
-its own transaction), 1.8 write transactions against 1.4, 3.4 rows against 2.0 and ~1,600 WAL bytes against ~560.
-More worker processes hardly help either side on 2 cores (PostgreSQL and the workers share them): the engine goes
-from 1 to 4 processes by ~1.6x at most. The write-path reduction is the engine work of issue 11 (not this bench).""",
+**What bounds it now.** Round trips to PostgreSQL, and CPU on a shared 2-core machine. Each step is one statement in
+autocommit (`Run.checkpoint`: a data-modifying CTE whose step row is inserted only from the run's owner- and
+cursor-checked UPDATE, returning the stored output and `cancel_requested`), as the baseline's step is one INSERT in
+its own transaction; what the engine adds is per run: the run's advisory lock and unlock, the claim (the row and
+tenant locks in one statement, then one conditional UPDATE), the read of earlier checkpoints, the finish (its
+compare-and-swap with the tenant's lock, then the wake-up's count), and Django's connection health check (`SELECT
+1`, CONN_HEALTH_CHECKS, the baseline's jobs have it too): 17 round trips and 7 write commits for a 5-step run (BEGIN
+and COMMIT are round trips of their own) against the baseline's 16 and 5. py-spy on one `manage.py worker` during
+the engine batch (PostgreSQL 15, 1 worker process, 2,500 runs, run by hand on 2026-12-01 next to this bench), wall
+clock (`--idle`): the job threads spend 96 % of their samples in psycopg waiting for an answer (`Connection.wait`):
+the step checkpoints 52 %, finishing the run 19 % (mostly its COMMIT), `Run.claim` 17 %, the run's advisory lock and
+unlock 9 %, reading the checkpoints 2 %. With `--gil` the GIL is held 28-30 % of the time (the engine 64 % of that,
+Procrastinate's fetch and finish and its event loop ~33 %; psycopg's client-side quoting of parameters ~8 %), while
+the worker process got ~0.5 of a core (load average 4-10 during the runs): on this machine the figure moves with the
+load more than with anything in the engine (in one hour, the ratio of 300 runs x 1 worker ranged 0.37-0.52 on
+PostgreSQL 15; of 1,000 runs 0.15-0.30 with 1 worker and 0.37-0.46 with 2, on both servers, against 0.14-0.15 and
+0.16-0.22 for the engine before this work, measured alternately with it). Before issue 11's checkpoint and claim
+work the same profile showed the ORM's query compile as the largest CPU cost (`Run.claim` 13 ms and `Run.finish` 10
+ms per run under cProfile, 10.7 ms of CPU per run in process, now 2.5 ms); the next levers are fewer per-run round
+trips (folding the checkpoints read into the claim, the lock and unlock into it) and server-side parameter binding
+for the checkpoint.""",
     "resume": """\
 **Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
 step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken

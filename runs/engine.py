@@ -9,6 +9,8 @@ at once, anything else is retried by the job (exponential backoff with full jitt
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import time
 import traceback
@@ -18,7 +20,7 @@ from decimal import Decimal
 
 import structlog
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -142,11 +144,14 @@ def _checkpoints(run: Run) -> tuple[dict, dict]:
     """The run's step rows, read once per job: the outputs of done steps by name, and the input hash of each step
     an earlier attempt left unfinished (it failed, or parked) by seq."""
     outputs, unfinished = {}, {}
-    for name, seq, status, output, input_hash in (
-        Step.objects.filter(run=run).order_by("seq").values_list("name", "seq", "status", "output", "input_hash")
-    ):
+    with connection.cursor() as cursor:  # once per job, but on every job: one precompiled statement
+        cursor.execute(
+            "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
+        )
+        rows = cursor.fetchall()
+    for name, seq, status, output, input_hash in rows:
         if status == Step.Status.DONE:
-            outputs[name] = output
+            outputs[name] = json.loads(output) if isinstance(output, str | bytes) else output
         else:
             unfinished[seq] = input_hash
     return outputs, unfinished
@@ -247,16 +252,23 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
-    # The step's one write: its row and the run's cursor, owner and cursor checked in the run's UPDATE.
-    with transaction.atomic():
-        record(status=Step.Status.DONE, error="", output=output, ended_at=timezone.now())
-        run.checkpoint(seq, ctx.usage)  # raises OwnershipLost, which rolls the step's row back
-        # Later steps see the output as it is stored (JSON: jsonb rewrites numbers, dates become strings), so
-        # that a step's input, and its hash, are the same in this job and on any replay.
-        outputs[step_def.name] = Step.objects.filter(run=run, seq=seq).values_list("output", flat=True).get()
-        # A cancel requested while the step ran stops the run before its next step (in this transaction: no
-        # commit of its own).
-        run.cancel_requested = Run.objects.filter(pk=run.pk).values_list("cancel_requested", flat=True).get()
+    # The step's one write, one statement in autocommit: its row and the run's cursor, owner and cursor checked
+    # in the run's UPDATE (OwnershipLost: nothing written). Later steps see the output as it is stored (JSON:
+    # jsonb rewrites numbers, dates become strings), so that a step's input, and its hash, are the same in this
+    # job and on any replay; a cancel requested while the step ran comes back with it and stops the run before
+    # its next step.
+    outputs[step_def.name] = run.checkpoint(
+        seq,
+        ctx.usage,
+        name=step_def.name,
+        kind=step_def.kind,
+        input=step_input,
+        input_hash=input_hash,
+        output=output,
+        started_at=started_at,
+        latency_ms=_ms(started),
+        **(step_def.versions or {}),
+    )
     _log_step(step_def, seq, "done", started, ctx)
 
     if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":
@@ -401,7 +413,13 @@ _RETRY_HOW = [("429", r"\b429\b"), ("5xx", r"\b5\d\d\b"), ("timeout", r"time(d )
 
 def _make(setting: str, run: Run, step_def: StepDef):
     factory = getattr(settings, setting)
-    return import_string(factory)(run, step_def.name) if factory else None
+    return _factory(factory)(run, step_def.name) if factory else None
+
+
+@functools.cache
+def _factory(path: str) -> Callable:
+    """The factory at a dotted path, imported once per path (not on every step)."""
+    return import_string(path)
 
 
 def _ms(started: float) -> float:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -45,6 +47,38 @@ class _Probe(Exists):
     """EXISTS evaluated row by row: OFFSET 0 keeps PostgreSQL from turning it into a hashed subplan or a join."""
 
     template = "EXISTS(%(subquery)s OFFSET 0)"
+
+
+_COST_QUANTUM = Decimal("0.000001")
+
+# Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
+# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
+_CHECKPOINT_SQL = """
+WITH moved AS (
+    UPDATE runs_run
+    SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
+        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s
+    WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s
+    RETURNING id, cancel_requested
+), step AS (
+    INSERT INTO runs_step AS s (
+        run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
+        tokens_in, tokens_out, cost, latency_ms, prompt_version, tools_version, started_at, ended_at
+    )
+    SELECT moved.id, %(seq)s::integer, %(name)s::varchar, %(kind)s::varchar, %(input)s::jsonb,
+        %(input_hash)s::varchar, %(output)s::jsonb, 'done', %(attempt)s::integer, '', %(tokens_in)s::integer,
+        %(tokens_out)s::integer, %(cost)s::numeric, %(latency_ms)s::double precision, %(prompt_version)s::varchar,
+        %(tools_version)s::varchar, %(started_at)s::timestamptz, %(now)s::timestamptz
+    FROM moved
+    ON CONFLICT (run_id, seq) DO UPDATE SET
+        status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
+        tokens_in = EXCLUDED.tokens_in, tokens_out = EXCLUDED.tokens_out, cost = EXCLUDED.cost,
+        latency_ms = EXCLUDED.latency_ms, prompt_version = EXCLUDED.prompt_version,
+        tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
+    RETURNING s.output
+)
+SELECT moved.cancel_requested, step.output FROM moved, step
+"""
 
 
 class Run(models.Model):
@@ -292,7 +326,7 @@ class Run(models.Model):
         its last checkpoint). Returns (run, took_over), or (None, False) when there is nothing to drive:
         parked, finished, cancelled before it started, or waiting for a slot of its tenant."""
         with transaction.atomic():
-            run = cls.objects.select_for_update().filter(pk=run_id).first()
+            run = cls._row_for_update(run_id)
             if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
                 return None, False
             if run.status == cls.Status.QUEUED:
@@ -300,10 +334,9 @@ class Run(models.Model):
                     run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
-                if not run._tenant_has_room():
+                if not run._start_if_tenant_has_room(owner):
                     run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
                     return None, False
-                run._swap([cls.Status.QUEUED], status=cls.Status.RUNNING, owner=owner, waiting_for_slot_since=None)
                 return run, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
             run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
@@ -316,25 +349,65 @@ class Run(models.Model):
         if not Run.objects.select_for_update(no_key=True).filter(pk=self.pk, owner=self.owner).exists():
             raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner}")
 
-    def checkpoint(self, seq: int, usage) -> None:
-        """The step at `seq` is done: move the cursor past it and add its usage, in the transaction that
-        records the step's output."""
+    def checkpoint(
+        self,
+        seq: int,
+        usage,
+        *,
+        name: str,
+        kind: str,
+        input,
+        input_hash: str,
+        output,
+        started_at,
+        latency_ms: float | None = None,
+        prompt_version: str = "",
+        tools_version: str = "",
+    ):
+        """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated) and the run's
+        cursor moved past it with its usage added, in ONE statement (a data-modifying CTE, atomic on its own in
+        autocommit): the run's UPDATE checks the owner and the cursor, and the step's row is inserted only from
+        the row that UPDATE returned, so a job that lost the run writes nothing and gets OwnershipLost.
+
+        Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
+        would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
+        ran is seen here, with no read of its own)."""
         # Rounded as the column stores it, so the copy in memory stays equal to the row.
-        cost = Decimal(usage.cost).quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
-        self._swap(
-            [Run.Status.RUNNING],
-            by_owner=self.owner,
-            where={"cursor": seq},
-            cursor=seq + 1,
-            attempt=0,
-            error="",
-            tokens_in=F("tokens_in") + usage.tokens_in,
-            tokens_out=F("tokens_out") + usage.tokens_out,
-            cost=F("cost") + cost,
-        )
+        cost = Decimal(usage.cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP)
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _CHECKPOINT_SQL,
+                {
+                    "run": self.pk,
+                    "owner": self.owner,
+                    "seq": seq,
+                    "next": seq + 1,
+                    "tokens_in": usage.tokens_in,
+                    "tokens_out": usage.tokens_out,
+                    "cost": cost,
+                    "now": now,
+                    "name": name,
+                    "kind": kind,
+                    "input": json.dumps(input, cls=DjangoJSONEncoder),
+                    "input_hash": input_hash,
+                    "output": None if output is None else json.dumps(output, cls=DjangoJSONEncoder),  # NULL, as the ORM
+                    "attempt": self.attempt + 1,
+                    "latency_ms": latency_ms,
+                    "prompt_version": prompt_version,
+                    "tools_version": tools_version,
+                    "started_at": started_at,
+                },
+            )
+            row = cursor.fetchone()
+        if row is None:
+            raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
+        self.cancel_requested, stored = row
+        self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
         self.tokens_in += usage.tokens_in
         self.tokens_out += usage.tokens_out
         self.cost += cost
+        return json.loads(stored) if isinstance(stored, str | bytes) else stored
 
     def park(self, *, paused: bool, reason: str = "", paused_switch: str = "") -> bool:
         """Wait for a person (waiting_human) or for a switch or budget (paused), in the transaction that opens
@@ -358,7 +431,27 @@ class Run(models.Model):
     def finish(self, status: str, result) -> None:
         """Succeeded, or cancelled, by its owner."""
         assert status in (Run.Status.SUCCEEDED, Run.Status.CANCELLED)
-        self._swap([Run.Status.RUNNING], by_owner=self.owner, **self._finished(status, result))
+        assert connection.in_atomic_block, "the wake-up of a waiting run belongs to the finish's transaction"
+        changes = self._finished(status, result)
+        with connection.cursor() as cursor:
+            # The CAS and the tenant's lock in one statement (the lock is taken once the row is updated, the
+            # order of Run._swap), then the wake-up, whose snapshot comes after the lock (Run.free_slots).
+            cursor.execute(
+                _FINISH_SQL,
+                {
+                    "id": self.pk,
+                    "owner": self.owner,
+                    "status": status,
+                    "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
+                    "now": changes["finished_at"],
+                },
+            )
+            if cursor.fetchone() is None:
+                raise OwnershipLost(f"run {self.pk}: cannot go to {status} from its current state")
+        for name, value in changes.items():
+            setattr(self, name, value)
+        self.updated_at = changes["finished_at"]
+        Run.wake_waiting_for_slot(self.tenant, locked=True)
         if status == Run.Status.CANCELLED:
             self._close_cards("cancelled")
 
@@ -438,6 +531,47 @@ class Run(models.Model):
 
         gates.backend().close_pending(self, status)
 
+    @classmethod
+    def _row_for_update(cls, run_id) -> Run | None:
+        """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
+        in one precompiled statement (the claim's: no ORM compile). What the claim reads of the tenant's runs is
+        read by a later statement, whose snapshot comes after the lock (Run.free_slots)."""
+        fields = _run_fields()
+        with connection.cursor() as cursor:
+            cursor.execute(_claim_select_sql(), [run_id])
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        values = [
+            value if convert is None else convert(value, None, connection)
+            for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
+        ]
+        return cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+
+    def _start_if_tenant_has_room(self, owner: str) -> bool:
+        """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
+        (`_tenant_has_room`, as one conditional UPDATE). The caller holds the run's row lock and the tenant's lock
+        (Run._row_for_update). False: nothing changed."""
+        assert connection.in_atomic_block
+        now = timezone.now()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _START_SQL,
+                {
+                    "id": self.pk,
+                    "owner": owner,
+                    "now": now,
+                    "tenant": self.tenant,
+                    "max": settings.TENANT_MAX_RUNNING,
+                    "priority": self.priority,
+                    "created_at": self.created_at,
+                },
+            )
+            if cursor.rowcount != 1:
+                return False
+        self.status, self.owner, self.waiting_for_slot_since, self.updated_at = Run.Status.RUNNING, owner, None, now
+        return True
+
     def _tenant_has_room(self) -> bool:
         """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
         first)."""
@@ -466,11 +600,71 @@ class Run(models.Model):
         return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
 
     @classmethod
-    def wake_waiting_for_slot(cls, tenant: str) -> None:
+    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
-        job (in the caller's transaction)."""
-        for waiting in cls.waiting_for_slot(tenant)[: max(cls.free_slots(tenant), 0)]:
-            waiting.enqueue()
+        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish)."""
+        with connection.cursor() as cursor:
+            if not locked:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+            # Free slots and the runs waiting for them, counted in one statement after the lock.
+            cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
+            waiting = cursor.fetchall()
+        for pk, priority in waiting:
+            Run(pk=pk, priority=priority).enqueue()
+
+
+def _run_fields() -> list:
+    """(attname, from_db_value or None) of the run's columns, in order."""
+    global _RUN_FIELDS
+    if _RUN_FIELDS is None:
+        _RUN_FIELDS = [(f.attname, getattr(f, "from_db_value", None)) for f in Run._meta.concrete_fields]
+    return _RUN_FIELDS
+
+
+@functools.cache
+def _claim_select_sql() -> str:
+    columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
+    # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
+    return (
+        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %s FOR UPDATE)"
+        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)) FROM r"
+    )
+
+
+_RUN_FIELDS = None
+
+# Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
+# the tenant has a free slot and no older run of it waits for one (Run._tenant_has_room).
+_START_SQL = """
+UPDATE runs_run SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
+WHERE id = %(id)s AND status = 'queued'
+    AND (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running') < %(max)s
+    AND NOT EXISTS (
+        SELECT 1 FROM runs_run w
+        WHERE w.tenant = %(tenant)s AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
+            AND w.id <> %(id)s
+            AND (w.priority > %(priority)s OR (w.priority = %(priority)s AND w.created_at < %(created_at)s))
+    )
+"""
+
+# Run.finish: the owner's CAS, then (once the row is updated) the tenant's lock, as Run._swap orders them.
+_FINISH_SQL = """
+WITH done AS (
+    UPDATE runs_run
+    SET status = %(status)s, owner = '', result = %(result)s::jsonb, finished_at = %(now)s, updated_at = %(now)s
+    WHERE id = %(id)s AND status = 'running' AND owner = %(owner)s
+    RETURNING tenant
+)
+SELECT pg_advisory_xact_lock(hashtext('tenant:' || tenant)) FROM done
+"""
+
+# Run.wake_waiting_for_slot: the oldest runs waiting for a slot of the tenant, one per free slot.
+_WAKE_SQL = """
+SELECT id, priority FROM runs_run
+WHERE tenant = %(tenant)s AND status = 'queued' AND waiting_for_slot_since IS NOT NULL
+ORDER BY priority DESC, created_at
+LIMIT GREATEST(%(max)s - (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running'), 0)
+"""
 
 
 class StepKind(models.TextChoices):

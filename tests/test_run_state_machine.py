@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from datetime import timedelta
+from decimal import Decimal
 
 import psycopg
 import pytest
@@ -73,7 +74,7 @@ def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
     from runs.workflow import Usage
 
     with transaction.atomic(), pytest.raises(OwnershipLost):
-        claimed.checkpoint(0, Usage())
+        claimed.checkpoint(0, Usage(), **_step_fields())
     with transaction.atomic(), pytest.raises(OwnershipLost):
         claimed.park(paused=True)
     with transaction.atomic(), pytest.raises(OwnershipLost):
@@ -83,6 +84,113 @@ def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
     with transaction.atomic(), pytest.raises(OwnershipLost):
         claimed.release()
     assert Run.objects.values_list("status", "owner", "cursor").get(pk=run.pk) == (Run.Status.RUNNING, "job-b", 0)
+    assert not Step.objects.filter(run=run).exists()  # the checkpoint's step row went with its refused UPDATE
+
+
+def _step_fields(**overrides) -> dict:
+    fields = {
+        "name": "classify",
+        "kind": Step.Kind.COMPUTE,
+        "input": {"input": {}, "outputs": {}},
+        "input_hash": "h0",
+        "output": {"ok": True},
+        "started_at": timezone.now(),
+        "latency_ms": 1.5,
+    }
+    return {**fields, **overrides}
+
+
+def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo, django_assert_num_queries):
+    from runs.workflow import Usage
+
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, _ = Run.claim(run.pk, "job-a")
+    usage = Usage()
+    usage.add(10, 5, Decimal("0.0000015"))
+    with django_assert_num_queries(1):
+        stored = claimed.checkpoint(0, usage, **_step_fields())
+    assert stored == {"ok": True}
+    row = Run.objects.get(pk=run.pk)
+    assert (row.cursor, row.attempt, row.tokens_in, row.tokens_out, row.cost) == (1, 0, 10, 5, claimed.cost)
+    assert (claimed.cursor, claimed.tokens_in, claimed.cost) == (1, 10, row.cost) == (1, 10, Decimal("0.000002"))
+    step = Step.objects.get(run=run, seq=0)
+    assert (step.status, step.attempt, step.output, step.tokens_in, step.ended_at is not None) == (
+        "done",
+        1,
+        {"ok": True},
+        10,
+        True,
+    )
+    # A stale copy of the run (its cursor is behind the row's) writes nothing: the step's row keeps its output.
+    stale = Run.objects.get(pk=run.pk)
+    stale.cursor = 0
+    with pytest.raises(OwnershipLost):
+        stale.checkpoint(0, Usage(), **_step_fields(output={"ok": False}))
+    assert Step.objects.get(run=run, seq=0).output == {"ok": True}
+    assert Run.objects.values_list("cursor", "tokens_in").get(pk=run.pk) == (1, 10)
+    # A checkpoint for a step the cursor has not reached writes nothing either.
+    with pytest.raises(OwnershipLost):
+        claimed.checkpoint(5, Usage(), **_step_fields(name="later"))
+    assert not Step.objects.filter(run=run, seq=5).exists()
+
+
+def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_output_as_stored(demo):
+    import datetime
+
+    from runs.workflow import Usage
+
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, _ = Run.claim(run.pk, "job-a")
+    Step.objects.create(
+        run=run,
+        seq=0,
+        name="classify",
+        kind="compute",
+        input={"first": 1},
+        input_hash="h0",
+        status="failed",
+        error="Retryable: 5xx",
+        attempt=1,
+        started_at=timezone.now(),
+    )
+    Run.objects.filter(pk=run.pk).update(attempt=1)
+    claimed.attempt = 1
+    # Someone presses cancel while the step runs (committed before its checkpoint).
+    Run.objects.get(pk=run.pk).cancel()
+    assert not claimed.cancel_requested
+    output = {"when": datetime.date(2024, 1, 2), "n": 1e2, "b": {"z": 1, "a": 2}}
+    stored = claimed.checkpoint(0, Usage(), **_step_fields(input={"second": 2}, input_hash="h0", output=output))
+    assert stored == {"when": "2024-01-02", "n": 100.0, "b": {"a": 2, "z": 1}}
+    assert stored == Step.objects.get(run=run, seq=0).output
+    assert claimed.cancel_requested  # seen by the checkpoint itself
+    step = Step.objects.get(run=run, seq=0)
+    # The row is the earlier attempt's, completed: its input stays as first recorded (its hash is the same).
+    assert (step.status, step.error, step.attempt, step.input) == ("done", "", 2, {"first": 1})
+
+
+def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm_does(demo, django_assert_num_queries):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
+    # The row lock with the tenant's lock, the conditional start (and, in this test's transaction, a savepoint and
+    # its release where a worker has BEGIN and COMMIT).
+    with django_assert_num_queries(2 + 2):
+        claimed, took_over = Run.claim(run.pk, "job-a")
+    assert not took_over
+    row = Run.objects.get(pk=run.pk)
+    for field in Run._meta.concrete_fields:
+        assert getattr(claimed, field.attname) == getattr(row, field.attname), field.name
+    assert claimed.input == SMALL_REFUND and claimed.cost_limit == Decimal("1.5")
+    # A job that lost the run finishes nothing.
+    stale = Run.objects.get(pk=run.pk)
+    stale.owner = "job-old"
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        stale.finish(Run.Status.SUCCEEDED, {"late": True})
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.RUNNING, "job-a")
+    # The CAS with the tenant's lock, the wake-up (and the savepoint and its release).
+    with django_assert_num_queries(2 + 2), transaction.atomic():
+        claimed.finish(Run.Status.SUCCEEDED, None)
+    row = Run.objects.get(pk=run.pk)
+    assert (row.status, row.owner, row.result, row.finished_at) == ("succeeded", "", None, claimed.finished_at)
+    assert Run.objects.filter(pk=run.pk, result__isnull=True).exists()  # SQL NULL, as the ORM stores None
 
 
 def test_a_running_run_must_have_an_owner(demo):

@@ -9,12 +9,21 @@ ENQUEUE_BOUND = """\
 connections is 16 / throughput: a p99 under 25 ms needs more than ~640 req/s, i.e. under ~3 ms of CPU per request
 for web server *and* PostgreSQL together on these 2 cores. The baseline, one INSERT through the same server, costs
 {base_cpu} ms of web-process CPU alone and reaches {base_rps} req/s (p50 {base_p50} ms at 16 connections); `POST
-/api/runs` costs {runs_cpu} ms (token lookup, validation, the run INSERT, Procrastinate's defer and the commit, all
-through Django's ORM) and the machine is shared (load average {load}). The profile of the request threads (py-spy,
-wall clock, in the enqueue section above) shows where a request's time goes: waiting for the pool while the other
-requests of its process hold the connections and the GIL (`WaitingClient.wait`), the bearer-token lookup,
-`Run.submit` and the commit. None of it is a lock or a serial section: it is CPU per request on two cores. What
-moved it: the pool (DATABASE_POOL, on in `console.webserver`): before it, every request opened a PostgreSQL
+/api/runs` costs {runs_cpu} ms and the machine is shared (load average {load}). A run's request is two statements:
+the bearer-token lookup (its SQL compiled once per process, `ApiToken.find`) and the run's INSERT with
+Procrastinate's defer of its first job as one statement in autocommit (`runs/outbox.py`, one implicit transaction),
+where it was seven (BEGIN, the token, the INSERT, a savepoint, the defer, its release, COMMIT); measured on the
+server alone, that statement costs 0.4-0.5 ms of PostgreSQL CPU against 0.15 ms for the baseline's INSERT, and the
+token lookup 0.19 ms. The profile of the request threads (py-spy, wall clock, in the enqueue section above) shows
+where a request's time goes: in wall clock (`--idle`, 16 connections, run by hand on 2026-12-01) a request thread
+spends 97 % waiting for its process's event loop (`CurrentThreadExecutor.run_until_future`: the async half of
+Django's ASGI handler and the middlewares) and 23 % working, of which the run's statement 15 %, the token lookup
+6.5 %, the pool's health check 2.9 %, the log line ~1 %; the request threads hold the GIL ~28 % of the time. None
+of it is a lock or a serial section: it is CPU per request on two cores, shared with PostgreSQL (a bigger pool, 16
+instead of 8, removed the wait for a connection and left the ratio at 0.62). The p99 goal is bounded by the
+baseline itself, whose p99 at 16 connections is above it. What moved it: the two statements (0.40-0.52 of the
+baseline's req/s before, 0.61-0.67 after, alternated in one hour at load average 5-8); the pool (DATABASE_POOL,
+on in `console.webserver`): before it, every request opened a PostgreSQL
 connection (a backend fork, on the same two cores): at 16 connections 62 req/s, p50 248 ms, p99 580 ms, against
 113-135 req/s and p50 110-126 ms with the pool (same machine, same hour, load average 15; 1 connection: p50 43 ms
 before, 14.5 ms with the pool). Measured and rejected: 1 or 4 web processes instead of 2 (119 and 100 req/s, p99
@@ -79,12 +88,14 @@ compare-and-swap) and the step's replay of earlier outputs, each a round trip, o
 sessions (the idle-gap case, where the worker sleeps between decisions, meets it).""",
     "console": """\
 **Reading.** Query counts are the same with 10 and 100,010 cards (and with an empty and a full audit log). The
-pages over 100 ms at p99: the runs list as a reviewer (its visibility filter, `created_by = me OR id IN (runs of
-cards on my channels)`, is a hashed subplan over every card of the reviewer's channels, ~100 ms at 100,000 cards,
-computed before the first row: `bench/inbox.py --explain`); the inbox's first page and filtered pages at p99 (p50
-~48 ms: the facet counts, one GROUP BY over every open card); the audit page's six-month range that ended six
-months ago and the one-day CSV export (both described in earlier runs: the range walks half the primary key; the
-export streams 2,700 rows).""",
+runs list pages by keyset (`before`: the last row's created_at and id, no COUNT) and a reviewer's visibility is a
+row-by-row probe of each run's cards (`EXISTS ... OFFSET 0`, newest run first: a page stops after its rows); before,
+PostgreSQL hashed every card of the reviewer's channels before the first row (243 ms at 100,000 cards, now 0.35
+ms: `bench/inbox.py --explain`). The audit page turns a date range into an id range (`at` grows with `id`), so a
+range that ended six months ago no longer walks half the primary key (90 ms -> 0.8 ms for its query). What is left
+near 100 ms at p99: the inbox's facet counts (one GROUP BY over every open card the reviewer may see, ~30 ms at
+100,000 cards on a quiet machine: the only part that grows with the inbox, `bench/inbox.py --explain` shows an
+index-only scan of all of them) and the CSV export of a day, whose ~2,700 rows are what it streams.""",
 }
 
 

@@ -172,3 +172,47 @@ def test_the_run_page_shows_who_edited_and_approved(demo, alice, bob, client):
     assert "executed arguments (as edited)" in page and "&quot;amount_cents&quot;: 1500" in page
     assert "no approval needed" in page  # the CRM note
     assert page.count('class="agent-turn') == 6 and 'class="agent-answer' in page
+
+
+def test_it_runs_on_an_openai_compatible_endpoint(demo, bob, settings, openai_stub):
+    """The same workflow on a real chat-completions API (a local stub through the openai SDK): the model decides
+    from the tool results it is sent, as a real one would."""
+    from tests.openai_stub import text, tool_calls
+
+    settings.MODEL_NAME = "gpt-4o-mini"
+
+    def model(request: dict) -> dict:
+        results = [json.loads(m["content"]) for m in request["messages"] if m["role"] == "tool"]
+        if not results:
+            return tool_calls([("lookup_customer", {"customer_id": CUSTOMER})])
+        if len(results) == 1:
+            return tool_calls([("list_orders", {"customer_id": CUSTOMER})])
+        if len(results) == 2:
+            order = results[1]["result"][0]
+            refund = {"customer_id": CUSTOMER, "order_id": order["id"], "amount_cents": 500}
+            refund |= {"currency": order["currency"], "reason": "arrived broken"}
+            return tool_calls([("refund_order", refund)], content="Refunding 5.00 of the order.")
+        if len(results) == 3:
+            email = {"to": results[0]["result"]["email"], "subject": "Your refund", "body": "We refunded 5.00."}
+            return tool_calls([("send_email", email)])
+        if len(results) == 4:
+            return tool_calls([("add_note", {"customer_id": CUSTOMER, "text": "Refunded 5.00, emailed."})])
+        return text("Refunded 5.00 and told the customer.")
+
+    openai_stub.script(*[model] * 6)
+    run = drive(submit("My kettle arrived broken."))
+    assert run.status == Run.Status.WAITING_HUMAN, run.error
+    Approval.objects.get(run=run, rule_id="tool:send_email").decide(bob, "approve")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED, run.error
+    assert run.result["answer"] == "Refunded 5.00 and told the customer."
+    assert openai_stub.calls == 6 and SandboxCall.objects.filter(run_id=run.id, system="model").count() == 0
+    assert sandbox.stats(effects_only=True) == {"channels": {"payments": 1, "email": 1, "crm": 1}, "duplicates": 0}
+    assert {t["function"]["name"] for t in openai_stub.requests[0]["tools"]} == {
+        "lookup_customer",
+        "list_orders",
+        "refund_order",
+        "send_email",
+        "add_note",
+    }
+    assert run.steps.get(name="support_agent.turn1").cost > 0

@@ -53,13 +53,15 @@ _COST_QUANTUM = Decimal("0.000001")
 
 # Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
 # a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
+_CANCELLED = {"outcome": "cancelled"}  # a cancelled run's result
+
 _CHECKPOINT_SQL = """
 WITH moved AS (
     UPDATE runs_run
     SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
-        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s
+        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s{finish}
     WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s
-    RETURNING id, cancel_requested
+    RETURNING id, cancel_requested, tenant
 ), step AS (
     INSERT INTO runs_step AS s (
         run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
@@ -77,8 +79,19 @@ WITH moved AS (
         tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
     RETURNING s.output
 )
-SELECT moved.cancel_requested, step.output FROM moved, step
+SELECT moved.cancel_requested, step.output{lock} FROM moved, step
 """
+# The last step's checkpoint also ends the run (Run.checkpoint(finish=True)): succeeded with its result, or
+# cancelled when a cancel was committed while the step ran (what the engine's next turn would have done), the
+# owner cleared; then, once the row is updated, its tenant's transaction lock (the order of Run.finish).
+_CHECKPOINT_FINISH_SQL = _CHECKPOINT_SQL.format(
+    finish=""",
+        status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END, owner = '',
+        result = CASE WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
+        finished_at = %(now)s""",
+    lock=", pg_advisory_xact_lock(hashtext('tenant:' || moved.tenant))",
+)
+_CHECKPOINT_SQL = _CHECKPOINT_SQL.format(finish="", lock="")
 
 
 class Run(models.Model):
@@ -363,6 +376,8 @@ class Run(models.Model):
         latency_ms: float | None = None,
         prompt_version: str = "",
         tools_version: str = "",
+        finish: bool = False,
+        result=None,
     ):
         """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated) and the run's
         cursor moved past it with its usage added, in ONE statement (a data-modifying CTE, atomic on its own in
@@ -371,14 +386,27 @@ class Run(models.Model):
 
         Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
         would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
-        ran is seen here, with no read of its own)."""
+        ran is seen here, with no read of its own).
+
+        `finish`: this is the run's last step, and the same statement ends the run (Run.finish's effects, one write
+        transaction for both): succeeded with `result`, or cancelled if a cancel was committed while the step ran,
+        with the tenant's lock, then the wake-up of its runs waiting for a slot (and, cancelled, its cards
+        closed), in the caller's transaction."""
+        assert not finish or connection.in_atomic_block, "the wake-up of a waiting run belongs to the finish"
         # Rounded as the column stores it, so the copy in memory stays equal to the row.
         cost = Decimal(usage.cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP)
         now = timezone.now()
+        finished = {}
+        if finish:
+            finished = {
+                "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
+                "cancelled": json.dumps(_CANCELLED),
+            }
         with connection.cursor() as cursor:
             cursor.execute(
-                _CHECKPOINT_SQL,
+                _CHECKPOINT_FINISH_SQL if finish else _CHECKPOINT_SQL,
                 {
+                    **finished,
                     "run": self.pk,
                     "owner": self.owner,
                     "seq": seq,
@@ -402,11 +430,18 @@ class Run(models.Model):
             row = cursor.fetchone()
         if row is None:
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
-        self.cancel_requested, stored = row
+        self.cancel_requested, stored = row[:2]
         self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
         self.tokens_in += usage.tokens_in
         self.tokens_out += usage.tokens_out
         self.cost += cost
+        if finish:
+            status = Run.Status.CANCELLED if self.cancel_requested else Run.Status.SUCCEEDED
+            result = dict(_CANCELLED) if self.cancel_requested else result
+            self.status, self.owner, self.result, self.finished_at = status, "", result, now
+            Run.wake_waiting_for_slot(self.tenant, locked=True)
+            if status == Run.Status.CANCELLED:
+                self._close_cards("cancelled")
         return json.loads(stored) if isinstance(stored, str | bytes) else stored
 
     def park(self, *, paused: bool, reason: str = "", paused_switch: str = "") -> bool:
@@ -534,8 +569,11 @@ class Run(models.Model):
     @classmethod
     def _row_for_update(cls, run_id) -> Run | None:
         """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
-        in one precompiled statement (the claim's: no ORM compile). What the claim reads of the tenant's runs is
-        read by a later statement, whose snapshot comes after the lock (Run.free_slots)."""
+        in one precompiled statement (the claim's: no ORM compile), with the run's step rows (`step_rows`: [name,
+        seq, status, output, input_hash] by seq, what the engine replays; read in the claim's snapshot, which no
+        step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). What the
+        claim reads of the tenant's runs is read by a later statement, whose snapshot comes after the lock
+        (Run.free_slots)."""
         fields = _run_fields()
         with connection.cursor() as cursor:
             cursor.execute(_claim_select_sql(), [run_id])
@@ -546,7 +584,10 @@ class Run(models.Model):
             value if convert is None else convert(value, None, connection)
             for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
         ]
-        return cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+        run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+        steps = row[len(fields) + 1]
+        run.step_rows = (json.loads(steps) if isinstance(steps, str | bytes) else steps) or []
+        return run
 
     def _start_if_tenant_has_room(self, owner: str) -> bool:
         """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
@@ -627,7 +668,9 @@ def _claim_select_sql() -> str:
     # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
     return (
         f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %s FOR UPDATE)"
-        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)) FROM r"
+        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)),"
+        " (SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)"
+        " FROM runs_step s WHERE s.run_id = r.id) FROM r"
     )
 
 

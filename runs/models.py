@@ -6,6 +6,7 @@ import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 
+import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, models, transaction
@@ -339,7 +340,9 @@ class Run(models.Model):
         its last checkpoint). Returns (run, took_over), or (None, False) when there is nothing to drive:
         parked, finished, cancelled before it started, or waiting for a slot of its tenant."""
         with transaction.atomic():
-            run = cls._row_for_update(run_id)
+            run, started = cls._row_for_update(run_id, owner)
+            if started:  # it was queued, and is now running under `owner`
+                return run, False
             if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
                 return None, False
             if run.status == cls.Status.QUEUED:
@@ -347,10 +350,9 @@ class Run(models.Model):
                     run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
-                if not run._start_if_tenant_has_room(owner):
-                    run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
-                    return None, False
-                return run, False
+                # No free slot of its tenant, or an older run of it waits for one.
+                run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
+                return None, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
             run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
             return run, True
@@ -567,51 +569,40 @@ class Run(models.Model):
         gates.backend().close_pending(self, status)
 
     @classmethod
-    def _row_for_update(cls, run_id) -> Run | None:
+    def _row_for_update(cls, run_id, owner: str) -> tuple[Run | None, bool]:
         """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
         in one precompiled statement (the claim's: no ORM compile), with the run's step rows (`step_rows`: [name,
         seq, status, output, input_hash] by seq, what the engine replays; read in the claim's snapshot, which no
-        step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). What the
-        claim reads of the tenant's runs is read by a later statement, whose snapshot comes after the lock
-        (Run.free_slots)."""
+        step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). Then the
+        start of a queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting
+        for one, `_tenant_has_room`), a statement of its own, whose snapshot comes after the tenant's lock
+        (Run.free_slots), sent in the same round trip (Django's client-side binding cursor runs both as one query
+        string; with server-side binding, one after the other). Returns (run, started)."""
         fields = _run_fields()
+        params = {"id": run_id, "owner": owner, "now": timezone.now(), "max": settings.TENANT_MAX_RUNNING}
         with connection.cursor() as cursor:
-            cursor.execute(_claim_select_sql(), [run_id])
+            together = isinstance(cursor.cursor, psycopg.ClientCursor)
+            cursor.execute(_claim_select_sql() + (";" + _START_SQL if together else ""), params)
             row = cursor.fetchone()
-        if row is None:
-            return None
-        values = [
-            value if convert is None else convert(value, None, connection)
-            for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
-        ]
-        run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+            if together:
+                cursor.nextset()
+                started = cursor.rowcount == 1
+            if row is None:
+                return None, False
+            values = [
+                value if convert is None else convert(value, None, connection)
+                for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
+            ]
+            run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+            if not together:
+                startable = run.status == Run.Status.QUEUED and not run.cancel_requested
+                started = startable and cursor.execute(_START_SQL, params).rowcount == 1
         steps = row[len(fields) + 1]
         run.step_rows = (json.loads(steps) if isinstance(steps, str | bytes) else steps) or []
-        return run
-
-    def _start_if_tenant_has_room(self, owner: str) -> bool:
-        """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
-        (`_tenant_has_room`, as one conditional UPDATE). The caller holds the run's row lock and the tenant's lock
-        (Run._row_for_update). False: nothing changed."""
-        assert connection.in_atomic_block
-        now = timezone.now()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _START_SQL,
-                {
-                    "id": self.pk,
-                    "owner": owner,
-                    "now": now,
-                    "tenant": self.tenant,
-                    "max": settings.TENANT_MAX_RUNNING,
-                    "priority": self.priority,
-                    "created_at": self.created_at,
-                },
-            )
-            if cursor.rowcount != 1:
-                return False
-        self.status, self.owner, self.waiting_for_slot_since, self.updated_at = Run.Status.RUNNING, owner, None, now
-        return True
+        if started:
+            run.status, run.owner, run.waiting_for_slot_since = Run.Status.RUNNING, owner, None
+            run.updated_at = params["now"]
+        return run, started
 
     def _tenant_has_room(self) -> bool:
         """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
@@ -667,7 +658,7 @@ def _claim_select_sql() -> str:
     columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
     # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
     return (
-        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %s FOR UPDATE)"
+        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %(id)s FOR UPDATE)"
         " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)),"
         " (SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)"
         " FROM runs_step s WHERE s.run_id = r.id) FROM r"
@@ -678,15 +669,17 @@ _RUN_FIELDS = None
 
 # Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
 # the tenant has a free slot and no older run of it waits for one (Run._tenant_has_room).
+# Not when a cancel was requested (the claim ends the run cancelled instead). The tenant, priority and age are the
+# row's own, which the claim holds locked.
 _START_SQL = """
-UPDATE runs_run SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
-WHERE id = %(id)s AND status = 'queued'
-    AND (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running') < %(max)s
+UPDATE runs_run r SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
+WHERE r.id = %(id)s AND r.status = 'queued' AND NOT r.cancel_requested
+    AND (SELECT count(*) FROM runs_run WHERE tenant = r.tenant AND status = 'running') < %(max)s
     AND NOT EXISTS (
         SELECT 1 FROM runs_run w
-        WHERE w.tenant = %(tenant)s AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
-            AND w.id <> %(id)s
-            AND (w.priority > %(priority)s OR (w.priority = %(priority)s AND w.created_at < %(created_at)s))
+        WHERE w.tenant = r.tenant AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
+            AND w.id <> r.id
+            AND (w.priority > r.priority OR (w.priority = r.priority AND w.created_at < r.created_at))
     )
 """
 

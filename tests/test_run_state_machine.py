@@ -240,9 +240,9 @@ def test_a_run_ends_with_its_last_steps_checkpoint_not_a_finish_of_its_own(demo)
 
 def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm_does(demo, django_assert_num_queries):
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
-    # The row lock with the tenant's lock, the conditional start (and, in this test's transaction, a savepoint and
-    # its release where a worker has BEGIN and COMMIT).
-    with django_assert_num_queries(2 + 2):
+    # The row lock with the tenant's lock and the step rows, then the conditional start, in one query string (and,
+    # in this test's transaction, a savepoint and its release where a worker has BEGIN and COMMIT).
+    with django_assert_num_queries(1 + 2):
         claimed, took_over = Run.claim(run.pk, "job-a")
     assert not took_over
     row = Run.objects.get(pk=run.pk)
@@ -261,6 +261,20 @@ def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm
     row = Run.objects.get(pk=run.pk)
     assert (row.status, row.owner, row.result, row.finished_at) == ("succeeded", "", None, claimed.finished_at)
     assert Run.objects.filter(pk=run.pk, result__isnull=True).exists()  # SQL NULL, as the ORM stores None
+
+
+def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, monkeypatch, django_assert_num_queries):
+    # With server-side binding (DATABASES OPTIONS), one query string cannot hold two statements.
+    monkeypatch.setattr("runs.models.psycopg.ClientCursor", type("NotThisCursor", (), {}))
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    with django_assert_num_queries(2 + 2):
+        claimed, took_over = Run.claim(run.pk, "job-a")
+    assert (claimed.status, claimed.owner, took_over) == ("running", "job-a", False)
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == ("running", "job-a")
+    cancelled, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    Run.objects.filter(pk=cancelled.pk).update(cancel_requested=True)
+    assert Run.claim(cancelled.pk, "job-b") == (None, False)
+    assert Run.objects.get(pk=cancelled.pk).status == "cancelled"
 
 
 def test_a_running_run_must_have_an_owner(demo):

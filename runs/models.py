@@ -403,10 +403,18 @@ class Run(models.Model):
             finished = {
                 "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
                 "cancelled": json.dumps(_CANCELLED),
+                "tenant": self.tenant,
+                "max": settings.TENANT_MAX_RUNNING,
             }
+        waiting = None
         with connection.cursor() as cursor:
+            # The last step's: the wake-up's count, a statement of its own (its snapshot comes after the tenant's
+            # lock), in the same query string when the binding is client-side (Run._row_for_update).
+            together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
             cursor.execute(
-                _CHECKPOINT_FINISH_SQL if finish else _CHECKPOINT_SQL,
+                (_CHECKPOINT_FINISH_SQL + ";" + _WAKE_SQL if together else _CHECKPOINT_FINISH_SQL)
+                if finish
+                else _CHECKPOINT_SQL,
                 {
                     **finished,
                     "run": self.pk,
@@ -430,6 +438,9 @@ class Run(models.Model):
                 },
             )
             row = cursor.fetchone()
+            if together:
+                cursor.nextset()
+                waiting = cursor.fetchall()
         if row is None:
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
         self.cancel_requested, stored = row[:2]
@@ -441,7 +452,7 @@ class Run(models.Model):
             status = Run.Status.CANCELLED if self.cancel_requested else Run.Status.SUCCEEDED
             result = dict(_CANCELLED) if self.cancel_requested else result
             self.status, self.owner, self.result, self.finished_at = status, "", result, now
-            Run.wake_waiting_for_slot(self.tenant, locked=True)
+            Run.wake_waiting_for_slot(self.tenant, locked=True, waiting=waiting)
             if status == Run.Status.CANCELLED:
                 self._close_cards("cancelled")
         return json.loads(stored) if isinstance(stored, str | bytes) else stored
@@ -632,15 +643,17 @@ class Run(models.Model):
         return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
 
     @classmethod
-    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False) -> None:
+    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False, waiting: list | None = None) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
-        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish)."""
-        with connection.cursor() as cursor:
-            if not locked:
-                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
-            # Free slots and the runs waiting for them, counted in one statement after the lock.
-            cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
-            waiting = cursor.fetchall()
+        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish).
+        `waiting`: the caller already counted them (`_WAKE_SQL`, after the lock: Run.checkpoint)."""
+        if waiting is None:
+            with connection.cursor() as cursor:
+                if not locked:
+                    cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+                # Free slots and the runs waiting for them, counted in one statement after the lock.
+                cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
+                waiting = cursor.fetchall()
         for pk, priority in waiting:
             Run(pk=pk, priority=priority).enqueue()
 

@@ -53,24 +53,25 @@ autocommit (`Run.checkpoint`: a data-modifying CTE whose step row is inserted on
 cursor-checked UPDATE, returning the stored output and `cancel_requested`), as the baseline's step is one INSERT in
 its own transaction, and the last step's checkpoint also ends the run (`Run.checkpoint(finish=True)`: succeeded, or
 cancelled if a cancel came during the step, with the tenant's lock in the same statement, then the wake-up's count
-of the tenant's waiting runs in the same transaction), so a run has no finish of its own. What the engine adds per
-run: the run's advisory lock and unlock (runs/ownership.py, session locks held for the whole job), the claim (one
-query string of two statements: the row and tenant locks with the run's step rows, which the engine replays with no
-read of its own, then the conditional start), the BEGIN and COMMIT of the claim's and of the last step's
-transactions, and Django's connection health check (`SELECT 1`, CONN_HEALTH_CHECKS, the baseline's jobs have it
-too): 14 round trips and 6 write commits for a 5-step run against the baseline's 16 and 5 (before issue 11's
-second round: 17 and 7); write transactions per step 1.6 against 1.8 before it. The profile of the round before
+of the tenant's waiting runs, a statement of its own in the same query string), so a run has no finish of its own.
+What the engine adds per run: the run's advisory lock and unlock (runs/ownership.py, session locks held for the
+whole job), the claim (one query string of two statements: the row and tenant locks with the run's step rows, which
+the engine replays with no read of its own, then the conditional start), the BEGIN and COMMIT of the claim's and of
+the last step's transactions, and Django's connection health check (`SELECT 1`, CONN_HEALTH_CHECKS, the baseline's
+jobs have it too): 13 round trips and 6 write commits for a 5-step run against the baseline's 16 and 5 (before issue
+11's second round: 17 and 7); write transactions per step 1.6 against 1.8 before it. The profile of the round before
 (py-spy on one `manage.py worker`, wall clock: job threads 96 % waiting for PostgreSQL, the checkpoints 52 %, the
 finish 19 %, the claim 17 %, the lock and unlock 9 %, the checkpoints read 2 %) lost the separate finish and the
 checkpoints read; the checkpoints are now the bulk of it, one per step as in the baseline. With `--gil` the GIL was
 held 28-30 % of the time (psycopg's client-side quoting of the checkpoint's parameters ~8 % of that), while the
 worker process got ~0.5 of a core: on this machine the figure moves with the load more than with anything in the
 engine (300 runs x 1 worker on PostgreSQL 15, alternating with the engine before this round in the same minutes:
-0.526, 0.464, 0.416 against 0.514, 0.321, 0.445). Not done, and the next levers: the advisory lock and unlock
-folded into the claim's and the last step's query strings (2 round trips a run; the lock must stay taken before the
-claim reads the run), the wake-up's count sent in the same query string as the last checkpoint (1), server-side
-binding for the checkpoint only (Django's `server_side_binding` is global, and the claim's two-statement query
-string needs client-side binding; a raw psycopg cursor on the same connection would do it).""",
+0.526, 0.464, 0.416, then 0.399, 0.420 against 0.514, 0.321, 0.445, then 0.342, 0.329; 2 workers 0.463 against
+0.332; embedded, 1 worker, 0.323 against 0.250). Not done, and the next levers: the advisory lock and unlock folded
+into the claim's and the last step's query strings (2 round trips a run; the lock must stay taken before the claim
+reads the run), server-side binding for the checkpoint only (Django's `server_side_binding` is global, and the
+claim's and the last checkpoint's two-statement query strings need client-side binding; a raw psycopg cursor on the
+same connection would do it).""",
     "resume": """\
 **Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
 step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken

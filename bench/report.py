@@ -60,32 +60,42 @@ BOUNDS = {
 **What bounds it now.** Round trips to PostgreSQL, and CPU on a shared 2-core machine. Each step is one statement in
 autocommit (`Run.checkpoint`: a data-modifying CTE whose step row is inserted only from the run's owner- and
 cursor-checked UPDATE, returning the stored output and `cancel_requested`), as the baseline's step is one INSERT in
-its own transaction; what the engine adds is per run: the run's advisory lock and unlock, the claim (the row and
-tenant locks in one statement, then one conditional UPDATE), the read of earlier checkpoints, the finish (its
-compare-and-swap with the tenant's lock, then the wake-up's count), and Django's connection health check (`SELECT
-1`, CONN_HEALTH_CHECKS, the baseline's jobs have it too): 17 round trips and 7 write commits for a 5-step run (BEGIN
-and COMMIT are round trips of their own) against the baseline's 16 and 5. py-spy on one `manage.py worker` during
-the engine batch (PostgreSQL 15, 1 worker process, 2,500 runs, run by hand on 2026-12-01 next to this bench), wall
-clock (`--idle`): the job threads spend 96 % of their samples in psycopg waiting for an answer (`Connection.wait`):
-the step checkpoints 52 %, finishing the run 19 % (mostly its COMMIT), `Run.claim` 17 %, the run's advisory lock and
-unlock 9 %, reading the checkpoints 2 %. With `--gil` the GIL is held 28-30 % of the time (the engine 64 % of that,
-Procrastinate's fetch and finish and its event loop ~33 %; psycopg's client-side quoting of parameters ~8 %), while
-the worker process got ~0.5 of a core (load average 4-10 during the runs): on this machine the figure moves with the
-load more than with anything in the engine (in one hour, the ratio of 300 runs x 1 worker ranged 0.37-0.52 on
-PostgreSQL 15; of 1,000 runs 0.15-0.30 with 1 worker and 0.37-0.46 with 2, on both servers, against 0.14-0.15 and
-0.16-0.22 for the engine before this work, measured alternately with it). Before issue 11's checkpoint and claim
-work the same profile showed the ORM's query compile as the largest CPU cost (`Run.claim` 13 ms and `Run.finish` 10
-ms per run under cProfile, 10.7 ms of CPU per run in process, now 2.5 ms); the next levers are fewer per-run round
-trips (folding the checkpoints read into the claim, the lock and unlock into it) and server-side parameter binding
-for the checkpoint.""",
+its own transaction, and the last step's checkpoint also ends the run (`Run.checkpoint(finish=True)`: succeeded, or
+cancelled if a cancel came during the step, with the tenant's lock in the same statement, then the wake-up's count
+of the tenant's waiting runs, a statement of its own in the same query string), so a run has no finish of its own.
+What the engine adds per run: the run's advisory lock and unlock (runs/ownership.py, session locks held for the
+whole job), the claim (one query string of two statements: the row and tenant locks with the run's step rows, which
+the engine replays with no read of its own, then the conditional start), the BEGIN and COMMIT of the claim's and of
+the last step's transactions, and Django's connection health check (`SELECT 1`, CONN_HEALTH_CHECKS, the baseline's
+jobs have it too): 13 round trips and 6 write commits for a 5-step run against the baseline's 16 and 5 (before issue
+11's second round: 17 and 7); write transactions per step 1.6 against 1.8 before it. The profile of the round before
+(py-spy on one `manage.py worker`, wall clock: job threads 96 % waiting for PostgreSQL, the checkpoints 52 %, the
+finish 19 %, the claim 17 %, the lock and unlock 9 %, the checkpoints read 2 %) lost the separate finish and the
+checkpoints read; the checkpoints are now the bulk of it, one per step as in the baseline. With `--gil` the GIL was
+held 28-30 % of the time (psycopg's client-side quoting of the checkpoint's parameters ~8 % of that), while the
+worker process got ~0.5 of a core: on this machine the figure moves with the load more than with anything in the
+engine (300 runs x 1 worker on PostgreSQL 15, alternating with the engine before this round in the same minutes:
+0.526, 0.464, 0.416, then 0.399, 0.420 against 0.514, 0.321, 0.445, then 0.342, 0.329; 2 workers 0.463 against
+0.332; embedded, 1 worker, 0.323 against 0.250). Not done, and the next levers: the advisory lock and unlock folded
+into the claim's and the last step's query strings (2 round trips a run; the lock must stay taken before the claim
+reads the run), server-side binding for the checkpoint only (Django's `server_side_binding` is global, and the
+claim's and the last checkpoint's two-statement query strings need client-side binding; a raw psycopg cursor on the
+same connection would do it).""",
     "resume": """\
 **Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
 step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken
 the previous run again) is where procrastinate 3.10's stock worker drops a notification and waits for its 5 s
 poll (the baseline's max); the shipped latch (jobs/worker.py) removes that tail. What is left above the goal is
-the wake-up and claim path: LISTEN/NOTIFY delivery, the worker's fetch, the run's claim (lock, tenant slot,
-compare-and-swap) and the step's replay of earlier outputs, each a round trip, on a machine shared with other
-sessions (the idle-gap case, where the worker sleeps between decisions, meets it).""",
+the wake-up and claim path, on a machine shared with other sessions. Split by procrastinate's `started` event
+(the fetch; 100 runs back to back, embedded server, 2026-12-01): p50 ~10 ms from the decision to the worker's
+fetch (the decision's commit, NOTIFY, the worker's LISTEN and its fetch) and ~9 ms from the fetch to the step
+(the job's thread, the connection's health check, the run's advisory lock, the claim in one query string with its
+BEGIN and COMMIT: two round trips fewer than before, the start and the step rows now in the claim's query
+string). py-spy on the worker in that run shows its event loop idle 84 % of the time and the job threads' share of
+the claim path (lock, health check, claim) under 10 % of their time, most of it in the resumed runs' effects: the
+path waits (for PostgreSQL and the scheduler of two cores shared with the bench's own 1 kHz poll of the run's
+status), it does not compute. The gate's `decided` lookup (card, then its decisions) runs after `Step.started_at`
+and is not in the figure.""",
     "console": """\
 **Reading.** Query counts are the same with 10 and 100,010 cards (and with an empty and a full audit log). The
 runs list pages by keyset (`before`: the last row's created_at and id, no COUNT) and a reviewer's visibility is a

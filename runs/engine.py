@@ -9,6 +9,7 @@ at once, anything else is retried by the job (exponential backoff with full jitt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -20,6 +21,7 @@ from decimal import Decimal
 
 import structlog
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -141,14 +143,18 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
 
 
 def _checkpoints(run: Run) -> tuple[dict, dict]:
-    """The run's step rows, read once per job: the outputs of done steps by name, and the input hash of each step
-    an earlier attempt left unfinished (it failed, or parked) by seq."""
+    """The run's step rows, read once per job (by the claim's statement, Run.claim), then carried in memory: the
+    outputs of done steps by name, and the input hash of each step an earlier attempt left unfinished (it failed,
+    or parked) by seq."""
     outputs, unfinished = {}, {}
-    with connection.cursor() as cursor:  # once per job, but on every job: one precompiled statement
-        cursor.execute(
-            "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
-        )
-        rows = cursor.fetchall()
+    rows = getattr(run, "step_rows", None)
+    if rows is None:  # a run that was not claimed by this job's Run.claim
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
+            )
+            rows = cursor.fetchall()
+    run.step_rows = None  # read once
     for name, seq, status, output, input_hash in rows:
         if status == Step.Status.DONE:
             outputs[name] = json.loads(output) if isinstance(output, str | bytes) else output
@@ -252,26 +258,42 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
+    rejected = step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected"
+    # The last step (nothing follows it, with its output: an agent stage's next step depends on it) ends the run
+    # in its checkpoint's statement; its result is computed from the outputs as they will be stored.
+    last, result = False, None
+    if not rejected:
+        after = {**outputs, step_def.name: json.loads(json.dumps(output, cls=DjangoJSONEncoder))}
+        last = workflow.step_at(seq + 1, after) is None
+        result = workflow.result(after) if last else None
+
     # The step's one write, one statement in autocommit: its row and the run's cursor, owner and cursor checked
     # in the run's UPDATE (OwnershipLost: nothing written). Later steps see the output as it is stored (JSON:
     # jsonb rewrites numbers, dates become strings), so that a step's input, and its hash, are the same in this
     # job and on any replay; a cancel requested while the step ran comes back with it and stops the run before
-    # its next step.
-    outputs[step_def.name] = run.checkpoint(
-        seq,
-        ctx.usage,
-        name=step_def.name,
-        kind=step_def.kind,
-        input=step_input,
-        input_hash=input_hash,
-        output=output,
-        started_at=started_at,
-        latency_ms=_ms(started),
-        **(step_def.versions or {}),
-    )
+    # its next step. The last step's is the run's finish too (one transaction: the wake-up of the tenant's runs
+    # waiting for a slot is its second statement); a cancel requested while it ran ends the run cancelled.
+    with transaction.atomic() if last else contextlib.nullcontext():
+        outputs[step_def.name] = run.checkpoint(
+            seq,
+            ctx.usage,
+            name=step_def.name,
+            kind=step_def.kind,
+            input=step_input,
+            input_hash=input_hash,
+            output=output,
+            started_at=started_at,
+            latency_ms=_ms(started),
+            **(step_def.versions or {}),
+            finish=last,
+            result=result,
+        )
     _log_step(step_def, seq, "done", started, ctx)
+    if last:
+        log.info("run finished", status=run.status)
+        return False
 
-    if step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected":
+    if rejected:
         result = {
             "outcome": "rejected",
             "step": step_def.name,

@@ -6,6 +6,7 @@ import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
 
+import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, models, transaction
@@ -53,13 +54,15 @@ _COST_QUANTUM = Decimal("0.000001")
 
 # Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
 # a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
+_CANCELLED = {"outcome": "cancelled"}  # a cancelled run's result
+
 _CHECKPOINT_SQL = """
 WITH moved AS (
     UPDATE runs_run
     SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
-        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s
+        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s{finish}
     WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s
-    RETURNING id, cancel_requested
+    RETURNING id, cancel_requested, tenant
 ), step AS (
     INSERT INTO runs_step AS s (
         run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
@@ -77,8 +80,19 @@ WITH moved AS (
         tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
     RETURNING s.output
 )
-SELECT moved.cancel_requested, step.output FROM moved, step
+SELECT moved.cancel_requested, step.output{lock} FROM moved, step
 """
+# The last step's checkpoint also ends the run (Run.checkpoint(finish=True)): succeeded with its result, or
+# cancelled when a cancel was committed while the step ran (what the engine's next turn would have done), the
+# owner cleared; then, once the row is updated, its tenant's transaction lock (the order of Run.finish).
+_CHECKPOINT_FINISH_SQL = _CHECKPOINT_SQL.format(
+    finish=""",
+        status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END, owner = '',
+        result = CASE WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
+        finished_at = %(now)s""",
+    lock=", pg_advisory_xact_lock(hashtext('tenant:' || moved.tenant))",
+)
+_CHECKPOINT_SQL = _CHECKPOINT_SQL.format(finish="", lock="")
 
 
 class Run(models.Model):
@@ -326,7 +340,9 @@ class Run(models.Model):
         its last checkpoint). Returns (run, took_over), or (None, False) when there is nothing to drive:
         parked, finished, cancelled before it started, or waiting for a slot of its tenant."""
         with transaction.atomic():
-            run = cls._row_for_update(run_id)
+            run, started = cls._row_for_update(run_id, owner)
+            if started:  # it was queued, and is now running under `owner`
+                return run, False
             if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
                 return None, False
             if run.status == cls.Status.QUEUED:
@@ -334,10 +350,9 @@ class Run(models.Model):
                     run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
-                if not run._start_if_tenant_has_room(owner):
-                    run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
-                    return None, False
-                return run, False
+                # No free slot of its tenant, or an older run of it waits for one.
+                run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
+                return None, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
             run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
             return run, True
@@ -363,6 +378,8 @@ class Run(models.Model):
         latency_ms: float | None = None,
         prompt_version: str = "",
         tools_version: str = "",
+        finish: bool = False,
+        result=None,
     ):
         """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated) and the run's
         cursor moved past it with its usage added, in ONE statement (a data-modifying CTE, atomic on its own in
@@ -371,14 +388,35 @@ class Run(models.Model):
 
         Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
         would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
-        ran is seen here, with no read of its own)."""
+        ran is seen here, with no read of its own).
+
+        `finish`: this is the run's last step, and the same statement ends the run (Run.finish's effects, one write
+        transaction for both): succeeded with `result`, or cancelled if a cancel was committed while the step ran,
+        with the tenant's lock, then the wake-up of its runs waiting for a slot (and, cancelled, its cards
+        closed), in the caller's transaction."""
+        assert not finish or connection.in_atomic_block, "the wake-up of a waiting run belongs to the finish"
         # Rounded as the column stores it, so the copy in memory stays equal to the row.
         cost = Decimal(usage.cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP)
         now = timezone.now()
+        finished = {}
+        if finish:
+            finished = {
+                "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
+                "cancelled": json.dumps(_CANCELLED),
+                "tenant": self.tenant,
+                "max": settings.TENANT_MAX_RUNNING,
+            }
+        waiting = None
         with connection.cursor() as cursor:
+            # The last step's: the wake-up's count, a statement of its own (its snapshot comes after the tenant's
+            # lock), in the same query string when the binding is client-side (Run._row_for_update).
+            together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
             cursor.execute(
-                _CHECKPOINT_SQL,
+                (_CHECKPOINT_FINISH_SQL + ";" + _WAKE_SQL if together else _CHECKPOINT_FINISH_SQL)
+                if finish
+                else _CHECKPOINT_SQL,
                 {
+                    **finished,
                     "run": self.pk,
                     "owner": self.owner,
                     "seq": seq,
@@ -400,13 +438,23 @@ class Run(models.Model):
                 },
             )
             row = cursor.fetchone()
+            if together:
+                cursor.nextset()
+                waiting = cursor.fetchall()
         if row is None:
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
-        self.cancel_requested, stored = row
+        self.cancel_requested, stored = row[:2]
         self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
         self.tokens_in += usage.tokens_in
         self.tokens_out += usage.tokens_out
         self.cost += cost
+        if finish:
+            status = Run.Status.CANCELLED if self.cancel_requested else Run.Status.SUCCEEDED
+            result = dict(_CANCELLED) if self.cancel_requested else result
+            self.status, self.owner, self.result, self.finished_at = status, "", result, now
+            Run.wake_waiting_for_slot(self.tenant, locked=True, waiting=waiting)
+            if status == Run.Status.CANCELLED:
+                self._close_cards("cancelled")
         return json.loads(stored) if isinstance(stored, str | bytes) else stored
 
     def park(self, *, paused: bool, reason: str = "", paused_switch: str = "") -> bool:
@@ -532,45 +580,40 @@ class Run(models.Model):
         gates.backend().close_pending(self, status)
 
     @classmethod
-    def _row_for_update(cls, run_id) -> Run | None:
+    def _row_for_update(cls, run_id, owner: str) -> tuple[Run | None, bool]:
         """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
-        in one precompiled statement (the claim's: no ORM compile). What the claim reads of the tenant's runs is
-        read by a later statement, whose snapshot comes after the lock (Run.free_slots)."""
+        in one precompiled statement (the claim's: no ORM compile), with the run's step rows (`step_rows`: [name,
+        seq, status, output, input_hash] by seq, what the engine replays; read in the claim's snapshot, which no
+        step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). Then the
+        start of a queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting
+        for one, `_tenant_has_room`), a statement of its own, whose snapshot comes after the tenant's lock
+        (Run.free_slots), sent in the same round trip (Django's client-side binding cursor runs both as one query
+        string; with server-side binding, one after the other). Returns (run, started)."""
         fields = _run_fields()
+        params = {"id": run_id, "owner": owner, "now": timezone.now(), "max": settings.TENANT_MAX_RUNNING}
         with connection.cursor() as cursor:
-            cursor.execute(_claim_select_sql(), [run_id])
+            together = isinstance(cursor.cursor, psycopg.ClientCursor)
+            cursor.execute(_claim_select_sql() + (";" + _START_SQL if together else ""), params)
             row = cursor.fetchone()
-        if row is None:
-            return None
-        values = [
-            value if convert is None else convert(value, None, connection)
-            for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
-        ]
-        return cls.from_db(connection.alias, [attname for attname, _ in fields], values)
-
-    def _start_if_tenant_has_room(self, owner: str) -> bool:
-        """queued -> running under `owner` when its tenant has a free slot and no older run of it waits for one
-        (`_tenant_has_room`, as one conditional UPDATE). The caller holds the run's row lock and the tenant's lock
-        (Run._row_for_update). False: nothing changed."""
-        assert connection.in_atomic_block
-        now = timezone.now()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _START_SQL,
-                {
-                    "id": self.pk,
-                    "owner": owner,
-                    "now": now,
-                    "tenant": self.tenant,
-                    "max": settings.TENANT_MAX_RUNNING,
-                    "priority": self.priority,
-                    "created_at": self.created_at,
-                },
-            )
-            if cursor.rowcount != 1:
-                return False
-        self.status, self.owner, self.waiting_for_slot_since, self.updated_at = Run.Status.RUNNING, owner, None, now
-        return True
+            if together:
+                cursor.nextset()
+                started = cursor.rowcount == 1
+            if row is None:
+                return None, False
+            values = [
+                value if convert is None else convert(value, None, connection)
+                for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
+            ]
+            run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+            if not together:
+                startable = run.status == Run.Status.QUEUED and not run.cancel_requested
+                started = startable and cursor.execute(_START_SQL, params).rowcount == 1
+        steps = row[len(fields) + 1]
+        run.step_rows = (json.loads(steps) if isinstance(steps, str | bytes) else steps) or []
+        if started:
+            run.status, run.owner, run.waiting_for_slot_since = Run.Status.RUNNING, owner, None
+            run.updated_at = params["now"]
+        return run, started
 
     def _tenant_has_room(self) -> bool:
         """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
@@ -600,15 +643,17 @@ class Run(models.Model):
         return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
 
     @classmethod
-    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False) -> None:
+    def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False, waiting: list | None = None) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
-        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish)."""
-        with connection.cursor() as cursor:
-            if not locked:
-                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
-            # Free slots and the runs waiting for them, counted in one statement after the lock.
-            cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
-            waiting = cursor.fetchall()
+        job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish).
+        `waiting`: the caller already counted them (`_WAKE_SQL`, after the lock: Run.checkpoint)."""
+        if waiting is None:
+            with connection.cursor() as cursor:
+                if not locked:
+                    cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+                # Free slots and the runs waiting for them, counted in one statement after the lock.
+                cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
+                waiting = cursor.fetchall()
         for pk, priority in waiting:
             Run(pk=pk, priority=priority).enqueue()
 
@@ -626,8 +671,10 @@ def _claim_select_sql() -> str:
     columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
     # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
     return (
-        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %s FOR UPDATE)"
-        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)) FROM r"
+        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %(id)s FOR UPDATE)"
+        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)),"
+        " (SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)"
+        " FROM runs_step s WHERE s.run_id = r.id) FROM r"
     )
 
 
@@ -635,15 +682,17 @@ _RUN_FIELDS = None
 
 # Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
 # the tenant has a free slot and no older run of it waits for one (Run._tenant_has_room).
+# Not when a cancel was requested (the claim ends the run cancelled instead). The tenant, priority and age are the
+# row's own, which the claim holds locked.
 _START_SQL = """
-UPDATE runs_run SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
-WHERE id = %(id)s AND status = 'queued'
-    AND (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running') < %(max)s
+UPDATE runs_run r SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
+WHERE r.id = %(id)s AND r.status = 'queued' AND NOT r.cancel_requested
+    AND (SELECT count(*) FROM runs_run WHERE tenant = r.tenant AND status = 'running') < %(max)s
     AND NOT EXISTS (
         SELECT 1 FROM runs_run w
-        WHERE w.tenant = %(tenant)s AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
-            AND w.id <> %(id)s
-            AND (w.priority > %(priority)s OR (w.priority = %(priority)s AND w.created_at < %(created_at)s))
+        WHERE w.tenant = r.tenant AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
+            AND w.id <> r.id
+            AND (w.priority > r.priority OR (w.priority = r.priority AND w.created_at < r.created_at))
     )
 """
 

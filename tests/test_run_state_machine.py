@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from procrastinate import psycopg_connector
 from procrastinate.contrib.django import app
@@ -168,11 +169,80 @@ def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_
     assert (step.status, step.error, step.attempt, step.input) == ("done", "", 2, {"first": 1})
 
 
+def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_waiting_for_a_slot(demo, settings):
+    from runs.workflow import Usage
+
+    settings.TENANT_MAX_RUNNING = 1
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    claimed, _ = Run.claim(run.pk, "job-a")
+    waiting, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    assert Run.claim(waiting.pk, "job-b") == (None, False)  # no slot: it waits
+    ProcrastinateJob.objects.filter(lock=f"run:{waiting.pk}").delete()
+    # A job that lost the run finishes nothing and writes no step.
+    stale = Run.objects.get(pk=run.pk)
+    stale.owner = "job-old"
+    with transaction.atomic(), pytest.raises(OwnershipLost):
+        stale.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"late": True})
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.RUNNING, "job-a")
+    assert not Step.objects.filter(run=run).exists()
+    # The checkpoint with the finish and the tenant's lock, then the wake-up's count, in one query string (in this
+    # test's transaction a savepoint where a worker has BEGIN), then the woken run's job: nothing else writes the run.
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        stored = claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"done": 1})
+    statements = [q["sql"].strip() for q in queries.captured_queries if "SAVEPOINT" not in q["sql"]]
+    assert statements[0].startswith("WITH moved AS") and "pg_advisory_xact_lock" in statements[0]
+    assert "SELECT id, priority FROM runs_run" in statements[0]
+    assert not any("UPDATE" in sql and "runs_run" in sql for sql in statements[1:])
+    assert stored == {"ok": True}
+    row = Run.objects.get(pk=run.pk)
+    assert (row.status, row.owner, row.result, row.cursor, row.finished_at) == (
+        "succeeded",
+        "",
+        {"done": 1},
+        1,
+        claimed.finished_at,
+    )
+    assert (claimed.status, claimed.owner, claimed.result, claimed.updated_at) == (
+        "succeeded",
+        "",
+        {"done": 1},
+        row.updated_at,
+    )
+    assert Step.objects.get(run=run, seq=0).status == "done"
+    assert queued_jobs(waiting) == 1  # its slot is free
+
+
+def test_a_cancel_committed_while_the_last_step_ran_ends_the_run_cancelled_in_its_checkpoint(demo):
+    from runs.workflow import Usage
+
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, _ = Run.claim(run.pk, "job-a")
+    Run.objects.get(pk=run.pk).cancel()
+    with transaction.atomic():
+        claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"done": 1})
+    row = Run.objects.get(pk=run.pk)
+    assert (row.status, row.result, claimed.status, claimed.result) == (
+        "cancelled",
+        {"outcome": "cancelled"},
+        "cancelled",
+        {"outcome": "cancelled"},
+    )
+    assert Step.objects.get(run=run, seq=0).status == "done"  # the step's work is recorded
+
+
+def test_a_run_ends_with_its_last_steps_checkpoint_not_a_finish_of_its_own(demo):
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    with CaptureQueriesContext(connection) as queries:
+        assert drive(run).status == Run.Status.SUCCEEDED
+    assert not any(q["sql"].lstrip().startswith("WITH done AS") for q in queries.captured_queries)
+    assert run.result == Step.objects.filter(run=run).order_by("-seq").first().output  # the workflow's result
+
+
 def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm_does(demo, django_assert_num_queries):
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
-    # The row lock with the tenant's lock, the conditional start (and, in this test's transaction, a savepoint and
-    # its release where a worker has BEGIN and COMMIT).
-    with django_assert_num_queries(2 + 2):
+    # The row lock with the tenant's lock and the step rows, then the conditional start, in one query string (and,
+    # in this test's transaction, a savepoint and its release where a worker has BEGIN and COMMIT).
+    with django_assert_num_queries(1 + 2):
         claimed, took_over = Run.claim(run.pk, "job-a")
     assert not took_over
     row = Run.objects.get(pk=run.pk)
@@ -191,6 +261,25 @@ def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm
     row = Run.objects.get(pk=run.pk)
     assert (row.status, row.owner, row.result, row.finished_at) == ("succeeded", "", None, claimed.finished_at)
     assert Run.objects.filter(pk=run.pk, result__isnull=True).exists()  # SQL NULL, as the ORM stores None
+
+
+def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, monkeypatch, django_assert_num_queries):
+    # With server-side binding (DATABASES OPTIONS), one query string cannot hold two statements.
+    monkeypatch.setattr("runs.models.psycopg.ClientCursor", type("NotThisCursor", (), {}))
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    with django_assert_num_queries(2 + 2):
+        claimed, took_over = Run.claim(run.pk, "job-a")
+    assert (claimed.status, claimed.owner, took_over) == ("running", "job-a", False)
+    assert Run.objects.values_list("status", "owner").get(pk=run.pk) == ("running", "job-a")
+    from runs.workflow import Usage
+
+    with transaction.atomic():  # the last checkpoint's wake-up count, on its own too
+        claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result=None)
+    assert Run.objects.values_list("status", "cursor").get(pk=run.pk) == ("succeeded", 1)
+    cancelled, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    Run.objects.filter(pk=cancelled.pk).update(cancel_requested=True)
+    assert Run.claim(cancelled.pk, "job-b") == (None, False)
+    assert Run.objects.get(pk=cancelled.pk).status == "cancelled"
 
 
 def test_a_running_run_must_have_an_owner(demo):

@@ -84,8 +84,9 @@ same connection would do it).""",
     "resume": """\
 **Reading.** Latency is the decision's `Decision.created_at` (written just before its commit) to the gate
 step's restart (`Step.started_at`, written by the worker). Back to back (each decision once the worker has taken
-the previous run again) is where procrastinate 3.10's stock worker drops a notification and waits for its 5 s
-poll (the baseline's max); the shipped latch (jobs/worker.py) removes that tail. What is left above the goal is
+the previous run again) is where procrastinate 3.10's stock worker can drop a notification and wait for its 5 s
+poll (the baseline's max in earlier runs; not every run hits it); the shipped latch (jobs/worker.py) removes that
+tail, at the cost of an extra empty fetch at worst. What is left above the goal is
 the wake-up and claim path, on a machine shared with other sessions. Split by procrastinate's `started` event
 (the fetch; 100 runs back to back, embedded server, 2026-12-01): p50 ~10 ms from the decision to the worker's
 fetch (the decision's commit, NOTIFY, the worker's LISTEN and its fetch) and ~9 ms from the fetch to the step

@@ -141,9 +141,9 @@ def render(meta: dict, sections: list[dict]) -> str:
         "",
         f"Run of {meta['date']} at commit {meta['commit']}: {meta['cores']} cores ({meta['cpu']}),",
         f"{meta['memory_gib']} GiB, Python {meta['python']}; the whole run took {meta['seconds']:.0f} s.",
-        f"**The machine was shared** with other sessions running test suites: load average {meta['load_before']}",
-        f"before, {meta['load_after']} after (2 cores), so absolute figures are pessimistic and noisy; the ratios to",
-        "the same-run baselines are what to compare.",
+        f"Load average {meta['load_before']} before, {meta['load_after']} after (2 cores, the benchmark's own",
+        "servers, workers and load generator included, and whatever else ran on the machine): absolute figures move",
+        "with it; the ratios to the same-run baselines are what to compare.",
         *(
             f"\nSections {', '.join(r['only'])} were re-run on {r['date']} at commit {r['commit']}"
             f" (`BENCH_ONLY={','.join(r['only'])} make bench`, load average {r['load_before']} before,"

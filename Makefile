@@ -23,58 +23,37 @@ $(ASSETS_STAMP): package.json package-lock.json
 run: install
 	$(PY) manage.py serve
 
-# Browser tests drive Debian's Chromium through Playwright (tests/conftest.py). Installed here when missing and
-# we are root with apt (a fresh CI machine or container); otherwise one message says what to do.
-CHROMIUM ?= /usr/bin/chromium
-
-browser:
-	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+# A program from a Debian package, installed when missing and we are root with apt (a fresh CI machine or a
+# container); otherwise one message says what to do. $(1): its path, $(2): the package, $(3): who needs it, $(4):
+# what to do once it is installed.
+define debian_program
+	@if [ -x "$(1)" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "Installing Debian's chromium for the browser tests (apt-get install chromium)"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		echo "Installing Debian's $(2), which $(3) need (apt-get install $(2))"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
 	fi; \
-	if [ ! -x "$(CHROMIUM)" ]; then \
-		echo "The browser tests need Chromium at $(CHROMIUM) and it is not there. Install it as root" \
-			"(Debian/Ubuntu: 'sudo apt-get install chromium') and run 'make test' again," \
-			"or run 'make test-fast', which skips the browser and other slow tests." >&2; \
+	if [ ! -x "$(1)" ]; then \
+		echo "$(2) is not at $(1), and $(3) need it. Install it as root" \
+			"(Debian/Ubuntu: 'sudo apt-get install $(2)') and $(4)" >&2; \
 		exit 1; \
 	fi
+endef
 
-# The whole suite, slow system and browser tests included. `make test-fast` skips those.
-test: install browser
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Browser tests drive Debian's Chromium through Playwright (tests/conftest.py).
+CHROMIUM ?= /usr/bin/chromium
+BROWSER_AFTER := run 'make test' again, or run 'make test-fast', which skips the browser and other slow tests.
 
-test-fast: install
-	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
-
-lint: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-
-format: install
-	$(VENV)/bin/ruff check --fix .
-	$(VENV)/bin/ruff format .
-
-clean:
-	rm -rf $(VENV) node_modules staticfiles
+browser:
+	$(call debian_program,$(CHROMIUM),chromium,the browser tests,$(BROWSER_AFTER))
 
 # Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
 # the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes
 # nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same.
-# The load generator of the enqueue and webhook benchmarks: Debian's wrk, installed here like Chromium above.
+# The load generator of the enqueue and webhook benchmarks: Debian's wrk.
 WRK ?= /usr/bin/wrk
 
 wrk:
-	@if [ -x "$(WRK)" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "Installing Debian's wrk for the benchmarks (apt-get install wrk)"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; \
-	fi; \
-	if [ ! -x "$(WRK)" ]; then \
-		echo "The benchmarks need wrk at $(WRK) and it is not there. Install it as root" \
-			"(Debian/Ubuntu: 'sudo apt-get install wrk') and run the benchmarks again." >&2; \
-		exit 1; \
-	fi
+	$(call debian_program,$(WRK),wrk,the benchmarks,run the benchmarks again.)
 
 bench: install wrk
 	$(PY) manage.py collectstatic --noinput -v0

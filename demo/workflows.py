@@ -25,17 +25,14 @@ from runs.workflow import Display, Fatal, Workflow, register
 
 Currency = Annotated[StrictStr, AfterValidator(check_currency)]
 Cents = Annotated[StrictInt, Field(gt=0, le=100_000_000)]  # up to one million in major units
+CustomerId = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 
-class RefundInput(BaseModel):
-    """What a caller submits (POST /api/runs, webhooks, demo_traffic): validated before the run exists."""
+class DemoInput(BaseModel):
+    """A demo workflow's input: nothing beyond its fields, and demo fault injection in development only."""
 
     model_config = ConfigDict(extra="forbid")
 
-    customer_id: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
-    amount_cents: Cents
-    currency: Currency
-    reason: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
     faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (demo.sandbox), development only
 
     @field_validator("faults")
@@ -44,6 +41,15 @@ class RefundInput(BaseModel):
         if faults and not settings.DEMO_FAULTS_ENABLED:
             raise ValueError("fault injection is only available in development")
         return faults
+
+
+class RefundInput(DemoInput):
+    """What a caller submits (POST /api/runs, webhooks, demo_traffic): validated before the run exists."""
+
+    customer_id: CustomerId
+    amount_cents: Cents
+    currency: Currency
+    reason: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
 
 
 class RefundOrder(BaseModel):
@@ -202,25 +208,13 @@ register_source(Source("demo", workflow="refund", to_input=lambda payload: paylo
 
 # --- support_agent: the same systems, driven by a tool-calling model --------------------------------------------
 
-CustomerId = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
-
-class SupportInput(BaseModel):
+class SupportInput(DemoInput):
     """A customer's message to support (POST /api/runs, demo_traffic): validated before the run exists."""
-
-    model_config = ConfigDict(extra="forbid")
 
     customer_id: CustomerId
     message: Annotated[StrictStr, Field(min_length=1, max_length=4000)]
     order_id: CustomerId | None = None  # the order the customer wrote about, when they named one
-    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (demo.sandbox), development only
-
-    @field_validator("faults")
-    @classmethod
-    def _faults_in_development_only(cls, faults):
-        if faults and not settings.DEMO_FAULTS_ENABLED:
-            raise ValueError("fault injection is only available in development")
-        return faults
 
 
 def _recorded(ctx, tool_name: str):

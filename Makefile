@@ -46,6 +46,24 @@ BROWSER_AFTER := run 'make test' again, or run 'make test-fast', which skips the
 browser:
 	$(call debian_program,$(CHROMIUM),chromium,the browser tests,$(BROWSER_AFTER))
 
+# The whole suite, slow system and browser tests included. `make test-fast` skips those.
+test: install browser
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) node_modules staticfiles
+
 # Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
 # the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes
 # nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same.

@@ -34,6 +34,8 @@ def _start_holder(pgdata: Path, mode: str = "hold") -> tuple[subprocess.Popen, s
         cwd=settings.BASE_DIR,
         stdout=subprocess.PIPE,
         text=True,
+        # As a terminal would start it: a suite run under nohup would otherwise hand it an ignored SIGHUP.
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     url = proc.stdout.readline().strip()
     proc.stdout.close()  # the holder prints nothing more

@@ -11,6 +11,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.contrib.auth.hashers import PBKDF2PasswordHasher, make_password
 from django.contrib.auth.models import Group, User
+from django.core.management import call_command
 from django.db import connection, connections
 
 from console.models import Channel, Role
@@ -134,6 +135,15 @@ def set_production_password(user, password: str = "password") -> None:
     user.save(update_fields=["password"])
 
 
+def log_in(page, server, username: str = "reviewer") -> None:
+    """Log in through the console server's login page (a user with set_production_password)."""
+    page.goto(server.url + "/accounts/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", "password")
+    page.click("button[type=submit]")
+    page.wait_for_url(server.url + "/")
+
+
 @pytest.fixture
 def page(browser):
     context = browser.new_context()
@@ -199,3 +209,12 @@ def console_server(_console_env, transactional_db):
     server = ConsoleServer(_console_env)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def reviewer(console_server):
+    """The demo's reviewer, able to log in to the console server (browser tests)."""
+    call_command("demo_setup", verbosity=0)
+    user = User.objects.get(username="reviewer")
+    set_production_password(user)
+    return user

@@ -4,17 +4,9 @@ import pytest
 from django.db import transaction
 
 from console.models import AuditEntry
-from tests.conftest import set_production_password
+from tests.conftest import log_in, set_production_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-def _log_in(page, server, username: str) -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def _shown(page) -> list[str]:
@@ -29,7 +21,7 @@ def test_an_admin_filters_the_audit_log(console_server, page, alice, bob, carol)
         AuditEntry.record("run.cancel", actor=carol, data={"comment": "customer asked to stop"})
         AuditEntry.record("approval.reject", actor=bob, channel="email", data={"comment": "<script>boom()</script>"})
 
-    _log_in(page, console_server, "alice")
+    log_in(page, console_server, "alice")
     page.click("nav >> text=Audit log")
     page.wait_for_url("**/audit/")
     assert len(_shown(page)) == 4

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.utils import timezone
 from playwright.sync_api import expect
 
@@ -16,7 +15,7 @@ from approvals.models import Approval, Decision
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run
-from tests.conftest import set_production_password
+from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
 from tests.worker import wait_until
 
@@ -26,27 +25,11 @@ XSS_SCRIPT = "<script>alert(1)</script>"
 XSS_IMG = '"><img src=x onerror=alert(1)>'
 
 
-@pytest.fixture
-def reviewer(console_server):
-    call_command("demo_setup", verbosity=0)
-    user = User.objects.get(username="reviewer")
-    set_production_password(user)
-    return user
-
-
 def park(input: dict = REFUND) -> Approval:
     run, _ = Run.submit(workflow="refund", input=input, created_by=User.objects.get(username="agent"))
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
-
-
-def log_in(page, server, username: str = "reviewer") -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def open_card(page, server, card: Approval):

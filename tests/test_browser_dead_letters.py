@@ -6,18 +6,10 @@ from django.core.management import call_command
 from console.models import AuditEntry
 from jobs.models import DeadLetter
 from runs.models import Run
-from tests.conftest import set_production_password
+from tests.conftest import log_in, set_production_password
 from tests.engine_helpers import SMALL_REFUND, drive
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-def _log_in(page, server, username: str) -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def test_an_admin_requeues_a_dead_letter_from_django_admin(console_server, page, alice):
@@ -25,7 +17,7 @@ def test_an_admin_requeues_a_dead_letter_from_django_admin(console_server, page,
     run = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})[0])
     letter = DeadLetter.objects.get(run_id=run.id)
     set_production_password(alice)
-    _log_in(page, console_server, "alice")
+    log_in(page, console_server, "alice")
 
     page.goto(console_server.url + "/admin/jobs/deadletter/?state=open")
     row = page.locator("#result_list tbody tr", has_text="issue_refund")

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.auth.models import User
-from django.core.management import call_command
 from playwright.sync_api import expect
 
 from approvals.models import Approval, Decision
 from console.models import AuditEntry
 from runs.models import Run
-from tests.conftest import set_production_password
+from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-@pytest.fixture
-def reviewer(console_server):
-    call_command("demo_setup", verbosity=0)
-    user = User.objects.get(username="reviewer")
-    set_production_password(user)
-    return user
 
 
 def park(amount: int = 12_500) -> Approval:
@@ -33,14 +24,6 @@ def park(amount: int = 12_500) -> Approval:
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
-
-
-def log_in(page, server, username: str = "reviewer") -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def test_a_reviewer_approves_with_the_keyboard_and_the_row_leaves(console_server, page, reviewer):

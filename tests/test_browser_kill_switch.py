@@ -8,17 +8,9 @@ from guardian.shortcuts import assign_perm
 from playwright.sync_api import expect
 
 from console.models import AuditEntry, Channel
-from tests.conftest import set_production_password
+from tests.conftest import log_in, set_production_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-def log_in(page, server, username: str) -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def test_ops_engages_and_releases_a_switch_with_a_reason(console_server, page, carol):

@@ -12,27 +12,11 @@ from playwright.sync_api import expect
 from approvals.models import Approval
 from demo import sandbox
 from runs.models import Run
-from tests.conftest import set_production_password
+from tests.conftest import log_in
 from tests.engine_helpers import drive
 from tests.worker import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-
-@pytest.fixture
-def reviewer(console_server):
-    call_command("demo_setup", verbosity=0)
-    user = User.objects.get(username="reviewer")
-    set_production_password(user)
-    return user
-
-
-def log_in(page, server, username: str = "reviewer") -> None:
-    page.goto(server.url + "/accounts/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", "password")
-    page.click("button[type=submit]")
-    page.wait_for_url(server.url + "/")
 
 
 def test_support_agent_cards_are_in_the_inbox_and_the_card_shows_the_diff(console_server, page, reviewer, start_worker):

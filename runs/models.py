@@ -52,10 +52,10 @@ class _Probe(Exists):
 
 _COST_QUANTUM = Decimal("0.000001")
 
-# Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
-# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
 _CANCELLED = {"outcome": "cancelled"}  # a cancelled run's result
 
+# Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
+# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
 _CHECKPOINT_SQL = """
 WITH moved AS (
     UPDATE runs_run
@@ -586,7 +586,7 @@ class Run(models.Model):
         seq, status, output, input_hash] by seq, what the engine replays; read in the claim's snapshot, which no
         step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). Then the
         start of a queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting
-        for one, `_tenant_has_room`), a statement of its own, whose snapshot comes after the tenant's lock
+        for one), a statement of its own, whose snapshot comes after the tenant's lock
         (Run.free_slots), sent in the same round trip (Django's client-side binding cursor runs both as one query
         string; with server-side binding, one after the other). Returns (run, started)."""
         fields = _run_fields()
@@ -615,18 +615,6 @@ class Run(models.Model):
             run.updated_at = params["now"]
         return run, started
 
-    def _tenant_has_room(self) -> bool:
-        """Room for one more running run of this tenant, and no older run of it waiting for a slot (oldest
-        first)."""
-        if Run.free_slots(self.tenant) <= 0:
-            return False
-        older = (
-            Run.waiting_for_slot(self.tenant)
-            .exclude(pk=self.pk)
-            .filter(Q(priority__gt=self.priority) | Q(priority=self.priority, created_at__lt=self.created_at))
-        )
-        return not older.exists()
-
     @classmethod
     def waiting_for_slot(cls, tenant: str):
         return cls.objects.filter(
@@ -636,7 +624,7 @@ class Run(models.Model):
     @classmethod
     def free_slots(cls, tenant: str) -> int:
         """Slots of `tenant` no running run takes, read under the tenant's transaction lock, which serialises
-        claims (`_tenant_has_room`) with wake-ups (`wake_waiting_for_slot`): a run cannot start waiting just after
+        claims (`_START_SQL`) with wake-ups (`wake_waiting_for_slot`): a run cannot start waiting just after
         the wake-up that would have given it the slot."""
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
@@ -681,7 +669,7 @@ def _claim_select_sql() -> str:
 _RUN_FIELDS = None
 
 # Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
-# the tenant has a free slot and no older run of it waits for one (Run._tenant_has_room).
+# the tenant has a free slot and no older run of it waits for one (oldest first, as Run.waiting_for_slot orders them).
 # Not when a cancel was requested (the claim ends the run cancelled instead). The tenant, priority and age are the
 # row's own, which the claim holds locked.
 _START_SQL = """

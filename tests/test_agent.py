@@ -264,3 +264,18 @@ def test_a_429_in_a_turn_is_retried_and_a_400_is_fatal(agent_on_stub):
     run = drive(submit(message="again"))
     assert run.status == Run.Status.FAILED and agent_on_stub.calls == 3
     assert DeadLetter.objects.filter(run_id=run.id, step="helper.turn1").exists()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"max_turns": "7"}, {"max_turns": 7.5}, {"max_turns": True}, {"max_turns": 101}, {"max_turns": 7, "x": 1}, [7]],
+)
+def test_a_turn_limit_edit_that_is_not_a_whole_number_in_bounds_changes_nothing(agent, bob, payload):
+    lookups = [{"calls": [["lookup_customer", {"customer_id": f"c{i}"}]]} for i in range(6)]
+    run = drive(submit(*lookups, {"answer": "done"}))
+    card = Approval.objects.get(run=run)
+    with pytest.raises(InvalidDecision):
+        card.decide(bob, "edit", payload=payload)
+    card.refresh_from_db()
+    run.refresh_from_db()
+    assert card.status == "pending" and run.status == Run.Status.PAUSED and calls(run, "model") == 4

@@ -3,14 +3,13 @@
 A backend turns a Notification row into one delivery and raises on failure; the `send_notification` job
 (approvals.tasks) calls it outside any transaction, retries it with backoff, and records the outcome on the
 row. Backends: `email` (Django's mail, to the escalation group's members) and `webhook` (a JSON POST signed
-like our own inbound webhooks: `X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<body>">`)."""
+with Standard Webhooks, like the deliveries we receive: `webhook-id` (the notification's id, the same on every
+retry, so the receiver can drop a copy), `webhook-timestamp` and `webhook-signature: v1,<base64 HMAC-SHA256 of
+"<id>.<timestamp>.<body>">`, one per NOTIFY_WEBHOOK_SECRET during a rotation; console.webhook_signing)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import time
 import urllib.request
 from typing import Protocol
 
@@ -20,6 +19,7 @@ from django.core.mail import send_mail
 from django.core.serializers.json import DjangoJSONEncoder
 
 from approvals.models import Notification
+from console import webhook_signing
 
 
 class NothingToSend(Exception):
@@ -58,12 +58,6 @@ class EmailBackend:
         send_mail(subject, "\n".join(lines), None, recipients)
 
 
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    """The X-Signature header value for `body` sent at `timestamp` (unix seconds, as a string)."""
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
-
-
 class WebhookBackend:
     name = "webhook"
 
@@ -76,7 +70,7 @@ class WebhookBackend:
             cls=DjangoJSONEncoder,
             sort_keys=True,
         ).encode()
-        timestamp = str(int(time.time()))
+        secrets = webhook_signing.secret_list(settings.NOTIFY_WEBHOOK_SECRET)
         request = urllib.request.Request(
             url,
             data=body,
@@ -84,9 +78,7 @@ class WebhookBackend:
             headers={
                 "Content-Type": "application/json",
                 "User-Agent": "hitl-console-notifier",
-                "X-Timestamp": timestamp,
-                "X-Signature": sign(settings.NOTIFY_WEBHOOK_SECRET, timestamp, body),
-                "X-Notification-Id": str(notification.pk),
+                **webhook_signing.signed_headers(secrets, str(notification.pk), body),
             },
         )
         # urlopen raises HTTPError for 4xx/5xx: the job records it and retries.

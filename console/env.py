@@ -8,6 +8,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 
+from console import webhook_signing
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -62,6 +64,20 @@ def env_decimal(name: str, default: str) -> Decimal:
 
 def env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+def webhook_secrets(name: str, value: str) -> list[str]:
+    """The comma-separated Standard Webhooks secrets of `value` (read from `name`), each `whsec_<base64>` or a plain
+    string: refused at start rather than at the first delivery when one is not a usable key."""
+    secrets = webhook_signing.secret_list(value)
+    if not secrets:
+        raise ImproperlyConfigured(f"{name} holds no secret")
+    for secret in secrets:
+        try:
+            webhook_signing.key(secret)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {exc}") from None
+    return secrets
 
 
 def env_secret(name: str, *, development_default: str, development: bool) -> str:

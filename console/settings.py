@@ -22,6 +22,7 @@ from console.env import (
     env_list,
     env_secret,
     env_str,
+    webhook_secrets,
 )
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -243,18 +244,19 @@ SHADOW_WORKFLOWS = frozenset(env_list("SHADOW_WORKFLOWS"))
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 64 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(API_MAX_BODY_BYTES, 2_621_440)  # Django's default for forms
 
-# Signed webhooks (runs.webhooks): each source's active secrets, comma-separated in WEBHOOK_SECRET_<SOURCE>
-# (WEBHOOK_SECRET_DEMO for the source `demo`); during a rotation list the new and the old one, and a signature
-# by either is accepted. The demo source falls back to `demo-secret` in development only: elsewhere a source
-# without a secret is not served (404), never served with a known one.
+# Signed webhooks (runs.webhooks, Standard Webhooks): each source's active secrets, comma-separated in
+# WEBHOOK_SECRET_<SOURCE> (WEBHOOK_SECRET_DEMO for the source `demo`), each `whsec_<base64>` or a plain string
+# whose UTF-8 bytes are the key; during a rotation list the new and the old one, and a signature by either is
+# accepted. The demo source falls back to `demo-secret` in development only: elsewhere a source without a secret
+# is not served (404), never served with a known one.
 WEBHOOK_SECRETS = {
-    name.removeprefix("WEBHOOK_SECRET_").lower(): env_list(name)
+    name.removeprefix("WEBHOOK_SECRET_").lower(): webhook_secrets(name, os.environ[name])
     for name in os.environ
     if name.startswith("WEBHOOK_SECRET_") and env_list(name)
 }
 if DEVELOPMENT:
     WEBHOOK_SECRETS.setdefault("demo", ["demo-secret"])
-# A delivery whose X-Timestamp is further than this from the server's clock, either way, is refused (401).
+# A delivery whose webhook-timestamp is further than this from the server's clock, either way, is refused (401).
 WEBHOOK_TOLERANCE_SECONDS = env_int("WEBHOOK_TOLERANCE_SECONDS", 300)
 
 # --- Circuit breakers and the token rate limit (runs.breakers, runs.ratelimit) --------------------------------
@@ -293,9 +295,12 @@ QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 SLA_SWEEP_SECONDS, SLA_SWEEP_CRON = schedules.periodic_from_env("SLA_SWEEP", default_seconds=30)
 NOTIFY_BACKENDS = env_list("NOTIFY_BACKENDS", "email,webhook")  # the webhook only when its URL is set
 NOTIFY_WEBHOOK_URL = env_str("NOTIFY_WEBHOOK_URL")
+# Signs the notification webhook (Standard Webhooks, like the deliveries we receive): `whsec_<base64>` or a plain
+# string; during a rotation "new,old", and each message carries a signature by each.
 NOTIFY_WEBHOOK_SECRET = env_secret(
     "NOTIFY_WEBHOOK_SECRET", development_default="notify-secret", development=DEVELOPMENT or not NOTIFY_WEBHOOK_URL
 )
+webhook_secrets("NOTIFY_WEBHOOK_SECRET", NOTIFY_WEBHOOK_SECRET)
 NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
 NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 6)
 _MAIL_BACKEND = env_str(

@@ -25,8 +25,11 @@ class DeliveryAccepted(Schema):
     auth=None,
     response={200: DeliveryAccepted, 202: DeliveryAccepted, **ERRORS},
     summary="Receive a signed webhook delivery (202 with its run; 200 for a delivery id seen before)",
-    description="Headers: `X-Delivery-Id`, `X-Timestamp` (unix seconds, within 5 minutes), "
-    '`X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<raw body>">` with one of the source\'s secrets. '
+    description="Standard Webhooks headers: `webhook-id` (the delivery id: the same id again is a duplicate), "
+    "`webhook-timestamp` (unix seconds, within WEBHOOK_TOLERANCE_SECONDS of the server's clock, 300 by default), "
+    "and "
+    '`webhook-signature: v1,<base64 HMAC-SHA256 of "<webhook-id>.<webhook-timestamp>.<raw body>">` by one of '
+    "the source's secrets (several space-separated signatures are allowed, as during a rotation). "
     "The body is the source's payload (for `demo`: the refund input).",
 )
 def receive_webhook(request, source: str):

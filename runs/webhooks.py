@@ -2,14 +2,17 @@
 a run, once.
 
 A source is registered here with the workflow its deliveries start and a function from the delivery's JSON
-object to that workflow's input; its secrets come from settings (WEBHOOK_SECRET_<SOURCE>, comma-separated: more
-than one is active during a rotation). A request is checked in this order, each failure answered without a run:
+object to that workflow's input; its secrets come from settings (WEBHOOK_SECRET_<SOURCE>, each `whsec_<base64>`
+or a plain string, comma-separated: more than one is active during a rotation). A request is checked in this
+order, each failure answered without a run:
 
 1. the source is registered and has a secret, else 404;
-2. `X-Timestamp` (unix seconds) is within WEBHOOK_TOLERANCE_SECONDS of our clock either way, and
-   `X-Signature: sha256=<hex HMAC-SHA256 of "<timestamp>.<raw body>">` matches one of its secrets, compared in
-   constant time over the raw bytes, else 401 (nothing is recorded: the sender is unknown);
-3. `X-Delivery-Id` is present, else 400;
+2. the Standard Webhooks signature (console.webhook_signing): `webhook-timestamp` (unix seconds) is within
+   WEBHOOK_TOLERANCE_SECONDS of our clock either way, and `webhook-signature` holds a `v1,<base64 HMAC-SHA256
+   of "<webhook-id>.<timestamp>.<raw body>">` by one of its secrets, compared in constant time over the raw
+   bytes, else 401 (nothing is recorded: the sender is unknown). The id is under the signature, so a captured
+   delivery resent under another id is refused here, not taken for a new delivery;
+3. `webhook-id` is present and fits the delivery row, else 400;
 4. a delivery id already accepted answers 200 with its run, whatever the body;
 5. the body is a JSON object (400) that the workflow's input schema accepts (422); a signed delivery refused
    here is recorded as `refused` with the reason, and does not block the same id sent again;
@@ -20,10 +23,6 @@ than one is active during a rotation). A request is checked in this order, each 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import re
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,15 +33,13 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from console import safe_input
+from console import safe_input, webhook_signing
 from runs.models import Run, WebhookDelivery
 from runs.workflow import InvalidInput
 
 log = structlog.get_logger("runs.webhooks")
 
 MAX_DELIVERY_ID = WebhookDelivery._meta.get_field("delivery_id").max_length
-_TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
-_SIGNATURE = re.compile(r"^sha256=([0-9a-fA-F]{64})$")
 
 
 @dataclass(frozen=True)
@@ -85,40 +82,14 @@ class Refused(Exception):
         self.detail = detail
 
 
-def signature(secret: str, timestamp: str, body: bytes) -> str:
-    """The `X-Signature` value for a body sent at `timestamp` (what a provider computes)."""
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
-
-
 def verify(source: Source, headers: Mapping[str, str], body: bytes, now: float | None = None) -> None:
     """Raises Refused(401) unless the timestamp is fresh and the signature is one of the source's secrets'."""
-    timestamp = headers.get("X-Timestamp", "").strip()
-    if not timestamp:
-        raise Refused(401, "unauthorized", "The X-Timestamp header (unix seconds) is missing.")
-    if not _TIMESTAMP.match(timestamp):
-        raise Refused(401, "unauthorized", "The X-Timestamp header must be unix seconds.")
-    now = time.time() if now is None else now
-    if abs(now - int(timestamp)) > settings.WEBHOOK_TOLERANCE_SECONDS:
-        raise Refused(
-            401,
-            "unauthorized",
-            f"The X-Timestamp is more than {settings.WEBHOOK_TOLERANCE_SECONDS} s away from the server's clock.",
+    try:
+        webhook_signing.verify(
+            secrets_for(source.name), headers, body, tolerance=settings.WEBHOOK_TOLERANCE_SECONDS, now=now
         )
-    given = headers.get("X-Signature", "").strip()
-    if not given:
-        raise Refused(401, "unauthorized", "The X-Signature header is missing.")
-    match = _SIGNATURE.match(given)
-    if match is None:
-        raise Refused(401, "unauthorized", "The X-Signature header must be 'sha256=<hex HMAC-SHA256>'.")
-    given_digest = match.group(1).lower().encode()
-    # Every active secret is tried, each in constant time, so which one matched (or how close) does not show.
-    matches = [
-        hmac.compare_digest(signature(secret, timestamp, body).removeprefix("sha256=").encode(), given_digest)
-        for secret in secrets_for(source.name)
-    ]
-    if not any(matches):
-        raise Refused(401, "unauthorized", "The signature does not match.")
+    except webhook_signing.BadSignature as exc:
+        raise Refused(401, "unauthorized", exc.detail) from None
 
 
 def receive(name: str, headers: Mapping[str, str], body: bytes) -> tuple[WebhookDelivery, bool]:
@@ -128,11 +99,12 @@ def receive(name: str, headers: Mapping[str, str], body: bytes) -> tuple[Webhook
     if source is None:
         raise Refused(404, "not_found", f"No webhook source {name!r}.")
     verify(source, headers, body)
-    delivery_id = headers.get("X-Delivery-Id", "").strip()
-    if not delivery_id:
-        raise Refused(400, "bad_request", "The X-Delivery-Id header is missing.")
+    # The id exactly as signed is the dedup key.
+    delivery_id = headers.get("webhook-id", "")
+    if not delivery_id.strip():
+        raise Refused(400, "bad_request", "The webhook-id header is missing.")
     if len(delivery_id) > MAX_DELIVERY_ID:
-        raise Refused(400, "bad_request", f"The X-Delivery-Id header is longer than {MAX_DELIVERY_ID} characters.")
+        raise Refused(400, "bad_request", f"The webhook-id header is longer than {MAX_DELIVERY_ID} characters.")
 
     accepted = (
         WebhookDelivery.objects.select_related("run")

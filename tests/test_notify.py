@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import base64
 import json
 import threading
 import time
@@ -16,6 +15,7 @@ from django.core.management import call_command
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 from procrastinate.retry import RetryDecision
+from standardwebhooks import Webhook, WebhookVerificationError
 
 from approvals import policy
 from approvals.models import Approval, Notification
@@ -27,6 +27,7 @@ from tests.engine_helpers import REFUND, drive
 from tests.worker import wait_until
 
 SECRET = "notify-test-secret"
+WHSEC = "whsec_" + base64.b64encode(b"the receiver's 32-byte webhook key").decode()
 
 
 class Receiver:
@@ -109,26 +110,67 @@ def test_the_webhook_is_signed_and_the_signature_verifies(demo, webhook_settings
     assert send_notification(notification_id=notification.pk) == "sent"
 
     (request,) = r.requests
-    timestamp, signature = request["headers"]["X-Timestamp"], request["headers"]["X-Signature"]
-    expected = hmac.new(SECRET.encode(), f"{timestamp}.".encode() + request["body"], hashlib.sha256).hexdigest()
-    assert signature == f"sha256={expected}"
-    assert abs(int(timestamp) - time.time()) < 60
-    body = json.loads(request["body"])
+    headers = request["headers"]
+    # The receiver's side, with the standardwebhooks library itself (a plain secret's key is its UTF-8 bytes).
+    body = Webhook(SECRET.encode()).verify(request["body"], headers)
+    assert headers["Webhook-Id"] == str(notification.pk)
+    assert abs(int(headers["Webhook-Timestamp"]) - time.time()) < 60
+    assert headers["Webhook-Signature"].startswith("v1,") and " " not in headers["Webhook-Signature"]
+    assert not [name for name in headers if name.lower().startswith("x-")]  # the old X-* headers are gone
+    assert body == json.loads(request["body"])
     assert body["event"] == "sla.escalate" and body["approval_id"] == card.pk and body["channel"] == "payments"
     assert body["group"] == "payments-leads" and body["url"] == f"/approvals/{card.pk}/"
     notification.refresh_from_db()
     assert notification.status == "sent" and notification.attempts == 1 and notification.sent_at
 
 
-def test_a_tampered_body_does_not_verify(demo, webhook_settings):
+def test_a_whsec_secret_signs_with_the_key_it_encodes(demo, webhook_settings, settings):
+    r = webhook_settings()
+    settings.NOTIFY_WEBHOOK_SECRET = WHSEC
+    escalated_card()
+    send_notification(notification_id=Notification.objects.get().pk)
+
+    (request,) = r.requests
+    Webhook(WHSEC).verify(request["body"], request["headers"])
+    with pytest.raises(WebhookVerificationError):  # not the secret's text
+        Webhook(WHSEC.encode()).verify(request["body"], request["headers"])
+
+
+def test_during_a_rotation_each_secret_signs_and_either_verifies(demo, webhook_settings, settings):
+    r = webhook_settings()
+    settings.NOTIFY_WEBHOOK_SECRET = f"{WHSEC}, {SECRET}"
+    escalated_card()
+    send_notification(notification_id=Notification.objects.get().pk)
+
+    (request,) = r.requests
+    assert len(request["headers"]["Webhook-Signature"].split(" ")) == 2
+    Webhook(WHSEC).verify(request["body"], request["headers"])
+    Webhook(SECRET.encode()).verify(request["body"], request["headers"])
+    with pytest.raises(WebhookVerificationError):
+        Webhook(b"some other secret").verify(request["body"], request["headers"])
+
+
+TAMPERED = {
+    "the body": lambda request: (request["body"].replace(b"payments", b"paymentz"), request["headers"]),
+    "the id": lambda request: (request["body"], {**request["headers"], "Webhook-Id": "999999"}),
+    "the timestamp": lambda request: (
+        request["body"],
+        {**request["headers"], "Webhook-Timestamp": str(int(request["headers"]["Webhook-Timestamp"]) - 1)},
+    ),
+}
+
+
+@pytest.mark.parametrize("tamper", TAMPERED.values(), ids=TAMPERED.keys())
+def test_a_tampered_message_does_not_verify(demo, webhook_settings, tamper):
     r = webhook_settings()
     escalated_card()
     send_notification(notification_id=Notification.objects.get().pk)
     (request,) = r.requests
-    timestamp = request["headers"]["X-Timestamp"]
-    tampered = request["body"].replace(b"payments", b"paymentz")
-    expected = hmac.new(SECRET.encode(), f"{timestamp}.".encode() + tampered, hashlib.sha256).hexdigest()
-    assert request["headers"]["X-Signature"] != f"sha256={expected}"
+    Webhook(SECRET.encode()).verify(request["body"], request["headers"])  # as sent, it does
+
+    body, headers = tamper(request)
+    with pytest.raises(WebhookVerificationError, match="No matching signature"):
+        Webhook(SECRET.encode()).verify(body, headers)
 
 
 def test_a_failing_webhook_is_retried_then_stays_visible_as_failed(demo, webhook_settings):
@@ -146,6 +188,10 @@ def test_a_failing_webhook_is_retried_then_stays_visible_as_failed(demo, webhook
     assert notification.status == "failed" and notification.attempts == 3
     assert "503" in notification.last_error
     assert len(r.requests) == 3
+    # Each attempt is signed afresh under the same webhook-id, so a receiver can drop a copy it already took.
+    assert {request["headers"]["Webhook-Id"] for request in r.requests} == {str(notification.pk)}
+    for request in r.requests:
+        Webhook(SECRET.encode()).verify(request["body"], request["headers"])
 
     card.refresh_from_db()  # the escalation stood, and the card is still decided normally
     assert card.status == "escalated"

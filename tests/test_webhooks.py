@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import http.client
@@ -11,21 +12,24 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 import pytest
+import standardwebhooks
 from django.conf import settings as django_settings
 from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 
+from console import webhook_signing
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run, WebhookDelivery
-from runs.webhooks import signature
 from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
 
 SECRET = "demo-secret"
+WHSEC = "whsec_" + base64.b64encode(b"the 32-byte key of a whsec secret").decode()
 
 
 @pytest.fixture(autouse=True)
@@ -38,13 +42,26 @@ def demo(db):
     call_command("demo_setup", verbosity=0)
 
 
+def signature(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
+    """What a provider computes (Standard Webhooks), worked out here apart from the code under test: `v1,` and
+    the base64 HMAC-SHA256 of "<id>.<timestamp>.<body>" under the key (a `whsec_` secret's decoded bytes, else
+    the string's UTF-8 bytes)."""
+    key = base64.b64decode(secret.removeprefix("whsec_")) if secret.startswith("whsec_") else secret.encode()
+    digest = hmac.new(key, f"{delivery_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
 def signed(
     body: bytes, *, delivery_id: str | None = "dlv-1", secret: str = SECRET, timestamp: int | str | None = None
 ) -> dict:
+    """The headers of a delivery: without an id (None), signed over an empty one."""
     timestamp = str(int(time.time()) if timestamp is None else timestamp)
-    headers = {"X-Timestamp": timestamp, "X-Signature": signature(secret, timestamp, body)}
+    headers = {
+        "webhook-timestamp": timestamp,
+        "webhook-signature": signature(secret, delivery_id or "", timestamp, body),
+    }
     if delivery_id is not None:
-        headers["X-Delivery-Id"] = delivery_id
+        headers["webhook-id"] = delivery_id
     return headers
 
 
@@ -269,13 +286,96 @@ def test_the_same_delivery_three_times_at_once_on_the_production_server_makes_on
 
 
 def test_a_rotated_secret_accepts_the_old_and_the_new_one(client, demo, settings):
-    settings.WEBHOOK_SECRETS = {"demo": ["new-secret", "old-secret"]}
+    settings.WEBHOOK_SECRETS = {"demo": [WHSEC, "old-secret"]}
 
     assert deliver(client, SMALL_REFUND, delivery_id="a", secret="old-secret").status_code == 202
-    assert deliver(client, SMALL_REFUND, delivery_id="b", secret="new-secret").status_code == 202
+    assert deliver(client, SMALL_REFUND, delivery_id="b", secret=WHSEC).status_code == 202
     refused = deliver(client, SMALL_REFUND, delivery_id="c", secret=SECRET)
     assert refused.status_code == 401
     assert Run.objects.count() == 2
+
+
+def test_a_header_with_several_signatures_is_accepted_when_one_of_them_matches(client, demo):
+    """A sender rotating its secret signs with the new and the old one; signatures of another version (v1a:
+    asymmetric) are skipped, as the specification says."""
+    others = {
+        "a signature by another secret": signed(_BODY, secret="another-secret")["webhook-signature"],
+        "a signature of other bytes": "v1," + base64.b64encode(b"x" * 32).decode(),
+        "a signature of another version": "v1a," + base64.b64encode(b"y" * 64).decode(),
+    }
+    for n, other in enumerate(others.values()):
+        headers = signed(_BODY, delivery_id=f"dlv-several-{n}")
+        valid = headers["webhook-signature"]
+        answers = [
+            deliver(client, _BODY, {**headers, "webhook-signature": f"{first} {second}"}).status_code
+            for first, second in ((other, valid), (valid, other))
+        ]
+        assert answers == [202, 200], (other, answers)  # the second is the same delivery id: a duplicate
+    assert Run.objects.count() == 3
+
+
+def test_several_signatures_none_of_which_matches_are_refused(client, demo):
+    headers = signed(_BODY, secret="another-secret")
+    headers["webhook-signature"] += " " + signed(_BODY, secret="a-third-secret")["webhook-signature"]
+
+    response = deliver(client, _BODY, headers)
+
+    assert response.status_code == 401
+    assert response.json() == {"error": "unauthorized", "detail": "The signature does not match."}
+    assert_nothing_created()
+
+
+def test_a_whsec_secret_is_the_key_its_base64_decodes_to(client, demo, settings):
+    settings.WEBHOOK_SECRETS = {"demo": [WHSEC]}
+    timestamp = int(time.time())
+    # Signed by the standardwebhooks library itself, as a provider using it would.
+    library_signature = standardwebhooks.Webhook(WHSEC).sign(
+        "dlv-lib", datetime.fromtimestamp(timestamp, UTC), _BODY.decode()
+    )
+    headers = {"webhook-id": "dlv-lib", "webhook-timestamp": str(timestamp), "webhook-signature": library_signature}
+
+    assert deliver(client, _BODY, headers).status_code == 202
+    assert deliver(client, _BODY, delivery_id="dlv-mine", secret=WHSEC).status_code == 202
+    # The secret's text is not the key: a signature made with its UTF-8 bytes is refused.
+    as_text = hmac.new(WHSEC.encode(), f"dlv-text.{timestamp}.".encode() + _BODY, hashlib.sha256).digest()
+    headers = {
+        "webhook-id": "dlv-text",
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": "v1," + base64.b64encode(as_text).decode(),
+    }
+    assert deliver(client, _BODY, headers).status_code == 401
+    assert Run.objects.count() == 2
+
+
+def test_a_plain_secret_is_the_key_its_utf8_bytes_are(client, demo, settings):
+    settings.WEBHOOK_SECRETS = {"demo": ["démo-secret"]}
+    timestamp = int(time.time())
+    library_signature = standardwebhooks.Webhook("démo-secret".encode()).sign(
+        "dlv-plain", datetime.fromtimestamp(timestamp, UTC), _BODY.decode()
+    )
+    headers = {"webhook-id": "dlv-plain", "webhook-timestamp": str(timestamp), "webhook-signature": library_signature}
+
+    assert deliver(client, _BODY, headers).status_code == 202
+    # The library would base64-decode a plain string handed to it as one (into other bytes): not our key.
+    lenient = standardwebhooks.Webhook("demo-secret").sign("dlv-b64", datetime.fromtimestamp(timestamp, UTC), "{}")
+    settings.WEBHOOK_SECRETS = {"demo": ["demo-secret"]}
+    headers = {"webhook-id": "dlv-b64", "webhook-timestamp": str(timestamp), "webhook-signature": lenient}
+    assert deliver(client, b"{}", headers).status_code == 401
+    assert Run.objects.count() == 1
+
+
+def test_the_tolerance_is_ours_not_the_librarys_five_minutes(client, demo, settings):
+    now = int(time.time())
+    settings.WEBHOOK_TOLERANCE_SECONDS = 600
+    assert deliver(client, SMALL_REFUND, delivery_id="late", timestamp=now - 500).status_code == 202
+    assert deliver(client, SMALL_REFUND, delivery_id="early", timestamp=now + 500).status_code == 202
+
+    settings.WEBHOOK_TOLERANCE_SECONDS = 60
+    response = deliver(client, SMALL_REFUND, delivery_id="stale", timestamp=now - 90)
+    assert response.status_code == 401
+    assert response.json()["detail"] == "The webhook-timestamp is more than 60 s away from the server's clock."
+    assert deliver(client, SMALL_REFUND, delivery_id="ahead", timestamp=now + 90).status_code == 401
+    assert Run.objects.count() == WebhookDelivery.objects.count() == 2
 
 
 def test_a_timestamp_within_the_window_either_way_is_accepted(client, demo):
@@ -285,8 +385,8 @@ def test_a_timestamp_within_the_window_either_way_is_accepted(client, demo):
 
 
 def _tampered(headers: dict) -> dict:
-    digest = headers["X-Signature"].removeprefix("sha256=")
-    return {**headers, "X-Signature": "sha256=" + ("0" if digest[0] != "0" else "1") + digest[1:]}
+    digest = headers["webhook-signature"].removeprefix("v1,")
+    return {**headers, "webhook-signature": "v1," + ("A" if digest[0] != "A" else "B") + digest[1:]}
 
 
 def _without(headers: dict, name: str) -> dict:
@@ -294,35 +394,99 @@ def _without(headers: dict, name: str) -> dict:
 
 
 _BODY = json.dumps(SMALL_REFUND).encode()
+
+
+def _NOW() -> int:
+    return int(time.time())
+
+
+def _DIGEST() -> str:
+    """The base64 part of a valid signature of _BODY."""
+    return signed(_BODY)["webhook-signature"].removeprefix("v1,")
+
+
+_MALFORMED = "The webhook-signature header must be 'v1,<base64 HMAC-SHA256>' signatures, separated by spaces."
+_MISMATCH = "The signature does not match."
 UNAUTHORIZED = {
-    "a tampered signature": lambda: _tampered(signed(_BODY)),
-    "another secret's signature": lambda: signed(_BODY, secret="not-the-secret"),
-    "a signature of another body": lambda: signed(b'{"amount_cents": 1}'),
-    "a signature of another timestamp": lambda: {
-        **signed(_BODY, timestamp=int(time.time()) - 1),
-        "X-Timestamp": str(int(time.time())),
-    },
-    "no signature": lambda: _without(signed(_BODY), "X-Signature"),
-    "a signature without its scheme": lambda: {
-        **signed(_BODY),
-        "X-Signature": signed(_BODY)["X-Signature"].removeprefix("sha256="),
-    },
-    "a sha1 signature": lambda: {**signed(_BODY), "X-Signature": "sha1=" + "0" * 40},
-    "no timestamp": lambda: _without(signed(_BODY), "X-Timestamp"),
-    "a timestamp 6 minutes old": lambda: signed(_BODY, timestamp=int(time.time()) - 360),
-    "a timestamp 6 minutes ahead": lambda: signed(_BODY, timestamp=int(time.time()) + 360),
-    "a timestamp that is not unix seconds": lambda: signed(_BODY, timestamp="2026-12-01T10:00:00Z"),
-    "a timestamp with a fraction": lambda: signed(_BODY, timestamp=f"{int(time.time())}.5"),
+    "a tampered signature": (lambda: _tampered(signed(_BODY)), _MISMATCH),
+    "another secret's signature": (lambda: signed(_BODY, secret="not-the-secret"), _MISMATCH),
+    "a signature of another body": (lambda: signed(b'{"amount_cents": 1}'), _MISMATCH),
+    "a signature of another timestamp": (
+        lambda: {**signed(_BODY, timestamp=_NOW() - 1), "webhook-timestamp": str(_NOW())},
+        _MISMATCH,
+    ),
+    "a signature of another id": (lambda: {**signed(_BODY, delivery_id="dlv-0"), "webhook-id": "dlv-1"}, _MISMATCH),
+    "a signature of an id, sent without it": (
+        lambda: _without(signed(_BODY, delivery_id="dlv-1"), "webhook-id"),
+        _MISMATCH,
+    ),
+    "a signature of the timestamp and body alone": (
+        lambda: {
+            **signed(_BODY),
+            "webhook-signature": "v1,"
+            + base64.b64encode(
+                hmac.new(SECRET.encode(), f"{_NOW()}.".encode() + _BODY, hashlib.sha256).digest()
+            ).decode(),
+        },
+        _MISMATCH,
+    ),
+    "a signature in hex": (  # hex digits are base64 too: it decodes, to other bytes
+        lambda: {**signed(_BODY), "webhook-signature": "v1," + base64.b64decode(_DIGEST()).hex()},
+        _MISMATCH,
+    ),
+    "no signature": (lambda: _without(signed(_BODY), "webhook-signature"), "The webhook-signature header is missing."),
+    "an empty signature": (
+        lambda: {**signed(_BODY), "webhook-signature": " "},
+        "The webhook-signature header is missing.",
+    ),
+    "a signature without its version": (lambda: {**signed(_BODY), "webhook-signature": _DIGEST()}, _MALFORMED),
+    "a version without its signature": (lambda: {**signed(_BODY), "webhook-signature": "v1,"}, _MALFORMED),
+    "a signature that is not base64": (lambda: {**signed(_BODY), "webhook-signature": "v1,not*base64!"}, _MALFORMED),
+    "a malformed entry beside a valid one": (
+        lambda: {**signed(_BODY), "webhook-signature": "garbage " + signed(_BODY)["webhook-signature"]},
+        _MALFORMED,
+    ),
+    "the old sha256=<hex> form": (
+        lambda: {**signed(_BODY), "webhook-signature": "sha256=" + base64.b64decode(_DIGEST()).hex()},
+        _MALFORMED,
+    ),
+    "only a signature of another version": (
+        lambda: {**signed(_BODY), "webhook-signature": "v2," + _DIGEST()},
+        "The webhook-signature header holds no v1 signature.",
+    ),
+    "no timestamp": (
+        lambda: _without(signed(_BODY), "webhook-timestamp"),
+        "The webhook-timestamp header (unix seconds) is missing.",
+    ),
+    "a timestamp 6 minutes old": (
+        lambda: signed(_BODY, timestamp=_NOW() - 360),
+        "The webhook-timestamp is more than 300 s away from the server's clock.",
+    ),
+    "a timestamp 6 minutes ahead": (
+        lambda: signed(_BODY, timestamp=_NOW() + 360),
+        "The webhook-timestamp is more than 300 s away from the server's clock.",
+    ),
+    "a timestamp that is not unix seconds": (
+        lambda: signed(_BODY, timestamp="2026-12-01T10:00:00Z"),
+        "The webhook-timestamp header must be unix seconds.",
+    ),
+    "a timestamp with a fraction": (
+        lambda: signed(_BODY, timestamp=f"{_NOW()}.5"),
+        "The webhook-timestamp header must be unix seconds.",
+    ),
+    "a timestamp in milliseconds": (
+        lambda: signed(_BODY, timestamp=_NOW() * 1000),
+        "The webhook-timestamp header must be unix seconds.",
+    ),
 }
 
 
-@pytest.mark.parametrize("make_headers", UNAUTHORIZED.values(), ids=UNAUTHORIZED.keys())
-def test_it_answers_401_to_an_unsigned_or_stale_delivery_and_records_nothing(client, demo, make_headers):
+@pytest.mark.parametrize(("make_headers", "detail"), UNAUTHORIZED.values(), ids=UNAUTHORIZED.keys())
+def test_it_answers_401_to_an_unsigned_or_stale_delivery_and_records_nothing(client, demo, make_headers, detail):
     response = deliver(client, _BODY, make_headers())
 
     assert response.status_code == 401, response.content
-    assert response.json()["error"] == "unauthorized"
-    assert response.json()["detail"]
+    assert response.json() == {"error": "unauthorized", "detail": detail}
     assert_nothing_created()
 
 
@@ -345,7 +509,7 @@ def test_it_answers_400_without_a_delivery_id(client, demo):
     response = deliver(client, _BODY, delivery_id=None)
 
     assert response.status_code == 400
-    assert response.json() == {"error": "bad_request", "detail": "The X-Delivery-Id header is missing."}
+    assert response.json() == {"error": "bad_request", "detail": "The webhook-id header is missing."}
     assert_nothing_created()
 
 
@@ -353,6 +517,7 @@ def test_it_answers_400_for_a_delivery_id_too_long_to_keep(client, demo):
     response = deliver(client, _BODY, delivery_id="d" * 201)
 
     assert response.status_code == 400
+    assert response.json() == {"error": "bad_request", "detail": "The webhook-id header is longer than 200 characters."}
     assert_nothing_created()
 
 
@@ -492,12 +657,59 @@ def test_secrets_come_from_the_environment_one_or_more_per_source():
     production = {k: v for k, v in env.items() if k not in ("WEBHOOK_SECRET_DEMO", "WEBHOOK_SECRET_CRM_EVENTS")}
     assert secrets(production) == {}
     assert secrets({**production, "CONSOLE_ENV": "development"}) == {"demo": ["demo-secret"]}
+    assert secrets({**production, "WEBHOOK_SECRET_DEMO": f"{WHSEC},old-one"}) == {"demo": [WHSEC, "old-one"]}
+
+    # A whsec_ secret that is no key stops the start, naming the variable, rather than failing each delivery.
+    for name, value in [("WEBHOOK_SECRET_DEMO", "whsec_not*base64"), ("NOTIFY_WEBHOOK_SECRET", "new-one,whsec_")]:
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=django_settings.BASE_DIR,
+            env={**production, "NOTIFY_WEBHOOK_SECRET": "notify", name: value},
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode != 0
+        assert f"ImproperlyConfigured: {name}: a whsec_ secret must" in proc.stderr, proc.stderr
 
 
-def test_a_signature_is_what_the_design_says():
+def test_a_signature_covers_the_id_the_timestamp_and_the_body():
     body = b'{"a": 1}'
-    expected = hmac.new(b"demo-secret", b"1700000000." + body, hashlib.sha256).hexdigest()
-    assert signature("demo-secret", "1700000000", body) == f"sha256={expected}"
+    expected = hmac.new(b"demo-secret", b"dlv-7.1700000000." + body, hashlib.sha256).digest()
+    assert (
+        webhook_signing.sign(["demo-secret"], "dlv-7", 1700000000, body) == "v1," + base64.b64encode(expected).decode()
+    )
+    # Two secrets (a rotation): one signature each, space-separated, in the order given.
+    both = webhook_signing.sign(["demo-secret", WHSEC], "dlv-7", 1700000000, body)
+    assert both == " ".join(signature(s, "dlv-7", "1700000000", body) for s in ("demo-secret", WHSEC))
+
+
+def test_it_reproduces_and_accepts_the_standard_webhooks_test_vector():
+    """The specification's published example: secret, id, timestamp, body and the signature they make."""
+    secret, msg_id, timestamp, body = (
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        "msg_p5jXN8AQM9LWM0D4loKWxJek",
+        1614265330,
+        b'{"test": 2432232314}',
+    )
+    expected = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+    assert webhook_signing.sign([secret], msg_id, timestamp, body) == expected
+    headers = {"webhook-id": msg_id, "webhook-timestamp": str(timestamp), "webhook-signature": expected}
+    webhook_signing.verify([secret], headers, body, tolerance=300, now=timestamp + 299)
+    with pytest.raises(webhook_signing.BadSignature, match="300 s away"):
+        webhook_signing.verify([secret], headers, body, tolerance=300, now=timestamp + 301)
+    with pytest.raises(webhook_signing.BadSignature, match="does not match"):
+        webhook_signing.verify([secret], {**headers, "webhook-id": "msg_other"}, body, tolerance=300, now=timestamp)
+
+
+@pytest.mark.parametrize(
+    "secret",
+    ["whsec_", "whsec_not*base64", ""],
+    ids=["whsec_ and nothing", "whsec_ and not base64", "empty"],
+)
+def test_a_secret_that_is_no_key_is_refused(secret):
+    with pytest.raises(ValueError):
+        webhook_signing.key(secret)
 
 
 def test_a_delivery_id_is_unique_per_source(demo):
@@ -509,3 +721,22 @@ def test_a_delivery_id_is_unique_per_source(demo):
         WebhookDelivery.objects.create(source="demo", delivery_id="x", status="refused")
     with pytest.raises(IntegrityError), transaction.atomic():
         WebhookDelivery.objects.create(source="other", delivery_id="y", status="refused", run=run)
+
+
+def test_a_captured_delivery_replayed_under_a_new_delivery_id_is_refused_and_makes_no_run(client, demo):
+    """The signature covers the delivery id: the same signed request resent within the window under another id
+    (so that the dedup does not know it) is not signed, and starts no second run or payment."""
+    captured = signed(_BODY, delivery_id="dlv-original")
+    first = deliver(client, _BODY, captured)
+    assert first.status_code == 202
+    drive(Run.objects.get())
+    assert sandbox.stats()["channels"]["payments"] == 1
+
+    replay = deliver(client, _BODY, {**captured, "webhook-id": "dlv-replayed"})
+    for run in Run.objects.exclude(status=Run.Status.SUCCEEDED):
+        drive(run)
+
+    runs, payments = Run.objects.count(), sandbox.stats()["channels"]["payments"]
+    assert (replay.status_code, runs, payments) == (401, 1, 1)
+    assert replay.json()["error"] == "unauthorized"
+    assert not WebhookDelivery.objects.filter(delivery_id="dlv-replayed").exists()

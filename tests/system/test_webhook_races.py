@@ -8,17 +8,17 @@ Sizes: WEBHOOK_DELIVERIES (50).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from datetime import UTC, datetime
 
 import pytest
 from django.conf import settings
+from standardwebhooks import Webhook
 
 from runs.models import Run, WebhookDelivery
 from tests.system.conftest import effects_per_run, env_int, jobs_doing, report, sandbox_stats
@@ -30,17 +30,18 @@ SECRET = "demo-secret"  # WEBHOOK_SECRET_DEMO's development default
 
 
 def _send(url: str, delivery_id: str, body: bytes) -> tuple[int, dict]:
-    timestamp = str(int(time.time()))
-    signature = hmac.new(SECRET.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    # Signed as a provider using the standardwebhooks library would (a plain secret's key is its UTF-8 bytes).
+    timestamp = int(time.time())
+    signature = Webhook(SECRET.encode()).sign(delivery_id, datetime.fromtimestamp(timestamp, UTC), body.decode())
     request = urllib.request.Request(
         url + "/api/webhooks/demo",
         data=body,
         method="POST",
         headers={
             "Content-Type": "application/json",
-            "X-Delivery-Id": delivery_id,
-            "X-Timestamp": timestamp,
-            "X-Signature": f"sha256={signature}",
+            "webhook-id": delivery_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature,
         },
     )
     try:

@@ -11,11 +11,11 @@ the figure is the endpoint's alone. After a 2 s warm-up it runs
 
     wrk -t<threads> -c<connections> -d<duration>s --latency -s bench/webhook_wrk.lua <url> -- <secret>
 
-whose Lua script signs every request afresh (its own X-Delivery-Id, the current X-Timestamp, HMAC-SHA256 of
-"<timestamp>.<body>"), then the same with one delivery id for all requests (`-- <secret> duplicate <id>`: the
-deduplicated path, 200 after the first), then GET /healthz (`-- healthz`) as the same server's floor under the
-same load. It checks that the database gained one accepted delivery and one run
-per 202, and prints the load average before and after (the machine may be shared).
+whose Lua script signs every request afresh (Standard Webhooks: its own webhook-id, the current
+webhook-timestamp, base64 HMAC-SHA256 of "<id>.<timestamp>.<body>"), then the same with one delivery id for all
+requests (`-- <secret> duplicate <id>`: the deduplicated path, 200 after the first), then GET /healthz
+(`-- healthz`) as the same server's floor under the same load. It checks that the database gained one accepted
+delivery and one run per 202, and prints the load average before and after (the machine may be shared).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
--- wrk script for POST /api/webhooks/demo (bench/webhook_latency.py runs it): every request is signed afresh,
--- with its own X-Delivery-Id and the current X-Timestamp, as a provider would send it:
---   X-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<raw body>")>
--- wrk's LuaJIT has no HMAC, so SHA-256 is written out here with its `bit` library (checked at load against
--- RFC 4231's test case 2).
+-- wrk script for POST /api/webhooks/demo (bench/webhook_latency.py runs it): every request is signed afresh
+-- (Standard Webhooks), with its own webhook-id and the current webhook-timestamp, as a provider would send it:
+--   webhook-signature: v1,<base64 HMAC-SHA256(secret, "<id>.<timestamp>.<raw body>")>
+-- The secret is a plain one (its bytes are the key), not a whsec_ one. wrk's LuaJIT has no HMAC, so SHA-256 and
+-- base64 are written out here with its `bit` library (checked at load against RFC 4231's test case 2 and
+-- RFC 4648's examples).
 --
 --   wrk -t2 -c16 -d10s --latency -s bench/webhook_wrk.lua http://127.0.0.1:PORT/api/webhooks/demo -- SECRET
 -- (`-- SECRET duplicate ID`: delivery id ID for all requests, the deduplicated path)
@@ -67,18 +68,41 @@ local function xor_with(key, byte)
   return (key:gsub(".", function(c) return string.char(bxor(c:byte(), byte)) end))
 end
 
-local function hmac_sha256_hex(key, message)
+local function hmac_sha256(key, message)
   if #key > 64 then key = sha256(key) end
   key = key .. string.rep("\0", 64 - #key)
-  local digest = sha256(xor_with(key, 0x5c) .. sha256(xor_with(key, 0x36) .. message))
-  return (digest:gsub(".", function(c) return string.format("%02x", c:byte()) end))
+  return sha256(xor_with(key, 0x5c) .. sha256(xor_with(key, 0x36) .. message))
+end
+
+local function hex(bytes)
+  return (bytes:gsub(".", function(c) return string.format("%02x", c:byte()) end))
+end
+
+local ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+local function base64(bytes)
+  local out = {}
+  for i = 1, #bytes, 3 do
+    local a, b, c = bytes:byte(i, i + 2)
+    local n = bor(lshift(a, 16), lshift(b or 0, 8), c or 0)
+    for j = 0, 3 do
+      if j <= #bytes - i + 1 then
+        local k = band(rshift(n, 18 - 6 * j), 63) + 1
+        out[#out + 1] = ALPHABET:sub(k, k)
+      else
+        out[#out + 1] = "="
+      end
+    end
+  end
+  return table.concat(out)
 end
 
 assert(
-  hmac_sha256_hex("Jefe", "what do ya want for nothing?")
+  hex(hmac_sha256("Jefe", "what do ya want for nothing?"))
     == "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843",
   "SHA-256 self-check failed"
 )
+assert(base64("f") == "Zg==" and base64("fo") == "Zm8=" and base64("foobar") == "Zm9vYmFy", "base64 self-check failed")
 
 local body = '{"customer_id": "cus_1042", "amount_cents": 900, "currency": "EUR", "reason": "Item arrived damaged"}'
 local secret = "demo-secret"
@@ -109,11 +133,12 @@ function request()
   if baseline then return wrk.format("GET", "/healthz") end
   counter = counter + 1
   local timestamp = tostring(os.time())
+  local delivery_id = same_id or (prefix .. "-" .. counter)
   local headers = {
     ["Content-Type"] = "application/json",
-    ["X-Delivery-Id"] = same_id or (prefix .. "-" .. counter),
-    ["X-Timestamp"] = timestamp,
-    ["X-Signature"] = "sha256=" .. hmac_sha256_hex(secret, timestamp .. "." .. body),
+    ["webhook-id"] = delivery_id,
+    ["webhook-timestamp"] = timestamp,
+    ["webhook-signature"] = "v1," .. base64(hmac_sha256(secret, delivery_id .. "." .. timestamp .. "." .. body)),
   }
   return wrk.format("POST", nil, headers, body)
 end

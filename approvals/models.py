@@ -116,7 +116,8 @@ class Approval(models.Model):
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     summary = models.TextField(blank=True)
     # Display hints from the gate's declaration (runs.workflow.Display), copied when the card opens so that the
-    # inbox shows any workflow's headline and amount without knowing its proposal's shape.
+    # inbox shows any workflow's headline and amount without knowing its proposal's shape; an edit writes them
+    # again from what then runs (decide), so that they are never the proposal's once it was edited.
     headline = models.CharField(max_length=300, blank=True)
     amount_minor = models.BigIntegerField(null=True, blank=True, help_text="An amount in minor units (cents).")
     currency = models.CharField(max_length=3, blank=True)

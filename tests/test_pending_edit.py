@@ -233,3 +233,12 @@ def test_a_bulk_rejection_still_takes_a_card_with_a_pending_edit(client, demo, e
     )
     assert response.status_code == 200
     assert Approval.objects.get(pk=card.pk).status == Approval.Status.REJECTED
+
+
+def test_without_javascript_a_bulk_approval_says_on_the_inbox_which_cards_it_skipped(client, demo, edited):
+    _, card = edited
+    client.force_login(demo["reviewer"])
+    response = client.post("/approvals/bulk", {"cards": [f"{card.pk}:{card.version}"], "decision": "approve"})
+    assert response.status_code == 302 and response["Location"] == "/"
+    assert "1 card has a pending edit: open it to approve it" in client.get("/").content.decode()
+    assert Approval.objects.get(pk=card.pk).status == Approval.Status.PENDING

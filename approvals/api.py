@@ -1,18 +1,41 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from django.shortcuts import get_object_or_404
 from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError, ValidationError
 
+from approvals.diff import changes
 from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
 from console.api_errors import ERRORS
 from console.models import Channel
 
 router = Router(tags=["approvals"])
+
+
+class FieldChangeOut(Schema):
+    path: str  # dotted, as in the card's diff: refund.amount_cents
+    op: Literal["added", "removed", "changed"]
+    old: Any = None
+    new: Any = None
+
+
+class EditOut(Schema):
+    """The card's latest edit: on an open card the pending edit, which is what runs if the card is approved."""
+
+    by: str
+    at: datetime
+    comment: str
+    payload: dict
+    against_proposed: list[FieldChangeOut]  # what the edit changed in the agent's proposal
+    against_current: list[FieldChangeOut]  # what running it changes in the current state
+
+
+def _changes(old, new) -> list[dict]:
+    return [{"path": d.path, "op": d.op, "old": d.old, "new": d.new} for d in changes(old, new)]
 
 
 class CardOut(Schema):
@@ -22,8 +45,16 @@ class CardOut(Schema):
     kind: str
     channel: str
     status: str
-    proposed: dict
+    proposed: dict  # what the agent proposed, as it proposed it
     current: dict | None
+    # What runs if the card is approved as it stands (its latest edit, else the proposal), or what ran; null once
+    # rejected, expired or cancelled. The same value as the card page's and the engine's (Approval.to_execute).
+    to_execute: dict | None
+    edit: EditOut | None  # null when nobody edited the proposal
+    # The gate's display hints, applied to what runs.
+    headline: str
+    amount_minor: int | None
+    currency: str
     summary: str
     rule_id: str
     confidence: float | None
@@ -41,6 +72,20 @@ class CardOut(Schema):
     @staticmethod
     def resolve_run_id(card):
         return str(card.run_id)
+
+    @staticmethod
+    def resolve_edit(card):
+        edit = card.last_edit
+        if edit is None:
+            return None
+        return {
+            "by": edit.actor.get_username() if edit.actor else "system",
+            "at": edit.created_at,
+            "comment": edit.comment,
+            "payload": edit.payload,
+            "against_proposed": _changes(card.proposed, edit.payload),
+            "against_current": _changes(card.current, edit.payload),
+        }
 
 
 class DecisionIn(Schema):
@@ -71,7 +116,11 @@ CardStatus = Literal["pending", "approved", "edited", "rejected", "expired", "es
 
 @router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
 def list_cards(request, status: CardStatus = "pending"):
-    cards = Approval.objects.filter(channel__in=decidable_channels(request.user)).select_related("channel")
+    cards = (
+        Approval.objects.filter(channel__in=decidable_channels(request.user))
+        .select_related("channel")
+        .prefetch_related("decisions__actor")  # each card's latest edit, in one query for the whole list
+    )
     if status != "all":
         cards = cards.filter(status=status)
     return cards.exclude(run_created_by=request.user).order_by("due_at")[:500]

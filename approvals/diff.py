@@ -112,6 +112,11 @@ def diff_json(old: Any, new: Any, path: str = "") -> list[FieldDiff]:
     return diffs
 
 
+def changes(old: Any, new: Any) -> list[FieldDiff]:
+    """The fields `new` changes, adds or removes against `old` (diff_json without the unchanged ones)."""
+    return [d for d in diff_json(old, new) if d.op != SAME]
+
+
 def summarize(diffs: list[FieldDiff]) -> dict[str, int]:
     counts = {ADDED: 0, REMOVED: 0, CHANGED: 0, SAME: 0}
     for d in diffs:

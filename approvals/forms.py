@@ -1,9 +1,10 @@
 """The card's decision forms: reject (comment + reason) and edit (the proposed payload, field by field).
 
-The edit form is built from the card's `proposed` object and its gate's declaration (approvals.edits): one field
-per editable leaf, of the leaf's own type (an int stays an int); the other leaves are shown as they are. Cards
-whose payload is not a flat-enough object get one JSON textarea instead. Either way the payload is checked by the
-same validator that Approval.decide() applies, so the form refuses exactly what the API refuses.
+The edit form is built from what the card runs (its `proposed` object, or the pending edit of a card that waits
+for a second person) and its gate's declaration (approvals.edits): one field per editable leaf, of the leaf's own
+type (an int stays an int); the other leaves are shown as they are. Cards whose payload is not a flat-enough
+object get one JSON textarea instead. Either way the payload is checked by the same validator that
+Approval.decide() applies, so the form refuses exactly what the API refuses.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ class EditForm(forms.Form):
     def __init__(self, card, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.card = card
-        self.proposed = proposed = card.proposed
+        # It starts from what runs (a pending edit, else the proposal); what it makes is checked against the
+        # proposal all the same (approvals.edits).
+        to_run = card.to_execute
+        self.proposed = proposed = to_run if to_run is not None else card.proposed
         leaves = _leaves(proposed) if isinstance(proposed, dict) else []
         self.structured = bool(leaves) and all(_is_scalar(value) for _, value in leaves)
         paths = [path for path, _ in leaves]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from approvals import edits, policy
+from approvals import policy
 from approvals.models import Approval
 from console.models import Channel
 from runs.gates import ApprovalRequest, Decision, Kind
@@ -23,8 +23,7 @@ class CardBackend:
                 return  # parked again on the same question (a resumed job): keep the card
             open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
             open_card.save(update_fields=["status", "decided_at"])
-        spec = edits.gate_spec(Approval(run=run, step_seq=seq, kind=request.kind))
-        display = spec.display.values(request.proposed) if spec is not None else {}
+        display = Approval(run=run, step_seq=seq, kind=request.kind).display_of(request.proposed)
         card = Approval.objects.create(
             **display,
             run=run,
@@ -50,6 +49,7 @@ class CardBackend:
     def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
         card = (
             Approval.objects.filter(run=run, step_seq=seq, args_hash=request.args_hash(), status__in=Approval.DECIDED)
+            .prefetch_related("decisions__actor")
             .order_by("-decided_at")
             .first()
         )
@@ -58,6 +58,7 @@ class CardBackend:
     def decided(self, run, seq: int) -> Decision | None:
         card = (
             Approval.objects.filter(run=run, step_seq=seq, kind=Kind.ACTION, status__in=Approval.DECIDED)
+            .prefetch_related("decisions__actor")
             .order_by("-decided_at")
             .first()
         )
@@ -68,15 +69,11 @@ class CardBackend:
 
 
 def _decision_of(card: Approval) -> Decision:
-    decisions = list(card.decisions.select_related("actor").order_by("created_at"))
+    """The engine's view of a decided card (its decisions prefetched). What executes is `card.to_execute`, what
+    the card page, the inbox and the API showed: under the two-person rule the last edit, which the second
+    person approved, else the proposal as it stands; nothing after a rejection."""
+    decisions = sorted(card.decisions.all(), key=lambda d: (d.created_at, d.pk))
     last = decisions[-1]
-    # Under the two-person rule an edit may be followed by the second person's approval: the last edit
-    # is what executes, else the proposal as it stands.
-    edits = [d for d in decisions if d.decision == "edit"]
-    payload = {
-        Approval.Status.APPROVED: card.proposed,
-        Approval.Status.EDITED: edits[-1].payload if edits else None,
-    }
     if card.status != Approval.Status.REJECTED:
         # Those who approved what executes: from its last change on (an edit restarts the two-person count).
         last_edit = max((i for i, d in enumerate(decisions) if d.decision == "edit"), default=0)
@@ -85,7 +82,7 @@ def _decision_of(card: Approval) -> Decision:
         deciders = [d for d in decisions if d.decision == "reject"]
     return Decision(
         decision=card.status,
-        payload=payload.get(card.status),
+        payload=card.to_execute,
         comment=last.comment,
         reason=last.reason,
         by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),

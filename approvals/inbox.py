@@ -22,7 +22,8 @@ from datetime import datetime, timedelta
 from urllib.parse import urlencode
 
 from django import forms
-from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Value, When
+from django.contrib import messages
+from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Subquery, Value, When
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -32,7 +33,15 @@ from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from approvals.api import decidable_channels
-from approvals.models import AlreadyDecided, Approval, Decision, DecisionError, RejectReason, StaleVersion
+from approvals.models import (
+    AlreadyDecided,
+    Approval,
+    Decision,
+    DecisionError,
+    RejectReason,
+    StaleVersion,
+    latest_edits,
+)
 from console import views as console_views
 from console.models import Channel
 
@@ -170,7 +179,7 @@ class Inbox:
                 *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
                 *("workflow", "run_id", "assigned_group__name", "headline", "amount_minor", "currency", "shadow"),
             )
-            .annotate(sla_state=sla_state_expression(self.channels, self.now))
+            .annotate(sla_state=sla_state_expression(self.channels, self.now), **pending_edit_columns())
             .order_by("due_at", "id")[: PER_PAGE + 1]
         )
         for card in rows:
@@ -231,6 +240,16 @@ class Inbox:
         if after:
             params["after"] = after
         return "/?" + urlencode(params) if params else "/"
+
+
+def pending_edit_columns() -> dict:
+    """Who made a card's pending edit and when (null when nobody edited it), as columns of the page's one query.
+    The row's headline and amount are what runs already: Approval.decide writes them with the edit."""
+    edit = latest_edits().filter(approval=OuterRef("pk"))
+    return {
+        "edited_at": Subquery(edit.values("created_at")[:1]),
+        "edited_by": Subquery(edit.values("actor__username")[:1]),
+    }
 
 
 def _amount(value) -> str | None:
@@ -306,17 +325,22 @@ class BulkResult:
     pk: int
     status: int  # as HTTP: 200 decided, 403 forbidden (own run), 404 not found, 409 already decided or changed
     detail: str
+    pending_edit: bool = False  # not approved: it has a pending edit, which is approved on the card itself
 
 
 def decide_cards(user, picked: dict[int, int | None], decision: str, comment: str, reason: str) -> list[BulkResult]:
     """Decide each picked card on its own (Approval.decide: lock, decision, audit entry, run re-queued).
 
     Raises MixedChannels when the cards the user may see belong to more than one channel: a bulk decision is one
-    judgement about one kind of action. Cards they may not see are reported as not found."""
+    judgement about one kind of action. Cards they may not see are reported as not found. A card with a pending
+    edit (two-person rule) is not approved here: what runs is the edit, which the inbox row does not show in
+    full, so it is approved on the card, where the edit and its diffs are shown."""
     allowed = {c.pk for c in approvable_channels(user)}
     cards = {
         card.pk: card
-        for card in Approval.objects.filter(pk__in=picked, channel_id__in=allowed).select_related("run", "channel")
+        for card in Approval.objects.filter(pk__in=picked, channel_id__in=allowed)
+        .select_related("run", "channel")
+        .prefetch_related("decisions__actor")
     }
     if len({card.channel_id for card in cards.values()}) > 1:
         raise MixedChannels("Select cards of one channel only.")
@@ -327,10 +351,18 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
             results.append(BulkResult(pk, 404, "not found"))
         elif card.run.created_by_id == user.pk:
             results.append(BulkResult(pk, 403, "you started this run: someone else must decide it"))
+        elif decision == "approve" and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
+            by = edit.actor.get_username() if edit.actor else "system"
+            results.append(BulkResult(pk, 409, f"has a pending edit by {by}: open the card to approve it", True))
         else:
             try:
+                # Without a version from the page, the one looked at here: a card edited since is refused.
                 card.decide(
-                    user, decision, comment=comment, reason=reason if decision == "reject" else "", version=version
+                    user,
+                    decision,
+                    comment=comment,
+                    reason=reason if decision == "reject" else "",
+                    version=version if version is not None else card.version,
                 )
             except (AlreadyDecided, StaleVersion) as exc:
                 results.append(BulkResult(pk, 409, str(exc)))
@@ -358,12 +390,28 @@ def bulk(request):
         except MixedChannels as exc:
             error, status = str(exc), 400
     decided = sum(r.status == 200 for r in results)
+    pending_edits = sum(r.pending_edit for r in results)
     if not request.htmx:
         if status == 200:
+            if pending_edits:
+                messages.warning(request, _pending_edits_text(pending_edits))
             return redirect("home")
         return HttpResponse(error or form.errors.as_text(), status=status, content_type="text/plain")
-    context = {"form": form, "results": results, "error": error, "decided": decided, "reasons": REJECT_REASONS}
+    context = {
+        "form": form,
+        "results": results,
+        "error": error,
+        "decided": decided,
+        "pending_edits": _pending_edits_text(pending_edits) if pending_edits else "",
+        "reasons": REJECT_REASONS,
+    }
     response = render(request, TEMPLATE + "#bulk-result", context, status=status)
     if decided:
         trigger_client_event(response, EVENT, after="settle")
     return response
+
+
+def _pending_edits_text(n: int) -> str:
+    if n == 1:
+        return "1 card has a pending edit: open it to approve it."
+    return f"{n} cards have a pending edit: open each to approve it."

@@ -116,7 +116,8 @@ class Approval(models.Model):
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     summary = models.TextField(blank=True)
     # Display hints from the gate's declaration (runs.workflow.Display), copied when the card opens so that the
-    # inbox shows any workflow's headline and amount without knowing its proposal's shape.
+    # inbox shows any workflow's headline and amount without knowing its proposal's shape; an edit writes them
+    # again from what then runs (decide), so that they are never the proposal's once it was edited.
     headline = models.CharField(max_length=300, blank=True)
     amount_minor = models.BigIntegerField(null=True, blank=True, help_text="An amount in minor units (cents).")
     currency = models.CharField(max_length=3, blank=True)
@@ -174,6 +175,35 @@ class Approval(models.Model):
             self.workflow, self.run_created_by_id = self.run.workflow, self.run.created_by_id
         super().save(*args, **kwargs)
 
+    # --- what runs ---------------------------------------------------------------------------------------------
+    # The one answer to "what does approving this card run?", for the engine (approvals.gates), the card page, the
+    # inbox and the API alike, so that what a person is shown and what runs cannot disagree.
+
+    @property
+    def last_edit(self) -> Decision | None:
+        """The latest edit of this card: on an open card the pending edit, which runs if the card is approved as
+        it stands (two-person rule); on an edited card, what ran. None when nobody edited it. Reads the card's
+        decisions when they were prefetched (`prefetch_related("decisions__actor")`), else asks for it."""
+        if "decisions" in getattr(self, "_prefetched_objects_cache", {}):
+            edits_made = [d for d in self.decisions.all() if d.decision == DecisionKind.EDIT]
+            return max(edits_made, key=lambda d: (d.created_at, d.pk), default=None)
+        return latest_edits().filter(approval=self).select_related("actor").first()
+
+    @property
+    def to_execute(self) -> dict | None:
+        """What runs: the last edit's payload, else the proposal as it stands; None once the card was rejected,
+        expired or cancelled (nothing of it runs)."""
+        if self.status in (self.Status.REJECTED, self.Status.EXPIRED, self.Status.CANCELLED):
+            return None
+        edit = self.last_edit
+        return edit.payload if edit is not None else self.proposed
+
+    def display_of(self, payload) -> dict:
+        """The gate's display hints (runs.workflow.Display: headline, amount, currency) applied to `payload`, for
+        the columns the inbox reads; nothing for a card whose gate declares none (budget and reconcile cards)."""
+        spec = edits.gate_spec(self)
+        return spec.display.values(payload) if spec is not None else {}
+
     def decide(
         self,
         actor,
@@ -194,8 +224,10 @@ class Approval(models.Model):
         approvals of two different people given after its last change: an approval or an edit is recorded and
         the card stays open until a second person approves it as it stands (an edit restarts the count, its
         author counting as one); a rejection by anyone ends it, except on a reconcile card, where "it did not
-        happen" (a rejection: the write is done now) needs two people too. Nobody decides a card of a run they
-        started.
+        happen" (a rejection: the write is done now) needs two people too. Only a person with `approve_channel`
+        on the card's channel decides it (NotAllowed otherwise; the system, with no actor, always may), and nobody
+        a card of a run they started. An edit is what runs from then on (`to_execute`): the card's display
+        columns become the edit's, and the version that a later decision must name is the one after it.
 
         On a shadow card the decision records what the reviewer did by hand (approve: as proposed; edit: the
         payload they used; reject: nothing), with `agreement` (agree or disagree with the agent, required) and an
@@ -220,6 +252,10 @@ class Approval(models.Model):
             run = Run.objects.select_for_update().get(pk=self.run_id)
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)
             card.run = run
+            # Checked here whoever the caller is (card page, API, bulk): guardian's object permission, which a
+            # superuser holds on every channel. The system (no actor: the SLA policy) needs none.
+            if actor is not None and not actor.has_perm("console.approve_channel", card.channel):
+                raise NotAllowed(f"you may not decide cards on {card.channel.name} (no approve_channel there)")
             if card.status not in self.OPEN:
                 raise AlreadyDecided(card)
             if version is not None and version != card.version:
@@ -233,6 +269,7 @@ class Approval(models.Model):
             if decision == "edit" and (errors := edits.edit_errors(card, payload)):
                 raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
             earlier = list(card.decisions.order_by("created_at", "pk"))
+            edit_pending = any(d.decision == Decision.Kind.EDIT for d in earlier)
             # The two-person rule: on an action card, what executes needs approvals from two different people given
             # after its last change (an edit resets the count; the editor counts as one). On a reconcile card a
             # rejection counts too: it means "it did not happen: do the write now", as risky as an approval.
@@ -260,11 +297,15 @@ class Approval(models.Model):
             approvals_given = len(counted) + 1
             complete = not needs_two or approvals_given >= card.channel.required_approvals
             if complete:
-                edited = decision == "edit" or any(d.decision == Decision.Kind.EDIT for d in earlier)
+                edited = decision == "edit" or edit_pending
                 card.status = self.Status.EDITED if edited and decision != "reject" else status[decision]
                 card.decided_at = timezone.now()
             card.version += 1
-            card.save(update_fields=["status", "decided_at", "version"])
+            # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
+            display = card.display_of(card.to_execute) if decision == "edit" else {}
+            for column, value in display.items():
+                setattr(card, column, value)
+            card.save(update_fields=["status", "decided_at", "version", *display])
             AuditEntry.record(
                 f"approval.{decision}",
                 actor=actor,
@@ -279,7 +320,9 @@ class Approval(models.Model):
                     "reason": reason or "",
                     "version": card.version,
                     "proposed": card.proposed,
+                    # What this decision lets run, when it is not the proposal: an edit, or the approval of one.
                     **({"payload": payload} if decision == "edit" else {}),
+                    **({"payload": card.to_execute} if decision == "approve" and edit_pending else {}),
                     **({"shadow": True, "agreement": agreement, "done_by_hand": done_by_hand} if card.shadow else {}),
                     **(
                         {"approvals": approvals_given, "required": card.channel.required_approvals} if needs_two else {}
@@ -320,6 +363,11 @@ class Decision(models.Model):
                 name="approvals_decision_reject_has_comment",
             ),
         ]
+
+
+def latest_edits() -> models.QuerySet[Decision]:
+    """Edit decisions, the latest first: a card's first one is what runs in place of its proposal."""
+    return Decision.objects.filter(decision=DecisionKind.EDIT).order_by("-created_at", "-pk")
 
 
 class NotificationStatus(models.TextChoices):

@@ -25,7 +25,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from approvals.diff import diff_json, summarize
+from approvals.diff import changes, diff_json, summarize
 from approvals.forms import EditForm, RejectForm
 from approvals.models import (
     Agreement,
@@ -128,6 +128,15 @@ def prepare(card: Approval, user, **state) -> Approval:
     error (a refused decision's form or message, shown in place)."""
     card.diff = diff_json(card.current, card.proposed)
     card.diff_counts = summarize(card.diff)
+    # What runs when a person edited the proposal (Approval.to_execute), shown above it with its diffs and its
+    # author, so that the second person of the two-person rule approves the edit they see.
+    card.pending_edit = card.last_edit if card.to_execute is not None else None
+    if card.pending_edit is not None:
+        edit = card.pending_edit
+        edit.by = edit.actor.get_username() if edit.actor else "system"
+        card.edit_vs_proposed = changes(card.proposed, edit.payload)
+        card.edit_vs_current = diff_json(card.current, edit.payload)
+        card.edit_vs_current_counts = summarize(card.edit_vs_current)
     card.sla = sla(card)
     card.confidence_pct = None if card.confidence is None else round(card.confidence * 100)
     card.citation_list = _citations(card.citations)
@@ -141,9 +150,7 @@ def prepare(card: Approval, user, **state) -> Approval:
     for decision in card.decisions.select_related("actor").order_by("created_at"):
         decision.by = decision.actor.get_username() if decision.actor else "system"
         decision.reason_label = reasons.get(decision.reason, decision.reason)
-        decision.edit_diff = (
-            [d for d in diff_json(card.proposed, decision.payload) if d.op != "same"] if decision.payload else []
-        )
+        decision.edit_diff = changes(card.proposed, decision.payload) if decision.payload else []
         card.decision_list.append(decision)
     card.is_open = card.status in Approval.OPEN
     card.is_creator = card.run.created_by_id == user.pk
@@ -227,7 +234,7 @@ def decide(request, pk: int):
             if not form.is_valid():
                 state.update(edit_form=form, opened="edit")
             elif request.POST.get("preview"):
-                preview = [d for d in diff_json(card.proposed, form.cleaned_data["payload"]) if d.op != "same"]
+                preview = changes(card.proposed, form.cleaned_data["payload"])
                 state.update(edit_form=form, preview=preview, opened="edit")
             else:
                 state.update(edit_form=form, opened="edit")  # shown again if the decision is refused

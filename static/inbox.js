@@ -1,5 +1,6 @@
 // The inbox's keyboard shortcuts and bulk selection (templates/approvals/inbox.html). Plain JavaScript.
-// j/k move the selection, a approves (POST /approvals/<id>/decide with the card's version), e edits and r rejects
+// j/k move the selection, a approves (POST /approvals/<id>/decide with the card's version; a card with a pending
+// edit opens instead, to be approved where the edit is shown), e edits and r rejects
 // (both on the card page), o or Enter opens, x ticks the card for a bulk decision, ? shows the keys.
 // The rows are re-rendered by htmx every 5 s: the selection and the ticked cards are kept here, by card id,
 // and put back after each swap.
@@ -52,6 +53,11 @@
 
   async function approve(row) {
     if (!row || row.dataset.busy) return;
+    // A pending edit (two-person rule) is what would run: it is approved on the card, where it is shown in full.
+    if (row.dataset.pendingEdit !== undefined) {
+      window.location.assign(row.dataset.url);
+      return;
+    }
     row.dataset.busy = "1";
     row.classList.add("busy");
     const body = new URLSearchParams({ decision: "approve", version: row.dataset.version, comment: "", reason: "" });

@@ -13,6 +13,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher, make_password
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection, connections
+from guardian.shortcuts import assign_perm
 
 from console.models import Channel, Role
 from tests.openai_stub import openai_stub  # noqa: F401 - a fixture
@@ -69,6 +70,14 @@ def _fast_tests(settings):
 def _user(username: str, *roles: Role, superuser: bool = False) -> User:
     user = User.objects.create_user(username, password="password", is_superuser=superuser, is_staff=superuser)
     user.groups.add(*(Group.objects.get_or_create(name=role)[0] for role in roles))
+    return user
+
+
+def approves_every_channel(user: User) -> User:
+    """`user` may decide the cards of every channel there is now (`approve_channel` on each, a guardian object
+    permission: Approval.decide checks it, as the card page and the API do)."""
+    for channel in Channel.objects.all():
+        assign_perm("console.approve_channel", user, channel)
     return user
 
 

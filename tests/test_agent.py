@@ -11,6 +11,7 @@ from approvals.models import Approval, InvalidDecision
 from console.models import Channel
 from demo.models import SandboxCall
 from runs.models import Run, Step
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
 
 
@@ -18,6 +19,12 @@ from tests.engine_helpers import drive
 def agent(db, settings):
     settings.AGENT_MODEL = "tests.agent_workflows.ScriptedChat"
     Channel.objects.get_or_create(name="payments")
+
+
+@pytest.fixture
+def bob(bob, agent):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def submit(*turns, message="my order never came") -> Run:

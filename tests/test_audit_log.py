@@ -5,6 +5,7 @@ from django.core.management import CommandError, call_command, execute_from_comm
 from django.db import DatabaseError, connection, transaction
 
 from console.models import AuditEntry
+from tests.conftest import approves_every_channel
 
 
 def _record(n: int, **extra) -> list[AuditEntry]:
@@ -93,6 +94,7 @@ def test_every_decision_is_audited_with_the_person_as_actor(db, bob):
     from tests.engine_helpers import REFUND, drive
 
     call_command("demo_setup", verbosity=0)
+    approves_every_channel(bob)
     run = drive(Run.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     card.decide(bob, "reject", comment="wrong customer", reason="wrong_recipient")

@@ -19,6 +19,7 @@ from runs import dead_letters
 from runs.dead_letters import DeadLetterError
 from runs.models import Run, Step
 from runs.workflow import Retryable
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls, queued_jobs
 
 CHANGELIST = "/admin/jobs/deadletter/"
@@ -27,6 +28,12 @@ CHANGELIST = "/admin/jobs/deadletter/"
 @pytest.fixture
 def demo(db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def _dead_at_issue_refund() -> tuple[Run, DeadLetter]:

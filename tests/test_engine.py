@@ -16,12 +16,19 @@ from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs.models import IdempotencyConflict, Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
 
 
 @pytest.fixture
 def demo(db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def test_a_refund_parks_for_approval_then_pays_once(demo, bob):

@@ -29,6 +29,7 @@ from runs import ownership, recovery
 from runs.models import OwnershipLost, Receipt, Run, Step, TransitionRefused
 from runs.tasks import requeue_stalled_jobs
 from runs.workflow import Ambiguous, Retryable
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
 from tests.worker import database_url, wait_until
 
@@ -36,6 +37,12 @@ from tests.worker import database_url, wait_until
 @pytest.fixture
 def demo(db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def _faults(faults: dict, base=SMALL_REFUND) -> dict:

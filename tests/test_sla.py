@@ -19,6 +19,7 @@ from approvals.tasks import card_due, sla_sweep
 from console.models import AuditEntry, Channel
 from demo import sandbox
 from runs.models import Run
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
 
 SECOND = timedelta(seconds=1)
@@ -27,6 +28,12 @@ SECOND = timedelta(seconds=1)
 @pytest.fixture
 def demo(db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 @pytest.fixture

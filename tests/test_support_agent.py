@@ -13,6 +13,7 @@ from approvals.models import Approval
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
 
 CUSTOMER = "cus_2077"
@@ -21,6 +22,12 @@ CUSTOMER = "cus_2077"
 @pytest.fixture
 def demo(db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def submit(message: str, **extra) -> Run:

@@ -18,6 +18,7 @@ from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs.models import Receipt, Run, Step
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs
 
@@ -29,6 +30,12 @@ STEPS = ["classify", "lookup_customer", "draft_refund", "approve_refund", "issue
 @pytest.fixture
 def demo(transactional_db):
     call_command("demo_setup", verbosity=0)
+
+
+@pytest.fixture
+def bob(bob, demo):
+    """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def _status(run: Run) -> str:

@@ -6,6 +6,7 @@ from django.core.management import call_command
 from approvals.models import Approval
 from demo import sandbox
 from runs.models import Run
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND
 from tests.worker import wait_until
 
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_real_worker_parks_and_finishes_a_refund(start_worker, bob):
     call_command("demo_setup", verbosity=0)
+    approves_every_channel(bob)
     start_worker()
     run, _ = Run.submit(workflow="refund", input=REFUND)
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN, message="the gate")

@@ -23,7 +23,10 @@ class CardBackend:
                 return  # parked again on the same question (a resumed job): keep the card
             open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
             open_card.save(update_fields=["status", "decided_at"])
-        spec = edits.gate_spec(Approval(run=run, step_seq=seq, kind=request.kind))
+        try:
+            spec = edits.gate_spec(Approval(run=run, step_seq=seq, kind=request.kind))
+        except edits.GateUnresolved:
+            spec = None  # the card opens without display hints; an edit of it is refused until it resolves
         display = spec.display.values(request.proposed) if spec is not None else {}
         card = Approval.objects.create(
             **display,
@@ -89,4 +92,5 @@ def _decision_of(card: Approval) -> Decision:
         comment=last.comment,
         reason=last.reason,
         by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
+        proposed=card.proposed,
     )

@@ -50,6 +50,13 @@ class SecondApproverNeeded(DecisionError):
     status = 409
 
 
+class CannotCheckEdit(DecisionError):
+    """This process cannot find the card's gate (approvals.edits.GateUnresolved), so it cannot check an edit:
+    refused, not checked less. Asking again once web and workers run the same workflows will do."""
+
+    status = 409
+
+
 class StaleVersion(DecisionError):
     status = 409
 
@@ -230,8 +237,7 @@ class Approval(models.Model):
                 raise InvalidDecision("this is a shadow card: say whether you agree with the agent (agree or disagree)")
             if not card.shadow and (agreement or done_by_hand):
                 raise InvalidDecision("agreement and what you did by hand are recorded on shadow cards only")
-            if decision == "edit" and (errors := edits.edit_errors(card, payload)):
-                raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+            _check_what_would_execute(card, decision, payload)
             earlier = list(card.decisions.order_by("created_at", "pk"))
             # The two-person rule: on an action card, what executes needs approvals from two different people given
             # after its last change (an edit resets the count; the editor counts as one). On a reconcile card a
@@ -290,6 +296,15 @@ class Approval(models.Model):
             if complete and run.status in Run.PARKED:
                 run.resume()
         return card
+
+
+def _check_what_would_execute(card: Approval, decision: str, payload) -> None:
+    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate."""
+    try:
+        if decision == "edit" and (errors := edits.edit_errors(card, payload)):
+            raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+    except edits.GateUnresolved as exc:
+        raise CannotCheckEdit(str(exc)) from exc
 
 
 class Decision(models.Model):

@@ -317,7 +317,10 @@ def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], d
                 rejected = {k: decision[k] for k in ("comment", "reason", "by")}
                 return {**base, "arguments": proposed, "rejected": rejected}
             if decision["payload"] != proposed:
-                args = known.args.model_validate(decision["payload"])  # validated as the card was decided
+                # Validated as the card was decided, and again by ctx.gate; if it still fails, it is not retried.
+                if errors := schema_errors(known.args, decision["payload"]):
+                    raise Fatal(f"the edited arguments of {name} do not fit the tool: {errors}; not executed")
+                args = known.args.model_validate(decision["payload"])
         executed = args.model_dump(mode="json")
         result = known.call(ctx, args)
         out = {**base, "arguments": executed, "result": result}

@@ -229,7 +229,10 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             ratelimit.wait_for_tokens(run)  # a tenant at its token rate waits (Throttled, a Wait)
         decided = gates.backend().decided(run, seq) if step_def.kind == Step.Kind.GATE else None
         # A decided gate is replayed from its card, never asked again: a person's answer stands even if the
-        # gate's code would now decide otherwise (a new auto-approve threshold after a deploy).
+        # gate's code would now decide otherwise (a new auto-approve threshold after a deploy). An edit must
+        # still fit the gate's declaration (Fatal otherwise: nothing after it runs).
+        if decided is not None:
+            workflows.check_decided_edit(step_def, decided.proposed, decided)
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
         _park(run, seq, park, record)

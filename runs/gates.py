@@ -51,13 +51,18 @@ class Decision:
     comment: str = ""
     reason: str = ""
     by: str = ""
+    # What the card proposed: the engine checks an edit against it again before the step acts on it
+    # (runs.workflow.check_decided_edit). Not part of the step's output.
+    proposed: dict | None = None
 
     @property
     def rejected(self) -> bool:
         return self.decision == "rejected"
 
     def as_output(self) -> dict[str, Any]:
-        return asdict(self)
+        output = asdict(self)
+        del output["proposed"]
+        return output
 
 
 class GateBackend(Protocol):

@@ -6,8 +6,9 @@ decisions all pass through it): what executes is a payload the card's declaratio
   this process cannot find the gate (the run's workflow version is not deployed here, or has no such step), the
   edit is refused (GateUnresolved), never checked less. The engine checks a decided edit again before the step
   acts on it (runs.workflow.check_decided_edit).
-- budget cards: only `cost_limit`, a decimal at least the run's spent cost and at most BUDGET_CEILING; or, for an
+- budget cards: only `cost_limit`, a decimal above the run's spent cost and at most BUDGET_CEILING; or, for an
   agent's turn limit (runs.agent), only `max_turns`, a whole number above the turns taken, at most AGENT_MAX_TURNS.
+  Approving one as proposed raises the limit too, so it is held to the same ceiling (`approval_refusal`).
 - reconcile cards: not edited (approve: it happened; reject: it did not).
 
 Errors are [{loc, msg}], loc a dotted path into the payload.
@@ -89,13 +90,39 @@ def _budget_errors(card: Approval, payload: Any) -> list[dict]:
             raise InvalidOperation
     except InvalidOperation:
         return [{"loc": "cost_limit", "msg": 'must be a decimal number, such as "2.50"'}]
-    if limit < card.run.cost:
-        return [{"loc": "cost_limit", "msg": f"must be at least what the run has spent ({card.run.cost})"}]
+    if limit <= card.run.cost:  # a limit the run has reached already would stop it again at once
+        return [{"loc": "cost_limit", "msg": f"must be more than what the run has spent ({card.run.cost})"}]
     if limit > settings.BUDGET_CEILING:
         return [{"loc": "cost_limit", "msg": f"must be at most {settings.BUDGET_CEILING} (BUDGET_CEILING)"}]
     if limit.as_tuple().exponent < -6:
         return [{"loc": "cost_limit", "msg": "has at most 6 decimal places"}]
     return []
+
+
+def approval_refusal(card: Approval) -> str:
+    """Why `card` cannot be approved as proposed, or "". A budget card's approval raises a limit: not past its
+    ceiling (a card opened before BUDGET_CEILING or AGENT_MAX_TURNS was lowered), and not when the run has
+    reached the ceiling already (its card proposes the ceiling, which leaves no room: it can only stop the run)."""
+    if card.kind != Kind.BUDGET:
+        return ""
+    if "max_turns" in card.proposed:
+        what, name, ceiling = "turn limit", "AGENT_MAX_TURNS", settings.AGENT_MAX_TURNS
+        proposed, used = card.proposed["max_turns"], (card.current or {}).get("turns", 0)
+        used_text = f"the agent has taken {used} turns"
+    else:
+        what, name, ceiling = "cost limit", "BUDGET_CEILING", Decimal(str(settings.BUDGET_CEILING))
+        proposed, used = Decimal(str(card.proposed["cost_limit"])), card.run.cost
+        used_text = f"the run has spent {used}"
+    if used >= ceiling:
+        return f"the ceiling is reached ({used_text}; {name} is {ceiling}): raise {name} or stop the run"
+    if proposed > ceiling:
+        return (
+            f"this card proposes a {what} of {proposed}, above {name} ({ceiling}), lowered since it opened: "
+            f"edit it to at most {ceiling}, or stop the run"
+        )
+    if proposed <= used:
+        return f"this card's {what} of {proposed} leaves no room ({used_text}): edit it to more, or stop the run"
+    return ""
 
 
 def _turn_limit_errors(card: Approval, payload: Any) -> list[dict]:

@@ -299,12 +299,15 @@ class Approval(models.Model):
 
 
 def _check_what_would_execute(card: Approval, decision: str, payload) -> None:
-    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate."""
+    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate; an
+    approval of a budget card must keep the limit within its ceiling."""
     try:
         if decision == "edit" and (errors := edits.edit_errors(card, payload)):
             raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
     except edits.GateUnresolved as exc:
         raise CannotCheckEdit(str(exc)) from exc
+    if decision == "approve" and (refusal := edits.approval_refusal(card)):
+        raise InvalidDecision(f"this card cannot be approved: {refusal}")
 
 
 class Decision(models.Model):

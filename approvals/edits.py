@@ -2,9 +2,13 @@
 decisions all pass through it): what executes is a payload the card's declaration allows.
 
 - action cards: the gate's declaration in its workflow (runs.workflow.GateSpec: proposal schema, editable leaves,
-  bounds); a gate that declares nothing may change values but not the proposal's shape (keys and types).
-- budget cards: only `cost_limit`, a decimal at least the run's spent cost and at most BUDGET_CEILING; or, for an
+  bounds); a gate that declares nothing may change values but not the proposal's shape (keys and types). When
+  this process cannot find the gate (the run's workflow version is not deployed here, or has no such step), the
+  edit is refused (GateUnresolved), never checked less. The engine checks a decided edit again before the step
+  acts on it (runs.workflow.check_decided_edit).
+- budget cards: only `cost_limit`, a decimal above the run's spent cost and at most BUDGET_CEILING; or, for an
   agent's turn limit (runs.agent), only `max_turns`, a whole number above the turns taken, at most AGENT_MAX_TURNS.
+  Approving one as proposed raises the limit too, so it is held to the same ceiling (`approval_refusal`).
 - reconcile cards: not edited (approve: it happened; reject: it did not).
 
 Errors are [{loc, msg}], loc a dotted path into the payload.
@@ -25,34 +29,51 @@ if TYPE_CHECKING:
     from approvals.models import Approval
 
 
+class GateUnresolved(LookupError):
+    """This process cannot find the step of an action card's gate (the run's workflow version is not deployed
+    here, or that version has no such step: web and worker disagree on WORKFLOW_MODULES, a deploy is under way),
+    so it cannot check an edit of it. Approval.decide refuses the edit (409) rather than check it less."""
+
+
 def gate_spec(card: Approval) -> GateSpec | None:
-    """The declaration of the gate this card belongs to (the run's pinned workflow version), if any."""
+    """The declaration of the gate this action card belongs to (the run's pinned workflow version): None for
+    other cards, or when the card's step declares no gate (it asks with ctx.gate). Raises GateUnresolved."""
     if card.kind != Kind.ACTION:
         return None
+    run = card.run
+    workflow, retry = f"workflow {run.workflow} v{run.workflow_version}", "try again once the deploy is complete"
     try:
-        step = workflows.get(card.run.workflow, card.run.workflow_version).step_of(card.run, card.step_seq)
-    except UnknownWorkflow:
-        return None
-    return step.gate if step is not None else None
+        step = workflows.get(run.workflow, run.workflow_version).step_of(run, card.step_seq)
+    except UnknownWorkflow as exc:
+        raise GateUnresolved(f"this console cannot load {workflow}, so it cannot check the edit: {retry}") from exc
+    if step is None:
+        raise GateUnresolved(
+            f"this console cannot find the step at seq {card.step_seq} of {workflow}, so it cannot check the edit: "
+            + retry
+        )
+    return step.gate
 
 
 def editable_paths(card: Approval) -> tuple[str, ...] | None:
-    """The leaves a person may change, or None when the gate declares none (every leaf, same shape)."""
+    """The leaves a person may change, or None when the gate declares none (every leaf, same shape); None too
+    when the gate cannot be found here (the form offers every leaf; the edit is then refused, saying why)."""
     if card.kind == Kind.BUDGET:
         return ("max_turns",) if "max_turns" in card.proposed else ("cost_limit",)
-    spec = gate_spec(card)
+    try:
+        spec = gate_spec(card)
+    except GateUnresolved:
+        return None
     return spec.editable if spec is not None and spec.editable and spec.editable != ANY_LEAF else None
 
 
 def edit_errors(card: Approval, payload: Any) -> list[dict]:
+    """Raises GateUnresolved for an action card whose gate this process cannot find."""
     if card.kind == Kind.RECONCILE:
         return [{"loc": "decision", "msg": "a reconcile card is approved (it happened) or rejected, not edited"}]
     if card.kind == Kind.BUDGET:
         return _budget_errors(card, payload)
-    spec = gate_spec(card)
-    if spec is not None and (spec.proposal is not None or spec.editable):
-        return spec.edit_errors(card.proposed, payload)
-    return [{"loc": loc or "payload", "msg": msg} for loc, msg in type_errors(card.proposed, payload)]
+    # A gate that declares nothing (or a step that asks without declaring a gate): same shape, any values.
+    return (gate_spec(card) or GateSpec()).edit_errors(card.proposed, payload)
 
 
 def _budget_errors(card: Approval, payload: Any) -> list[dict]:
@@ -69,13 +90,39 @@ def _budget_errors(card: Approval, payload: Any) -> list[dict]:
             raise InvalidOperation
     except InvalidOperation:
         return [{"loc": "cost_limit", "msg": 'must be a decimal number, such as "2.50"'}]
-    if limit < card.run.cost:
-        return [{"loc": "cost_limit", "msg": f"must be at least what the run has spent ({card.run.cost})"}]
+    if limit <= card.run.cost:  # a limit the run has reached already would stop it again at once
+        return [{"loc": "cost_limit", "msg": f"must be more than what the run has spent ({card.run.cost})"}]
     if limit > settings.BUDGET_CEILING:
         return [{"loc": "cost_limit", "msg": f"must be at most {settings.BUDGET_CEILING} (BUDGET_CEILING)"}]
     if limit.as_tuple().exponent < -6:
         return [{"loc": "cost_limit", "msg": "has at most 6 decimal places"}]
     return []
+
+
+def approval_refusal(card: Approval) -> str:
+    """Why `card` cannot be approved as proposed, or "". A budget card's approval raises a limit: not past its
+    ceiling (a card opened before BUDGET_CEILING or AGENT_MAX_TURNS was lowered), and not when the run has
+    reached the ceiling already (its card proposes the ceiling, which leaves no room: it can only stop the run)."""
+    if card.kind != Kind.BUDGET:
+        return ""
+    if "max_turns" in card.proposed:
+        what, name, ceiling = "turn limit", "AGENT_MAX_TURNS", settings.AGENT_MAX_TURNS
+        proposed, used = card.proposed["max_turns"], (card.current or {}).get("turns", 0)
+        used_text = f"the agent has taken {used} turns"
+    else:
+        what, name, ceiling = "cost limit", "BUDGET_CEILING", Decimal(str(settings.BUDGET_CEILING))
+        proposed, used = Decimal(str(card.proposed["cost_limit"])), card.run.cost
+        used_text = f"the run has spent {used}"
+    if used >= ceiling:
+        return f"the ceiling is reached ({used_text}; {name} is {ceiling}): raise {name} or stop the run"
+    if proposed > ceiling:
+        return (
+            f"this card proposes a {what} of {proposed}, above {name} ({ceiling}), lowered since it opened: "
+            f"edit it to at most {ceiling}, or stop the run"
+        )
+    if proposed <= used:
+        return f"this card's {what} of {proposed} leaves no room ({used_text}): edit it to more, or stop the run"
+    return ""
 
 
 def _turn_limit_errors(card: Approval, payload: Any) -> list[dict]:
@@ -88,32 +135,6 @@ def _turn_limit_errors(card: Approval, payload: Any) -> list[dict]:
         return [{"loc": "max_turns", "msg": f"must be more than the turns taken ({taken})"}]
     if value > settings.AGENT_MAX_TURNS:
         return [{"loc": "max_turns", "msg": f"must be at most {settings.AGENT_MAX_TURNS} (AGENT_MAX_TURNS)"}]
-    return []
-
-
-def type_errors(proposed: Any, edited: Any, path: str = "") -> list[tuple[str, str]]:
-    """Where `edited` does not keep the shape of `proposed`: a missing or added key, or a value of another type."""
-    if isinstance(proposed, dict):
-        if not isinstance(edited, dict):
-            return [(path, "must be an object")]
-        errors = []
-        for key in edited.keys() - proposed.keys():
-            errors.append((f"{path}.{key}" if path else str(key), "is not part of the proposal"))
-        for key, value in proposed.items():
-            child = f"{path}.{key}" if path else str(key)
-            if key not in edited:
-                errors.append((child, "is required"))
-            else:
-                errors += type_errors(value, edited[key], child)
-        return errors
-    if proposed is None:
-        return []
-    expected = type(proposed)
-    if expected is float and type(edited) is int:
-        return []  # 10 for 10.0 is the same number
-    if type(edited) is not expected:
-        names = {bool: "true or false", int: "a whole number", float: "a number", str: "text", list: "a list"}
-        return [(path, f"must be {names.get(expected, expected.__name__)}")]
     return []
 
 

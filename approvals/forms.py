@@ -17,7 +17,7 @@ from django import forms
 from django.core.validators import RegexValidator
 
 from approvals import edits
-from approvals.models import RejectReason
+from approvals.models import CannotCheckEdit, RejectReason
 from console import safe_input
 
 COMMENT_MAX = 5000
@@ -142,7 +142,11 @@ class EditForm(forms.Form):
         """The one validator of edits (approvals.edits), each error on its field when it has one."""
         if self.errors:
             return cleaned
-        for error in edits.edit_errors(self.card, payload):
+        try:
+            errors = edits.edit_errors(self.card, payload)
+        except edits.GateUnresolved as exc:
+            raise CannotCheckEdit(str(exc)) from exc  # the card page answers 409, as Approval.decide would
+        for error in errors:
             name = f"p:{error['loc']}"
             self.add_error(name if name in self.fields else None, f"{error['loc']} {error['msg']}")
         if not self.errors:

@@ -23,6 +23,7 @@ class CardBackend:
                 return  # parked again on the same question (a resumed job): keep the card
             open_card.status, open_card.decided_at = Approval.Status.CANCELLED, timezone.now()
             open_card.save(update_fields=["status", "decided_at"])
+        # Without display hints when this process cannot resolve the gate (an edit of the card is refused then).
         display = Approval(run=run, step_seq=seq, kind=request.kind).display_of(request.proposed)
         card = Approval.objects.create(
             **display,
@@ -86,4 +87,5 @@ def _decision_of(card: Approval) -> Decision:
         comment=last.comment,
         reason=last.reason,
         by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
+        proposed=card.proposed,
     )

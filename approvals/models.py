@@ -50,6 +50,13 @@ class SecondApproverNeeded(DecisionError):
     status = 409
 
 
+class CannotCheckEdit(DecisionError):
+    """This process cannot find the card's gate (approvals.edits.GateUnresolved), so it cannot check an edit:
+    refused, not checked less. Asking again once web and workers run the same workflows will do."""
+
+    status = 409
+
+
 class StaleVersion(DecisionError):
     status = 409
 
@@ -200,8 +207,12 @@ class Approval(models.Model):
 
     def display_of(self, payload) -> dict:
         """The gate's display hints (runs.workflow.Display: headline, amount, currency) applied to `payload`, for
-        the columns the inbox reads; nothing for a card whose gate declares none (budget and reconcile cards)."""
-        spec = edits.gate_spec(self)
+        the columns the inbox reads; nothing for a card whose gate declares none (budget and reconcile cards), or
+        whose gate this process cannot resolve (edits.GateUnresolved: a deploy in progress)."""
+        try:
+            spec = edits.gate_spec(self)
+        except edits.GateUnresolved:
+            return {}
         return spec.display.values(payload) if spec is not None else {}
 
     def decide(
@@ -266,8 +277,7 @@ class Approval(models.Model):
                 raise InvalidDecision("this is a shadow card: say whether you agree with the agent (agree or disagree)")
             if not card.shadow and (agreement or done_by_hand):
                 raise InvalidDecision("agreement and what you did by hand are recorded on shadow cards only")
-            if decision == "edit" and (errors := edits.edit_errors(card, payload)):
-                raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+            _check_what_would_execute(card, decision, payload)
             earlier = list(card.decisions.order_by("created_at", "pk"))
             edit_pending = any(d.decision == Decision.Kind.EDIT for d in earlier)
             # The two-person rule: on an action card, what executes needs approvals from two different people given
@@ -333,6 +343,18 @@ class Approval(models.Model):
             if complete and run.status in Run.PARKED:
                 run.resume()
         return card
+
+
+def _check_what_would_execute(card: Approval, decision: str, payload) -> None:
+    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate; an
+    approval of a budget card must keep the limit within its ceiling."""
+    try:
+        if decision == "edit" and (errors := edits.edit_errors(card, payload)):
+            raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+    except edits.GateUnresolved as exc:
+        raise CannotCheckEdit(str(exc)) from exc
+    if decision == "approve" and (refusal := edits.approval_refusal(card)):
+        raise InvalidDecision(f"this card cannot be approved: {refusal}")
 
 
 class Decision(models.Model):

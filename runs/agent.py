@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from pydantic import BaseModel, create_model
 
 from runs import gates
@@ -220,21 +221,33 @@ def _max_turns(stage: StepDef, turn: int, outputs: dict) -> int:
 def _extend_turns(ctx: Context, stage: StepDef, limit: int, turn: int) -> int:
     """Past its turn limit the run parks with a budget card: a person extends the limit or stops the run."""
     channel = next((t.channel for t in stage.agent.tools.values() if t.channel), "payments")
+    # The card proposes at most the ceiling (approvals.edits holds approvals and edits to it too). An agent that
+    # has taken that many turns gets a card all the same, proposing the ceiling, which cannot be approved.
+    ceiling, taken = settings.AGENT_MAX_TURNS, turn - 1
     request = ApprovalRequest(
         channel=channel,
         kind=gates.Kind.BUDGET,
-        proposed={"max_turns": limit * 2},
-        current={"turns": turn - 1, "max_turns": limit},
-        summary=f"The agent '{stage.name}' has taken {turn - 1} turns, its limit. Extend the limit or stop the run.",
+        proposed={"max_turns": min(limit * 2, ceiling)},
+        current={"turns": taken, "max_turns": limit},
+        summary=(
+            f"The agent '{stage.name}' has taken {taken} turns, its limit, and the ceiling of {ceiling} "
+            "(AGENT_MAX_TURNS) is reached: stop the run, or raise AGENT_MAX_TURNS first."
+            if taken >= ceiling
+            else f"The agent '{stage.name}' has taken {taken} turns, its limit. Extend the limit or stop the run."
+        ),
         rule_id="max-turns",
         risk="medium",
     )
+    park = Park(f"turn limit {limit} of agent {stage.name} reached", request, paused=True)
     decision = gates.backend().decision(ctx.run, ctx.seq, request)
     if decision is None:
-        raise Park(f"turn limit {limit} of agent {stage.name} reached", request, paused=True)
+        raise park
     if decision.rejected:
         raise Stop({"outcome": "stopped at turn limit", "by": decision.by, "comment": decision.comment})
-    return int((decision.payload or {})["max_turns"])
+    extended = min(int((decision.payload or {})["max_turns"]), ceiling)  # the ceiling may have been lowered
+    if extended <= taken:
+        raise park  # no room: ask again rather than take another turn
+    return extended
 
 
 def conversation(ctx: Context, stage: StepDef, turn: int) -> list[dict]:
@@ -317,7 +330,11 @@ def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], d
                 rejected = {k: decision[k] for k in ("comment", "reason", "by")}
                 return {**base, "arguments": proposed, "rejected": rejected}
             if decision["payload"] != proposed:
-                args = known.args.model_validate(decision["payload"])  # validated as the card was decided
+                # Validated as the card was decided, and again by ctx.gate; if it still fails, it is not retried.
+                if errors := schema_errors(known.args, decision["payload"]):
+                    text = "; ".join(f"{e['loc']} {e['msg']}" for e in errors)
+                    raise Fatal(f"the edited arguments of {name} do not fit the tool ({text}): not executed")
+                args = known.args.model_validate(decision["payload"])
         executed = args.model_dump(mode="json")
         result = known.call(ctx, args)
         out = {**base, "arguments": executed, "result": result}

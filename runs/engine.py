@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_DOWN, Decimal
 
 import structlog
 from django.conf import settings
@@ -229,7 +229,10 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             ratelimit.wait_for_tokens(run)  # a tenant at its token rate waits (Throttled, a Wait)
         decided = gates.backend().decided(run, seq) if step_def.kind == Step.Kind.GATE else None
         # A decided gate is replayed from its card, never asked again: a person's answer stands even if the
-        # gate's code would now decide otherwise (a new auto-approve threshold after a deploy).
+        # gate's code would now decide otherwise (a new auto-approve threshold after a deploy). An edit must
+        # still fit the gate's declaration (Fatal otherwise: nothing after it runs).
+        if decided is not None:
+            workflows.check_decided_edit(step_def, decided.proposed, decided)
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
         _park(run, seq, park, record)
@@ -314,18 +317,28 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
     if run.cost_limit is None or run.cost < run.cost_limit:
         return True
     channel = next((s.channel for s in workflow.steps if s.channel), "payments")
+    # The card proposes at most the ceiling (approvals.edits holds approvals and edits to it too). A run that has
+    # spent up to it gets a card all the same, proposing the ceiling, which cannot be approved: it can be stopped.
+    ceiling = Decimal(str(settings.BUDGET_CEILING))
+    spent = f"The run has spent {run.cost} against a limit of {run.cost_limit}"
     request = ApprovalRequest(
         channel=channel,
         kind=gates.Kind.BUDGET,
-        proposed={"cost_limit": str(max(run.cost_limit * 2, run.cost + Decimal("0.01")))},
-        current={"cost": str(run.cost), "cost_limit": str(run.cost_limit)},
-        summary=f"The run has spent {run.cost} against a limit of {run.cost_limit}. Extend the limit or stop.",
+        proposed={"cost_limit": str(min(max(run.cost_limit * 2, run.cost + Decimal("0.01")), ceiling))},
+        current={"cost": _as_stored(run.cost), "cost_limit": _as_stored(run.cost_limit)},
+        summary=(
+            f"{spent}, and the ceiling of {ceiling} (BUDGET_CEILING) is reached: stop the run, or raise "
+            "BUDGET_CEILING first."
+            if run.cost >= ceiling
+            else f"{spent}. Extend the limit or stop."
+        ),
         rule_id="cost-limit",
         risk="medium",
     )
+    park = Park(f"cost limit {run.cost_limit} reached", request, paused=True)
     decision = gates.backend().decision(run, run.cursor, request)
     if decision is None:
-        _park(run, run.cursor, Park(f"cost limit {run.cost_limit} reached", request, paused=True))
+        _park(run, run.cursor, park)
         return False
     if decision.rejected:
         with transaction.atomic():
@@ -334,11 +347,23 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
                 {"outcome": "stopped at cost limit", "by": decision.by, "comment": decision.comment},
             )
         return False
-    run.cost_limit = Decimal(str((decision.payload or {})["cost_limit"]))
+    limit = min(Decimal(str((decision.payload or {})["cost_limit"])), ceiling)  # the ceiling may have been lowered
+    if limit <= run.cost:
+        # No room: an answer to the same question asked when the run had spent less (a card proposing the
+        # ceiling), or a ceiling lowered since. Ask again rather than spend on.
+        _park(run, run.cursor, park)
+        return False
+    run.cost_limit = Decimal(_as_stored(limit))
     with transaction.atomic():
         run.owned()
         Run.objects.filter(pk=run.pk).update(cost_limit=run.cost_limit)
     return True
+
+
+def _as_stored(amount: Decimal) -> str:
+    """An amount as the database keeps it (six places, never rounded up): a budget card's question (its
+    `current`) reads the same in the job that set the limit and in any later one that reads it back."""
+    return str(Decimal(amount).quantize(Decimal("0.000001"), rounding=ROUND_DOWN))
 
 
 def _park(run: Run, seq: int, park: Park, record: Callable[..., None] | None = None) -> None:

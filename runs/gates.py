@@ -37,7 +37,12 @@ class ApprovalRequest:
     kind: str = Kind.ACTION
 
     def args_hash(self) -> str:
-        """Binds a decision to exactly what was proposed: a different proposal needs a new decision."""
+        """Binds a decision to exactly what was proposed: a different proposal needs a new decision. A budget
+        card's question is where the run crossed its limit (`current`: spent and limit), not its proposal, which
+        depends on a ceiling that may be lowered while the card waits: the answer still stands (held to the
+        ceiling by the engine)."""
+        if self.kind == Kind.BUDGET:
+            return canonical_hash({"kind": self.kind, "channel": self.channel, "current": self.current})
         return canonical_hash({"kind": self.kind, "channel": self.channel, "proposed": self.proposed})
 
     def as_dict(self) -> dict:
@@ -51,13 +56,18 @@ class Decision:
     comment: str = ""
     reason: str = ""
     by: str = ""
+    # What the card proposed: the engine checks an edit against it again before the step acts on it
+    # (runs.workflow.check_decided_edit). Not part of the step's output.
+    proposed: dict | None = None
 
     @property
     def rejected(self) -> bool:
         return self.decision == "rejected"
 
     def as_output(self) -> dict[str, Any]:
-        return asdict(self)
+        output = asdict(self)
+        del output["proposed"]
+        return output
 
 
 class GateBackend(Protocol):

@@ -127,7 +127,9 @@ class GateSpec:
     def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
         if not isinstance(edited, dict):
             return [{"loc": "payload", "msg": "must be an object"}]
-        if self.editable == ANY_LEAF:  # any value, but no leaf the proposal does not have
+        if self.proposal is None and not self.editable:  # declares nothing: any value, the proposal's shape
+            errors = shape_errors(proposed, edited)
+        elif self.editable == ANY_LEAF:  # any value, but no leaf the proposal does not have
             errors = [
                 {"loc": p, "msg": "is not part of the proposal"}
                 for p in sorted(set(leaves(edited)) - set(leaves(proposed)))
@@ -146,6 +148,46 @@ class GateSpec:
 
 
 _MISSING = object()
+
+
+def shape_errors(proposed: Any, edited: Any, path: str = "") -> list[dict]:
+    """Where `edited` does not keep the shape of `proposed`: a missing or added key, or a value of another type."""
+    if isinstance(proposed, dict):
+        if not isinstance(edited, dict):
+            return [{"loc": path or "payload", "msg": "must be an object"}]
+        errors = []
+        for key in edited.keys() - proposed.keys():
+            errors.append({"loc": f"{path}.{key}" if path else str(key), "msg": "is not part of the proposal"})
+        for key, value in proposed.items():
+            child = f"{path}.{key}" if path else str(key)
+            if key not in edited:
+                errors.append({"loc": child, "msg": "is required"})
+            else:
+                errors += shape_errors(value, edited[key], child)
+        return errors
+    if proposed is None:
+        return []
+    expected = type(proposed)
+    if expected is float and type(edited) is int:
+        return []  # 10 for 10.0 is the same number
+    if type(edited) is not expected:
+        names = {bool: "true or false", int: "a whole number", float: "a number", str: "text", list: "a list"}
+        return [{"loc": path or "payload", "msg": f"must be {names.get(expected, expected.__name__)}"}]
+    return []
+
+
+def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None:
+    """Defence in depth, before a step acts on a decision: an edit must still fit the step's gate (its
+    GateSpec, else the proposal's shape). Approval.decide checked it already; this catches a card decided by
+    other means (written into the database, or by a console that checked it against another deployment).
+    Raises Fatal, so the run goes to the dead-letter queue with the reason and nothing is executed."""
+    if decision.decision != "edited":
+        return
+    if proposed is None:
+        raise Fatal(f"the edit decided on {step.name} cannot be checked (the proposal is unknown): not executed")
+    if errors := (step.gate or GateSpec()).edit_errors(proposed, decision.payload):
+        text = "; ".join(f"{e['loc']} {e['msg']}" for e in errors)
+        raise Fatal(f"the edit decided on {step.name} does not fit its gate ({text}): not executed")
 
 
 def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -460,6 +502,7 @@ class Context:
         decision: Decision | None = gates.backend().decision(self.run, self.seq, request)
         if decision is None:
             raise Park(f"waiting for a decision on {request.channel}", request)
+        check_decided_edit(self.step, request.proposed, decision)
         return decision.as_output()
 
 

@@ -418,7 +418,8 @@ def _generic_card(agent, proposed, current=None, kind="action") -> Approval:
 
     card = park(agent)
     Run.objects.filter(pk=card.run_id).update(workflow="test_reject_fails")
-    Approval.objects.filter(pk=card.pk).update(proposed=proposed, current=current, kind=kind)
+    # Its gate is that workflow's first step (a card whose step cannot be found refuses every edit).
+    Approval.objects.filter(pk=card.pk).update(proposed=proposed, current=current, kind=kind, step_seq=0)
     card.refresh_from_db()
     return card
 

@@ -100,18 +100,19 @@ def _budget_errors(card: Approval, payload: Any) -> list[dict]:
 
 
 def approval_refusal(card: Approval) -> str:
-    """Why `card` cannot be approved as proposed, or "". A budget card's approval raises a limit: not past its
+    """Why `card` cannot be approved as it stands, or "". A budget card's approval raises a limit: not past its
     ceiling (a card opened before BUDGET_CEILING or AGENT_MAX_TURNS was lowered), and not when the run has
     reached the ceiling already (its card proposes the ceiling, which leaves no room: it can only stop the run)."""
     if card.kind != Kind.BUDGET:
         return ""
+    limit = card.to_execute or card.proposed  # under the two-person rule, a pending edit is what the approval runs
     if "max_turns" in card.proposed:
         what, name, ceiling = "turn limit", "AGENT_MAX_TURNS", settings.AGENT_MAX_TURNS
-        proposed, used = card.proposed["max_turns"], (card.current or {}).get("turns", 0)
+        proposed, used = limit["max_turns"], (card.current or {}).get("turns", 0)
         used_text = f"the agent has taken {used} turns"
     else:
         what, name, ceiling = "cost limit", "BUDGET_CEILING", Decimal(str(settings.BUDGET_CEILING))
-        proposed, used = Decimal(str(card.proposed["cost_limit"])), card.run.cost
+        proposed, used = Decimal(str(limit["cost_limit"])), card.run.cost
         used_text = f"the run has spent {used}"
     if used >= ceiling:
         return f"the ceiling is reached ({used_text}; {name} is {ceiling}): raise {name} or stop the run"

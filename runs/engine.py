@@ -56,19 +56,21 @@ def advance(run_id, job: JobInfo | None = None) -> None:
         if not held:
             _try_again_later(run_id, job)
             return
-        run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
-        if run is None:
-            return
-        with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
-            if took_over:
-                # The previous owner's session ended with the run still running: its worker was killed, or lost
-                # its connection (a database restart). Its step resumes from the last checkpoint; a pending
-                # receipt is reconciled.
-                record_retry(run, "owner_gone")
-            try:
+        try:
+            run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
+            if run is None:
+                return
+            with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
+                if took_over:
+                    # The previous owner's session ended with the run still running: its worker was killed, or
+                    # lost its connection (a database restart). Its step resumes from the last checkpoint; a
+                    # pending receipt is reconciled.
+                    record_retry(run, "owner_gone")
                 _advance(run, job)
-            except OwnershipLost as exc:
-                log.warning("lost ownership of the run: stopping without writing", error=str(exc))
+        except OwnershipLost as exc:
+            # Another job took the run over, or this job's database session ended (and the run's lock with it)
+            # while it worked: whatever it did since its last write is redone by the run's next owner.
+            log.warning("lost ownership of the run: stopping without writing", run_id=str(run_id), error=str(exc))
 
 
 def _advance(run: Run, job: JobInfo) -> None:

@@ -14,6 +14,7 @@ from console.models import Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
+from runs import ownership
 from runs.models import IdempotencyConflict, Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
@@ -248,7 +249,7 @@ def test_a_tenant_at_its_cap_waits_for_a_slot_without_a_job_and_is_woken_oldest_
 
     # The busy run leaves `running`: the oldest waiting run gets the slot's job, the other keeps waiting.
     busy.refresh_from_db()
-    with transaction.atomic():
+    with ownership.hold(busy.pk), transaction.atomic():  # as its owner does: under the run's lock
         busy.finish(Run.Status.SUCCEEDED, {})
     assert (queued_jobs(first), queued_jobs(second)) == (1, 0)
     # A stray job of the newer run does not jump the queue.

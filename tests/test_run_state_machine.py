@@ -590,3 +590,32 @@ def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
             thread.join(30)
     # Whichever wins, the other sees its outcome (AlreadyDecided, or a finished run): never a deadlock.
     assert not [e for e in errors if "deadlock" in str(e).lower()], errors
+
+
+def test_the_sweep_recovers_every_ownerless_run_oldest_first_past_its_batch(demo):
+    live, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    gone = [Run.submit(workflow="refund", input=SMALL_REFUND)[0] for _ in range(5)]
+    for age, run in enumerate([live, *gone]):
+        Run.objects.filter(pk=run.pk).update(
+            status=Run.Status.RUNNING, owner=f"owner-{age}", created_at=timezone.now() - timedelta(hours=10 - age)
+        )
+    ProcrastinateJob.objects.all().delete()
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
+        _lock(owner_session, live.pk)  # the oldest run's owner is alive
+        # A batch of 2: the 5 ownerless runs are all recovered, in three batches; the live one is left alone.
+        assert recovery.sweep(limit=2)["owner_gone"] == 5
+        assert Run.objects.get(pk=live.pk).status == Run.Status.RUNNING
+    assert set(Run.objects.filter(pk__in=[r.pk for r in gone]).values_list("status", flat=True)) == {"queued"}
+    order = [e.run_id for e in AuditEntry.objects.filter(action="run.retry").order_by("pk")]
+    assert order == [r.pk for r in gone]  # oldest first
+
+
+def test_two_runs_never_share_a_lock_unless_their_ids_share_64_bits():
+    import uuid
+
+    a = uuid.UUID("12345678-9abc-def0-0000-000000000001")
+    b = uuid.UUID("12345678-9abc-def0-ffff-ffffffffffff")  # the same first 64 bits: the same lock
+    c = uuid.UUID("12345678-9abc-def1-0000-000000000001")
+    assert ownership.key(a) == ownership.key(b) != ownership.key(c)
+    assert ownership.key("ffffffff-ffff-ffff-0000-000000000000") == (-1, -1)  # signed, as pg_advisory_lock takes
+    assert ownership.lock_params("ffffffff-ffff-ffff-0000-000000000000") == {"lock_hi": 2**32 - 1, "lock_lo": 2**32 - 1}

@@ -368,16 +368,20 @@ class Run(models.Model):
             )
             return run, True
 
-    def owned(self):
+    def owned(self) -> bool:
         """This run's row while this job owns it: the guard every step write takes (FOR NO KEY UPDATE, which a
         claim's FOR UPDATE waits for), inside the write's transaction, which runs in the session that holds the
         run's lock (a job whose session was cut is refused even though its token is still on the row: a
-        transaction never spans two sessions). Raises OwnershipLost."""
+        transaction never spans two sessions). Raises OwnershipLost. Returns (and keeps) `cancel_requested` as
+        the locked row has it: a cancel committed before this is seen, a later one waits for the write."""
         assert connection.in_atomic_block
         with connection.cursor() as cursor:
             cursor.execute(_OWNED_SQL, {"id": self.pk, "owner": self.owner, **ownership.lock_params(self.pk)})
-            if cursor.fetchone() is None:
-                raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner} in this database session")
+            row = cursor.fetchone()
+        if row is None:
+            raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner} in this database session")
+        self.cancel_requested = row[0]
+        return self.cancel_requested
 
     def checkpoint(
         self,
@@ -478,8 +482,7 @@ class Run(models.Model):
         the card. A cancel requested while the step ran wins: the run ends cancelled instead, and False is
         returned (open no card)."""
         assert connection.in_atomic_block
-        self.owned()  # locks the row: a cancel committed before this is seen, a later one sees the park
-        if Run.objects.filter(pk=self.pk, cancel_requested=True).exists():
+        if self.owned():  # locks the row: a cancel committed before this is seen, a later one sees the park
             self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
             return False
         self._swap(
@@ -723,7 +726,8 @@ FROM runs_step s WHERE s.run_id = %(id)s
 
 # Run.owned: the owner's row lock, from the session that holds the run's lock.
 _OWNED_SQL = f"""
-SELECT 1 FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {ownership.HELD_SQL} FOR NO KEY UPDATE
+SELECT cancel_requested FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {ownership.HELD_SQL}
+FOR NO KEY UPDATE
 """
 
 # Run.finish: the owner's CAS, then (once the row is updated) the tenant's lock, as Run._swap orders them.

@@ -434,6 +434,13 @@ def test_a_cancel_requested_while_a_step_ran_wins_over_its_park(demo):
     assert not Approval.objects.filter(run=run, status__in=Approval.OPEN).exists()
 
 
+def test_a_cancel_committed_while_a_step_ran_stops_its_effect_before_it_starts(demo):
+    tests.workflows.cancel_then_effect_calls.clear()
+    run = drive(Run.submit(workflow="test_cancel_then_effect", input={})[0])
+    assert (run.status, run.result) == (Run.Status.CANCELLED, {"outcome": "cancelled"})
+    assert tests.workflows.cancel_then_effect_calls == [] and not Receipt.objects.filter(run=run).exists()
+
+
 def test_an_effect_inside_the_steps_own_transaction_is_refused(demo):
     tests.workflows.effect_in_atomic_calls.clear()
     run = drive(Run.submit(workflow="test_effect_in_atomic", input={})[0])

@@ -56,19 +56,21 @@ def advance(run_id, job: JobInfo | None = None) -> None:
         if not held:
             _try_again_later(run_id, job)
             return
-        run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
-        if run is None:
-            return
-        with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
-            if took_over:
-                # The previous owner's session ended with the run still running: its worker was killed, or lost
-                # its connection (a database restart). Its step resumes from the last checkpoint; a pending
-                # receipt is reconciled.
-                record_retry(run, "owner_gone")
-            try:
+        try:
+            run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
+            if run is None:
+                return
+            with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
+                if took_over:
+                    # The previous owner's session ended with the run still running: its worker was killed, or
+                    # lost its connection (a database restart). Its step resumes from the last checkpoint; a
+                    # pending receipt is reconciled.
+                    record_retry(run, "owner_gone")
                 _advance(run, job)
-            except OwnershipLost as exc:
-                log.warning("lost ownership of the run: stopping without writing", error=str(exc))
+        except OwnershipLost as exc:
+            # Another job took the run over, or this job's database session ended (and the run's lock with it)
+            # while it worked: whatever it did since its last write is redone by the run's next owner.
+            log.warning("lost ownership of the run: stopping without writing", run_id=str(run_id), error=str(exc))
 
 
 def _advance(run: Run, job: JobInfo) -> None:
@@ -120,6 +122,8 @@ def _out_of_attempts(run: Run, exc: Exception, job: JobInfo) -> bool:
 
 def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
     outputs, unfinished = _checkpoints(run)  # read once per job, then carried in memory
+    if _end_at_rejection(run, workflow, outputs):
+        return
     while True:
         if run.cancel_requested:  # as read by the claim, then by each checkpoint
             with transaction.atomic():
@@ -261,11 +265,14 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         _log_step(step_def, seq, status, started, ctx, error=str(exc))
         raise
 
-    rejected = step_def.kind == Step.Kind.GATE and isinstance(output, dict) and output.get("decision") == "rejected"
     # The last step (nothing follows it, with its output: an agent stage's next step depends on it) ends the run
-    # in its checkpoint's statement; its result is computed from the outputs as they will be stored.
-    last, result = False, None
-    if not rejected:
+    # in its checkpoint's statement; its result is computed from the outputs as they will be stored. A rejected
+    # gate is the last step too: the run ends in the transaction that records the rejection, so that no crash or
+    # failed write between the two can let a retried job go on into the action the person refused.
+    rejection = _rejection(step_def, output)
+    if rejection is not None:
+        last, result = workflow.on_reject == "succeed", rejection
+    else:
         after = {**outputs, step_def.name: json.loads(json.dumps(output, cls=DjangoJSONEncoder))}
         last = workflow.step_at(seq + 1, after) is None
         result = workflow.result(after) if last else None
@@ -276,7 +283,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
     # job and on any replay; a cancel requested while the step ran comes back with it and stops the run before
     # its next step. The last step's is the run's finish too (one transaction: the wake-up of the tenant's runs
     # waiting for a slot is its second statement); a cancel requested while it ran ends the run cancelled.
-    with transaction.atomic() if last else contextlib.nullcontext():
+    with transaction.atomic() if last or rejection is not None else contextlib.nullcontext():
         outputs[step_def.name] = run.checkpoint(
             seq,
             ctx.usage,
@@ -291,25 +298,45 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             finish=last,
             result=result,
         )
+        if rejection is not None and not last:  # on_reject == "fail": to the dead-letter queue, in the same transaction
+            _fail(run, _rejected_error(rejection), JobInfo(), step=step_def.name)
     _log_step(step_def, seq, "done", started, ctx)
-    if last:
+    if last or rejection is not None:
         log.info("run finished", status=run.status)
         return False
-
-    if rejected:
-        result = {
-            "outcome": "rejected",
-            "step": step_def.name,
-            "comment": output.get("comment", ""),
-            "reason": output.get("reason", ""),
-            "by": output.get("by", ""),
-        }
-        if workflow.on_reject == "fail":
-            _fail(run, Fatal(f"rejected at {step_def.name}: {output.get('comment', '')}"), JobInfo())
-        else:
-            _finish(run, result)
-        return False
     return True
+
+
+def _rejection(step_def: StepDef, output) -> dict | None:
+    """The run's result when `output` is a gate's rejection: the run ends there."""
+    if step_def.kind != Step.Kind.GATE or not isinstance(output, dict) or output.get("decision") != "rejected":
+        return None
+    return {
+        "outcome": "rejected",
+        "step": step_def.name,
+        "comment": output.get("comment", ""),
+        "reason": output.get("reason", ""),
+        "by": output.get("by", ""),
+    }
+
+
+def _rejected_error(rejection: dict) -> Fatal:
+    return Fatal(f"rejected at {rejection['step']}: {rejection['comment']}")
+
+
+def _end_at_rejection(run: Run, workflow: Workflow, outputs: dict) -> bool:
+    """A run whose cursor is past a rejected gate ends there, whatever follows (its rejection was recorded by
+    an engine that ended the run in a second transaction, which did not happen). True when it ended."""
+    for step_def in workflow.steps:
+        rejection = _rejection(step_def, outputs.get(step_def.name))
+        if rejection is None:
+            continue
+        if workflow.on_reject == "fail":
+            _fail(run, _rejected_error(rejection), JobInfo(), step=step_def.name)
+        else:
+            _finish(run, rejection)
+        return True
+    return False
 
 
 def _within_budget(run: Run, workflow: Workflow) -> bool:
@@ -394,9 +421,11 @@ def _finish(run: Run, result) -> None:
     log.info("run finished", status=Run.Status.SUCCEEDED)
 
 
-def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
-    """The run failed for good: it goes to the dead-letter queue with what an on-call person needs."""
-    step = Step.objects.filter(run=run, seq=run.cursor).first()
+def _fail(run: Run, exc: BaseException, job: JobInfo, step: str | None = None) -> None:
+    """The run failed for good: it goes to the dead-letter queue with what an on-call person needs. `step`: the
+    step it failed at, when not the one at its cursor."""
+    if step is None:
+        step = Step.objects.filter(run=run, seq=run.cursor).values_list("name", flat=True).first() or ""
     error = f"{exc.__class__.__name__}: {exc}"
     attempts = _step_attempts(run, job)
     with transaction.atomic():
@@ -409,7 +438,7 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             error_class=exc.__class__.__name__,
             traceback="".join(traceback.format_exception(exc)),
             attempts=attempts,
-            step=step.name if step else "",
+            step=step,
             trace_id=run.trace_id,
             job_id=job.job_id,
         )
@@ -419,9 +448,9 @@ def _fail(run: Run, exc: BaseException, job: JobInfo) -> None:
             target=f"run:{run.id}",
             run_id=run.id,
             trace_id=run.trace_id,
-            data={"error": error, "step": step.name if step else ""},
+            data={"error": error, "step": step},
         )
-    log.error("run failed", error=error, step=step.name if step else None, attempts=attempts)
+    log.error("run failed", error=error, step=step or None, attempts=attempts)
 
 
 def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:

@@ -13,6 +13,8 @@ from django.db import IntegrityError, connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
+from runs import ownership
+
 
 def new_trace_id() -> str:
     return uuid.uuid4().hex
@@ -61,7 +63,7 @@ WITH moved AS (
     UPDATE runs_run
     SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
         tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s{finish}
-    WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s
+    WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s AND {held}
     RETURNING id, cancel_requested, tenant
 ), step AS (
     INSERT INTO runs_step AS s (
@@ -91,8 +93,9 @@ _CHECKPOINT_FINISH_SQL = _CHECKPOINT_SQL.format(
         result = CASE WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
         finished_at = %(now)s""",
     lock=", pg_advisory_xact_lock(hashtext('tenant:' || moved.tenant))",
+    held=ownership.HELD_SQL,
 )
-_CHECKPOINT_SQL = _CHECKPOINT_SQL.format(finish="", lock="")
+_CHECKPOINT_SQL = _CHECKPOINT_SQL.format(finish="", lock="", held=ownership.HELD_SQL)
 
 
 class Run(models.Model):
@@ -319,13 +322,19 @@ class Run(models.Model):
     # from the states it may leave (and, for the owner's transitions, the owner token), raising
     # TransitionRefused when no row changed. Owner transitions run under the run's advisory lock.
 
-    def _swap(self, leaving, *, by_owner: str | None = None, where: dict | None = None, **changes) -> None:
+    def _swap(
+        self, leaving, *, by_owner: str | None = None, locked: bool = False, where: dict | None = None, **changes
+    ) -> None:
+        """`by_owner`: only while that job owns the run; `locked` (implied by `by_owner`): only from the session
+        that holds the run's lock (runs.ownership), raising OwnershipLost otherwise."""
         rows = Run.objects.filter(pk=self.pk, status__in=leaving, **(where or {}))
         if by_owner is not None:
             rows = rows.filter(owner=by_owner)
+        if by_owner is not None or locked:
+            rows = rows.filter(ownership.held(self.pk))
         changes["updated_at"] = timezone.now()
         if rows.update(**changes) != 1:
-            error = OwnershipLost if by_owner is not None else TransitionRefused
+            error = OwnershipLost if by_owner is not None or locked else TransitionRefused
             raise error(f"run {self.pk}: cannot go to {changes.get('status', 'its next step')} from its current state")
         for name, value in changes.items():
             if not hasattr(value, "resolve_expression"):
@@ -354,15 +363,25 @@ class Run(models.Model):
                 run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
                 return None, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
-            run._swap([cls.Status.RUNNING], status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1)
+            run._swap(
+                [cls.Status.RUNNING], locked=True, status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1
+            )
             return run, True
 
-    def owned(self):
+    def owned(self) -> bool:
         """This run's row while this job owns it: the guard every step write takes (FOR NO KEY UPDATE, which a
-        claim's FOR UPDATE waits for), inside the write's transaction. Raises OwnershipLost."""
+        claim's FOR UPDATE waits for), inside the write's transaction, which runs in the session that holds the
+        run's lock (a job whose session was cut is refused even though its token is still on the row: a
+        transaction never spans two sessions). Raises OwnershipLost. Returns (and keeps) `cancel_requested` as
+        the locked row has it: a cancel committed before this is seen, a later one waits for the write."""
         assert connection.in_atomic_block
-        if not Run.objects.select_for_update(no_key=True).filter(pk=self.pk, owner=self.owner).exists():
-            raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner}")
+        with connection.cursor() as cursor:
+            cursor.execute(_OWNED_SQL, {"id": self.pk, "owner": self.owner, **ownership.lock_params(self.pk)})
+            row = cursor.fetchone()
+        if row is None:
+            raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner} in this database session")
+        self.cancel_requested = row[0]
+        return self.cancel_requested
 
     def checkpoint(
         self,
@@ -417,6 +436,7 @@ class Run(models.Model):
                 else _CHECKPOINT_SQL,
                 {
                     **finished,
+                    **ownership.lock_params(self.pk),
                     "run": self.pk,
                     "owner": self.owner,
                     "seq": seq,
@@ -462,8 +482,7 @@ class Run(models.Model):
         the card. A cancel requested while the step ran wins: the run ends cancelled instead, and False is
         returned (open no card)."""
         assert connection.in_atomic_block
-        self.owned()  # locks the row: a cancel committed before this is seen, a later one sees the park
-        if Run.objects.filter(pk=self.pk, cancel_requested=True).exists():
+        if self.owned():  # locks the row: a cancel committed before this is seen, a later one sees the park
             self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
             return False
         self._swap(
@@ -487,6 +506,7 @@ class Run(models.Model):
             cursor.execute(
                 _FINISH_SQL,
                 {
+                    **ownership.lock_params(self.pk),
                     "id": self.pk,
                     "owner": self.owner,
                     "status": status,
@@ -582,24 +602,37 @@ class Run(models.Model):
     @classmethod
     def _row_for_update(cls, run_id, owner: str) -> tuple[Run | None, bool]:
         """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
-        in one precompiled statement (the claim's: no ORM compile), with the run's step rows (`step_rows`: [name,
-        seq, status, output, input_hash] by seq, what the engine replays; read in the claim's snapshot, which no
-        step write can race: only the holder of the run's advisory lock, the claiming job, writes steps). Then the
-        start of a queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting
-        for one), a statement of its own, whose snapshot comes after the tenant's lock
-        (Run.free_slots), sent in the same round trip (Django's client-side binding cursor runs both as one query
-        string; with server-side binding, one after the other). Returns (run, started)."""
+        in one precompiled statement (the claim's: no ORM compile), which also says whether this session holds
+        the run's lock (OwnershipLost if not: the claim is made under it, runs.ownership). Then the start of a
+        queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting for one),
+        a statement of its own, whose snapshot comes after the tenant's lock (Run.free_slots); then the run's step
+        rows (`_STEP_ROWS_SQL`, in a snapshot after the row lock), kept as `step_rows`. All in one round trip
+        (Django's client-side binding cursor runs them as one query string; with server-side binding, one after
+        the other). Returns (run, started)."""
         fields = _run_fields()
-        params = {"id": run_id, "owner": owner, "now": timezone.now(), "max": settings.TENANT_MAX_RUNNING}
+        params = {
+            "id": run_id,
+            "owner": owner,
+            "now": timezone.now(),
+            "max": settings.TENANT_MAX_RUNNING,
+            **ownership.lock_params(run_id),
+        }
         with connection.cursor() as cursor:
             together = isinstance(cursor.cursor, psycopg.ClientCursor)
-            cursor.execute(_claim_select_sql() + (";" + _START_SQL if together else ""), params)
+            sql = _claim_select_sql() + (";" + _START_SQL + ";" + _STEP_ROWS_SQL if together else "")
+            cursor.execute(sql, params)
             row = cursor.fetchone()
             if together:
                 cursor.nextset()
                 started = cursor.rowcount == 1
+                cursor.nextset()
+                steps = cursor.fetchone()[0]
             if row is None:
                 return None, False
+            if not row[len(fields) + 1]:
+                # The row and its start were read and written in this session, which does not hold the run's lock:
+                # nothing may follow (a started run rolls back with the caller's transaction).
+                raise OwnershipLost(f"run {run_id}: this database session does not hold the run's lock")
             values = [
                 value if convert is None else convert(value, None, connection)
                 for (_, convert), value in zip(fields, row[: len(fields)], strict=True)
@@ -608,7 +641,8 @@ class Run(models.Model):
             if not together:
                 startable = run.status == Run.Status.QUEUED and not run.cancel_requested
                 started = startable and cursor.execute(_START_SQL, params).rowcount == 1
-        steps = row[len(fields) + 1]
+                cursor.execute(_STEP_ROWS_SQL, params)
+                steps = cursor.fetchone()[0]
         run.step_rows = (json.loads(steps) if isinstance(steps, str | bytes) else steps) or []
         if started:
             run.status, run.owner, run.waiting_for_slot_since = Run.Status.RUNNING, owner, None
@@ -660,9 +694,7 @@ def _claim_select_sql() -> str:
     # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
     return (
         f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %(id)s FOR UPDATE)"
-        " SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)),"
-        " (SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)"
-        " FROM runs_step s WHERE s.run_id = r.id) FROM r"
+        f" SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)), {ownership.HELD_SQL} FROM r"
     )
 
 
@@ -684,12 +716,26 @@ WHERE r.id = %(id)s AND r.status = 'queued' AND NOT r.cancel_requested
     )
 """
 
+# Run.claim's read of the run's step rows ([name, seq, status, output, input_hash] by seq: what the engine
+# replays), a statement of its own after the row lock, so that its snapshot includes every checkpoint committed
+# before the claim got the row (the row lock's wait re-reads the run's row, not the statement's other reads).
+_STEP_ROWS_SQL = """
+SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)
+FROM runs_step s WHERE s.run_id = %(id)s
+"""
+
+# Run.owned: the owner's row lock, from the session that holds the run's lock.
+_OWNED_SQL = f"""
+SELECT cancel_requested FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {ownership.HELD_SQL}
+FOR NO KEY UPDATE
+"""
+
 # Run.finish: the owner's CAS, then (once the row is updated) the tenant's lock, as Run._swap orders them.
-_FINISH_SQL = """
+_FINISH_SQL = f"""
 WITH done AS (
     UPDATE runs_run
     SET status = %(status)s, owner = '', result = %(result)s::jsonb, finished_at = %(now)s, updated_at = %(now)s
-    WHERE id = %(id)s AND status = 'running' AND owner = %(owner)s
+    WHERE id = %(id)s AND status = 'running' AND owner = %(owner)s AND {ownership.HELD_SQL}
     RETURNING tenant
 )
 SELECT pg_advisory_xact_lock(hashtext('tenant:' || tenant)) FROM done

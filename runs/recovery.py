@@ -2,7 +2,8 @@
 
 1. A `running` run is held by its owner (runs.ownership). A running run whose advisory lock is free lost its
    owner's session (the worker was SIGKILLed, crashed, or lost its connection): the sweep takes the lock itself,
-   so nobody else can claim meanwhile, and puts the run back in the queue with a job. The dead job's row, still
+   so nobody else can claim meanwhile, and puts the run back in the queue with a job. It reads every running run
+   whose lock no session holds, oldest first, in batches. The dead job's row, still
    `doing`, is finished as aborted in the same transaction, since procrastinate fetches no job of a lock while
    another of the same lock is `doing`. No heartbeat is read: a stalled heartbeat never makes a run ownerless.
 2. Every queued run has a job that will advance it: a queued run with neither a waiting nor a running job (a
@@ -14,7 +15,9 @@ Each repair is an audited `run.retry` (cause `owner_gone` or `no_job`), so /metr
 
 from __future__ import annotations
 
-from datetime import timedelta
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import structlog
 from django.db import DatabaseError, connection, transaction
@@ -40,11 +43,27 @@ def _job_of(run_ref, status: str):
     return ProcrastinateJob.objects.filter(**{column: lock}, status=status).values("pk")
 
 
+# Running runs whose lock no session holds (runs.ownership: the two-key form on the first 64 bits of the id,
+# which pg_locks shows unsigned as classid and objid), oldest first, a batch after (created_at, id).
+_OWNERLESS_SQL = """
+SELECT r.id, r.owner, r.created_at FROM runs_run r
+WHERE r.status = 'running' AND (r.created_at, r.id) > (%(after_at)s, %(after_id)s)
+    AND NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.classid::bigint = ('x' || lpad(substr(replace(r.id::text, '-', ''), 1, 8), 16, '0'))::bit(64)::bigint
+            AND l.objid::bigint = ('x' || lpad(substr(replace(r.id::text, '-', ''), 9, 8), 16, '0'))::bit(64)::bigint
+    )
+ORDER BY r.created_at, r.id
+LIMIT %(limit)s
+"""
+
+
 def sweep(limit: int = 200) -> dict[str, int]:
     """Repair what the two invariants say is wrong; returns how many runs of each kind were repaired."""
     repaired = {"owner_gone": 0, "no_job": 0}
-    running = Run.objects.filter(status=Run.Status.RUNNING).values_list("pk", "owner")[:limit]
-    for run_id, owner in running:
+    for run_id, owner in _ownerless_running_runs(limit):
         if _each(_recover_ownerless, run_id, owner):
             repaired["owner_gone"] += 1
     for run in _jobless_queued_runs(limit):
@@ -62,6 +81,21 @@ def _each(repair, *args) -> bool:
     except DatabaseError as exc:
         log.exception("a recovery failed", repair=repair.__name__, error=str(exc))
         return False
+
+
+def _ownerless_running_runs(batch: int) -> Iterator[tuple]:
+    """Every running run whose lock looked free, oldest first, read in batches (a newer run never keeps an older
+    one waiting). Looked: each is taken under its lock by _recover_ownerless, which re-checks."""
+    after = {"after_at": datetime.min.replace(tzinfo=UTC), "after_id": uuid.UUID(int=0)}
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute(_OWNERLESS_SQL, {**after, "limit": batch})
+            rows = cursor.fetchall()
+        for run_id, owner, _ in rows:
+            yield run_id, owner
+        if len(rows) < batch:
+            return
+        after = {"after_at": rows[-1][2], "after_id": rows[-1][0]}
 
 
 def _recover_ownerless(run_id, owner: str) -> bool:

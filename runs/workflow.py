@@ -507,7 +507,7 @@ class Context:
 
 
 def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
-    """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner and the
+    """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner, a cancel and the
     channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
     already past here. `receipt.shadow`: the effect is in shadow mode (a ShadowEffect is written with a new
     receipt when the workflow or channel is in shadow; an earlier attempt's pending receipt keeps its mode)."""
@@ -520,7 +520,10 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "",
             "the call, so call it outside any transaction"
         )
     with transaction.atomic():
-        run.owned()
+        if run.owned():
+            # A cancel committed while the step ran (the row lock orders it before this receipt, or after it):
+            # the effect does not start, and the run ends cancelled.
+            raise Stop({"outcome": "cancelled"})
         if (killed := Channel.killed_for_effects(channel)) is not None:
             raise Park(killed.describe(channel), paused=True, kill_switch_channel=channel)
         receipt, created = Receipt.objects.get_or_create(

@@ -10,7 +10,9 @@ A model call's SandboxCall payload is `{"turn": N, "seen": [...]}`, `seen` the t
 parsed) the model was sent since its previous turn. For tests that kill a worker in the middle of a run:
 a turn with `"sleep": seconds` sleeps after its model call was counted, and the run input's `"hang": {step:
 seconds}` makes the tool call step `step` (such as `helper.turn2.1.pay`) sleep once its call was counted (an
-effect: applied, its receipt not yet completed). Each sleeps on its first call only, not when resumed.
+effect: applied, its receipt not yet completed); `"slow": {step: seconds}` makes it sleep before its call is
+counted (in flight, not yet applied: a lookup does not find it). Each sleeps on its first call only, not when
+resumed. The model goes through the model's circuit breaker, as a real model client does (runs.llm).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pydantic import BaseModel, Field
 
 from demo.models import SandboxCall
+from runs import breakers
 from runs.agent import tool
 from runs.llm import Model
 from runs.workflow import Display, Fatal, Workflow, register
@@ -30,6 +33,10 @@ class ScriptedChat(Model):
     name = "scripted"
 
     def chat(self, messages: list[dict], tools: list[dict]) -> dict:
+        with breakers.guard("model"):
+            return self._chat(messages, tools)
+
+    def _chat(self, messages: list[dict], tools: list[dict]) -> dict:
         turn = sum(1 for m in messages if m["role"] == "assistant")
         since = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         seen = [_parsed(m["content"]) for m in messages[since + 1 :] if m["role"] == "tool"]
@@ -74,6 +81,9 @@ def _first(run_id, system: str, payload: dict, operation: str | None = None) -> 
 
 
 def _count(ctx, system: str, payload: dict) -> dict:
+    slow = (ctx.input.get("slow") or {}).get(ctx.step.name)
+    if slow and not SandboxCall.objects.filter(run_id=ctx.run.id, system=system, operation=ctx.step.name).exists():
+        time.sleep(slow)
     call = SandboxCall.objects.create(
         system=system, operation=ctx.step.name, run_id=ctx.run.id, payload=payload, applied=True
     )
@@ -116,7 +126,13 @@ def pay(ctx, args: Payment) -> dict:
 @tool(kind="effect", channel="payments", approval="never")
 def note(ctx, text: str) -> dict:
     """Write a note on the customer's record."""
-    return ctx.effect(lambda key: _count(ctx, "crm", {"key": key, "text": text}))
+    return ctx.effect(lambda key: _count(ctx, "crm", {"key": key, "text": text}), lookup=_note_written)
+
+
+def _note_written(key: str) -> dict | None:
+    """The CRM can say whether a note with this key was written (reconciles an ambiguous write)."""
+    call = SandboxCall.objects.filter(system="crm", payload__key=key).first()
+    return {"id": f"crm_{call.pk}"} if call is not None else None
 
 
 agent = register(Workflow("test_agent"))

@@ -4,7 +4,8 @@ from decimal import Decimal
 
 import pytest
 from django.core.management import call_command
-from django.db import transaction
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
@@ -14,6 +15,7 @@ from console.models import Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
+from runs import ownership
 from runs.models import IdempotencyConflict, Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.conftest import approves_every_channel
@@ -80,6 +82,40 @@ def test_a_reject_pays_nothing_and_keeps_the_comment(demo, bob):
     assert run.result["outcome"] == "rejected" and run.result["comment"] == "Customer already refunded"
     assert sandbox.stats()["channels"] == {"payments": 0, "email": 0, "crm": 1}
     assert Decision.objects.get().comment == "Customer already refunded"
+
+
+def test_a_rejection_ends_the_run_in_the_transaction_that_records_it(demo, bob):
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    Approval.objects.get(run=run).decide(bob, "reject", comment="Customer already refunded")
+    with CaptureQueriesContext(connection) as queries:
+        run = drive(run)
+    assert (run.status, run.cursor, run.result["outcome"]) == (Run.Status.SUCCEEDED, 4, "rejected")
+    # The gate's checkpoint is the run's finish: one statement, no finish of its own after it.
+    assert not any(q["sql"].lstrip().startswith("WITH done AS") for q in queries.captured_queries)
+    assert sandbox.stats()["channels"]["payments"] == 0
+
+
+def test_a_run_left_past_a_rejected_gate_ends_there_and_never_does_what_was_refused(demo, bob):
+    """What an engine that ended a rejection in a second transaction could leave behind when that second write
+    failed: the gate's rejection checkpointed, the cursor on the refused action, the run queued for a retry."""
+    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run)
+    card.decide(bob, "reject", comment="not this customer")
+    decision = {"decision": "rejected", "payload": None, "comment": "not this customer", "reason": "", "by": "bob"}
+    Step.objects.filter(run=run, seq=3).update(output=decision, status="done", ended_at=timezone.now())
+    Run.objects.filter(pk=run.pk).update(cursor=4)
+    run = drive(run)
+    assert (run.status, run.result["outcome"], run.result["comment"]) == ("succeeded", "rejected", "not this customer")
+    assert sandbox.stats()["channels"] == {"payments": 0, "email": 0, "crm": 1}
+
+
+def test_a_rejection_in_a_workflow_that_fails_on_reject_goes_to_the_dead_letter_queue_with_its_gate(demo, bob):
+    run = drive(Run.submit(workflow="test_reject_fails", input={})[0])
+    Approval.objects.get(run=run).decide(bob, "reject", comment="no")
+    run = drive(run)
+    assert run.status == Run.Status.FAILED and run.error == "Fatal: rejected at ask: no"
+    assert DeadLetter.objects.get(run_id=run.id).step == "ask"
+    assert Step.objects.get(run=run, name="ask").status == "done"
 
 
 @pytest.mark.parametrize("comment", ["", "   "])
@@ -255,7 +291,7 @@ def test_a_tenant_at_its_cap_waits_for_a_slot_without_a_job_and_is_woken_oldest_
 
     # The busy run leaves `running`: the oldest waiting run gets the slot's job, the other keeps waiting.
     busy.refresh_from_db()
-    with transaction.atomic():
+    with ownership.hold(busy.pk), transaction.atomic():  # as its owner does: under the run's lock
         busy.finish(Run.Status.SUCCEEDED, {})
     assert (queued_jobs(first), queued_jobs(second)) == (1, 0)
     # A stray job of the newer run does not jump the queue.

@@ -16,7 +16,7 @@ from guardian.shortcuts import assign_perm
 from console.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
 from demo import sandbox
 from demo.models import SandboxCall
-from runs import engine
+from runs import engine, ownership
 from runs.models import Receipt, Run
 from runs.workflow import Park
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
@@ -173,7 +173,8 @@ def test_a_release_between_the_check_and_the_park_does_not_strand_the_run(demo, 
     run = submit(1)[0]
     Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, owner="its-worker")
     run.refresh_from_db()  # the owner's copy
-    engine._park(run, 5, Park("kill switch engaged on email: gone", paused=True, kill_switch_channel="email"))
+    with ownership.hold(run.pk):  # as its owner parks: under the run's lock
+        engine._park(run, 5, Park("kill switch engaged on email: gone", paused=True, kill_switch_channel="email"))
     run.refresh_from_db()
     assert run.status == Run.Status.QUEUED and queued_jobs(run) == 1
     assert drive(run).status == Run.Status.SUCCEEDED

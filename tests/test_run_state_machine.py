@@ -45,6 +45,24 @@ def bob(bob, demo):
     return approves_every_channel(bob)
 
 
+@pytest.fixture(autouse=True)
+def _release_run_locks(db):
+    yield
+    with connection.cursor() as cursor:  # the test's session keeps its connection: leave no lock behind
+        cursor.execute("SELECT pg_advisory_unlock_all()")
+
+
+def _claim(run_id, owner: str):
+    """Run.claim as a job makes it: from the session that holds the run's lock (runs.ownership)."""
+    with connection.cursor() as cursor:
+        _lock(cursor, run_id)
+    return Run.claim(run_id, owner)
+
+
+def _lock(cursor, run_id) -> None:
+    cursor.execute("SELECT pg_advisory_lock(%s, %s)", ownership.key(run_id))
+
+
 def _faults(faults: dict, base=SMALL_REFUND) -> dict:
     return {**base, "faults": faults}
 
@@ -74,10 +92,10 @@ def test_it_refuses_a_transition_from_a_state_the_run_is_not_in(demo):
 
 def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    claimed, took_over = Run.claim(run.pk, "job-a")
+    claimed, took_over = _claim(run.pk, "job-a")
     assert claimed.owner == "job-a" and not took_over
     # Job b takes over (job a's session ended, or b would not hold the lock).
-    taken, took_over = Run.claim(run.pk, "job-b")
+    taken, took_over = _claim(run.pk, "job-b")
     assert took_over and taken.owner == "job-b"
     from runs.workflow import Usage
 
@@ -93,6 +111,39 @@ def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
         claimed.release()
     assert Run.objects.values_list("status", "owner", "cursor").get(pk=run.pk) == (Run.Status.RUNNING, "job-b", 0)
     assert not Step.objects.filter(run=run).exists()  # the checkpoint's step row went with its refused UPDATE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_whose_session_ended_writes_nothing_though_its_token_is_still_on_the_run():
+    """A token is not a lock: the job's session ends (a PostgreSQL restart, a partition, pg_terminate_backend),
+    taking the run's lock with it, and Django opens a new session for the job's next statement. Every write the
+    job still tries is refused there, although the run still names it as its owner."""
+    from runs.workflow import Usage
+
+    call_command("demo_setup", verbosity=0)
+    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, _ = _claim(run.pk, "job-a")
+    connection.close()  # the session ends: PostgreSQL releases the run's lock
+    writes = {
+        "checkpoint": lambda: claimed.checkpoint(0, Usage(), **_step_fields()),
+        "last checkpoint": lambda: claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result={}),
+        "owned (receipts, step rows)": claimed.owned,
+        "park": lambda: claimed.park(paused=True),
+        "finish": lambda: claimed.finish(Run.Status.SUCCEEDED, {}),
+        "fail": lambda: claimed.fail("boom"),
+        "retry": lambda: claimed.retry_later("boom", 1),
+        "release": claimed.release,
+    }
+    for name, write in writes.items():
+        with transaction.atomic(), pytest.raises(OwnershipLost):
+            write()
+            pytest.fail(f"{name} was written from a session without the run's lock")
+    assert Run.objects.values_list("status", "owner", "cursor").get(pk=run.pk) == (Run.Status.RUNNING, "job-a", 0)
+    assert not Step.objects.filter(run=run).exists()
+    # Nor can it claim the run again from a session that does not hold the lock.
+    with pytest.raises(OwnershipLost):
+        Run.claim(run.pk, "job-a2")
+    assert Run.objects.get(pk=run.pk).owner == "job-a"
 
 
 def _step_fields(**overrides) -> dict:
@@ -112,7 +163,7 @@ def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo
     from runs.workflow import Usage
 
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    claimed, _ = Run.claim(run.pk, "job-a")
+    claimed, _ = _claim(run.pk, "job-a")
     usage = Usage()
     usage.add(10, 5, Decimal("0.0000015"))
     with django_assert_num_queries(1):
@@ -148,7 +199,7 @@ def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_
     from runs.workflow import Usage
 
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    claimed, _ = Run.claim(run.pk, "job-a")
+    claimed, _ = _claim(run.pk, "job-a")
     Step.objects.create(
         run=run,
         seq=0,
@@ -181,9 +232,9 @@ def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_w
 
     settings.TENANT_MAX_RUNNING = 1
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
-    claimed, _ = Run.claim(run.pk, "job-a")
+    claimed, _ = _claim(run.pk, "job-a")
     waiting, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
-    assert Run.claim(waiting.pk, "job-b") == (None, False)  # no slot: it waits
+    assert _claim(waiting.pk, "job-b") == (None, False)  # no slot: it waits
     ProcrastinateJob.objects.filter(lock=f"run:{waiting.pk}").delete()
     # A job that lost the run finishes nothing and writes no step.
     stale = Run.objects.get(pk=run.pk)
@@ -223,7 +274,7 @@ def test_a_cancel_committed_while_the_last_step_ran_ends_the_run_cancelled_in_it
     from runs.workflow import Usage
 
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    claimed, _ = Run.claim(run.pk, "job-a")
+    claimed, _ = _claim(run.pk, "job-a")
     Run.objects.get(pk=run.pk).cancel()
     with transaction.atomic():
         claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"done": 1})
@@ -249,6 +300,8 @@ def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
     # The row lock with the tenant's lock and the step rows, then the conditional start, in one query string (and,
     # in this test's transaction, a savepoint and its release where a worker has BEGIN and COMMIT).
+    with connection.cursor() as cursor:
+        _lock(cursor, run.pk)
     with django_assert_num_queries(1 + 2):
         claimed, took_over = Run.claim(run.pk, "job-a")
     assert not took_over
@@ -274,7 +327,9 @@ def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, mon
     # With server-side binding (DATABASES OPTIONS), one query string cannot hold two statements.
     monkeypatch.setattr("runs.models.psycopg.ClientCursor", type("NotThisCursor", (), {}))
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    with django_assert_num_queries(2 + 2):
+    with connection.cursor() as cursor:
+        _lock(cursor, run.pk)
+    with django_assert_num_queries(3 + 2):  # the row, the start, the step rows: three statements
         claimed, took_over = Run.claim(run.pk, "job-a")
     assert (claimed.status, claimed.owner, took_over) == ("running", "job-a", False)
     assert Run.objects.values_list("status", "owner").get(pk=run.pk) == ("running", "job-a")
@@ -285,7 +340,7 @@ def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, mon
     assert Run.objects.values_list("status", "cursor").get(pk=run.pk) == ("succeeded", 1)
     cancelled, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
     Run.objects.filter(pk=cancelled.pk).update(cancel_requested=True)
-    assert Run.claim(cancelled.pk, "job-b") == (None, False)
+    assert _claim(cancelled.pk, "job-b") == (None, False)
     assert Run.objects.get(pk=cancelled.pk).status == "cancelled"
 
 
@@ -386,6 +441,13 @@ def test_a_cancel_requested_while_a_step_ran_wins_over_its_park(demo):
     assert not Approval.objects.filter(run=run, status__in=Approval.OPEN).exists()
 
 
+def test_a_cancel_committed_while_a_step_ran_stops_its_effect_before_it_starts(demo):
+    tests.workflows.cancel_then_effect_calls.clear()
+    run = drive(Run.submit(workflow="test_cancel_then_effect", input={})[0])
+    assert (run.status, run.result) == (Run.Status.CANCELLED, {"outcome": "cancelled"})
+    assert tests.workflows.cancel_then_effect_calls == [] and not Receipt.objects.filter(run=run).exists()
+
+
 def test_an_effect_inside_the_steps_own_transaction_is_refused(demo):
     tests.workflows.effect_in_atomic_calls.clear()
     run = drive(Run.submit(workflow="test_effect_in_atomic", input={})[0])
@@ -425,7 +487,7 @@ def test_the_sweep_wakes_only_as_many_waiting_runs_as_their_tenant_has_free_slot
     for run in waiting:
         _age(run)
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
-        owner_session.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(busy.pk)])
+        _lock(owner_session, busy.pk)
         # One slot free: the oldest waiting run gets a job, the others keep waiting without one.
         assert recovery.sweep() == {"owner_gone": 0, "no_job": 1}
         assert [queued_jobs(run) for run in waiting] == [1, 0, 0]
@@ -457,7 +519,7 @@ def test_the_sweep_leaves_a_run_whose_owner_holds_its_lock_however_old_it_looks(
         status=Run.Status.RUNNING, owner="slow-but-alive", updated_at=timezone.now() - timedelta(hours=1)
     )
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
-        owner_session.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(run.pk)])
+        _lock(owner_session, run.pk)
         assert recovery.sweep()["owner_gone"] == 0
         assert Run.objects.get(pk=run.pk).owner == "slow-but-alive"
     # The owner's session ended (its backend exits a moment after the client closes): now it is gone.
@@ -468,7 +530,7 @@ def test_a_job_that_finds_the_run_locked_by_a_live_session_leaves_it_and_tries_a
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as other:
-        other.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", [ownership._NAMESPACE, str(run.pk)])
+        _lock(other, run.pk)
         run = drive(run)
         assert run.status == Run.Status.QUEUED and not Step.objects.filter(run=run).exists()
         job = ProcrastinateJob.objects.get(lock=f"run:{run.pk}", status="todo")
@@ -542,3 +604,32 @@ def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
             thread.join(30)
     # Whichever wins, the other sees its outcome (AlreadyDecided, or a finished run): never a deadlock.
     assert not [e for e in errors if "deadlock" in str(e).lower()], errors
+
+
+def test_the_sweep_recovers_every_ownerless_run_oldest_first_past_its_batch(demo):
+    live, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    gone = [Run.submit(workflow="refund", input=SMALL_REFUND)[0] for _ in range(5)]
+    for age, run in enumerate([live, *gone]):
+        Run.objects.filter(pk=run.pk).update(
+            status=Run.Status.RUNNING, owner=f"owner-{age}", created_at=timezone.now() - timedelta(hours=10 - age)
+        )
+    ProcrastinateJob.objects.all().delete()
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as owner_session:
+        _lock(owner_session, live.pk)  # the oldest run's owner is alive
+        # A batch of 2: the 5 ownerless runs are all recovered, in three batches; the live one is left alone.
+        assert recovery.sweep(limit=2)["owner_gone"] == 5
+        assert Run.objects.get(pk=live.pk).status == Run.Status.RUNNING
+    assert set(Run.objects.filter(pk__in=[r.pk for r in gone]).values_list("status", flat=True)) == {"queued"}
+    order = [e.run_id for e in AuditEntry.objects.filter(action="run.retry").order_by("pk")]
+    assert order == [r.pk for r in gone]  # oldest first
+
+
+def test_two_runs_never_share_a_lock_unless_their_ids_share_64_bits():
+    import uuid
+
+    a = uuid.UUID("12345678-9abc-def0-0000-000000000001")
+    b = uuid.UUID("12345678-9abc-def0-ffff-ffffffffffff")  # the same first 64 bits: the same lock
+    c = uuid.UUID("12345678-9abc-def1-0000-000000000001")
+    assert ownership.key(a) == ownership.key(b) != ownership.key(c)
+    assert ownership.key("ffffffff-ffff-ffff-0000-000000000000") == (-1, -1)  # signed, as pg_advisory_lock takes
+    assert ownership.lock_params("ffffffff-ffff-ffff-0000-000000000000") == {"lock_hi": 2**32 - 1, "lock_lo": 2**32 - 1}

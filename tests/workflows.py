@@ -45,6 +45,17 @@ def ask_while_cancelled(ctx):
     return ctx.gate(proposed={"do": "it"}, summary="please")
 
 
+# An effect whose run is cancelled while its step runs, before the effect starts.
+cancel_then_effect = register(Workflow("test_cancel_then_effect"))
+cancel_then_effect_calls: list[str] = []
+
+
+@cancel_then_effect.effect("payments")
+def pay_after_a_cancel(ctx):
+    Run.objects.get(pk=ctx.run.pk).cancel()
+    return ctx.effect(lambda key: cancel_then_effect_calls.append(key) or {"id": "paid"})
+
+
 # An effect inside the step's own transaction: its receipt would not commit before the call.
 effect_in_atomic = register(Workflow("test_effect_in_atomic"))
 effect_in_atomic_calls: list[str] = []

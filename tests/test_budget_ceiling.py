@@ -17,6 +17,7 @@ from approvals.models import Approval, InvalidDecision
 from console.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs.models import Run
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import SMALL_REFUND, drive
 from tests.test_api_approvals import decide, snapshot
 
@@ -34,6 +35,12 @@ def demo(db):
 def agent(db, settings):
     settings.AGENT_MODEL = "tests.agent_workflows.ScriptedChat"
     Channel.objects.get_or_create(name="payments")
+
+
+@pytest.fixture
+def bob(bob, agent):
+    """The reviewer, with approve_channel on the agent's channel (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def over_budget_refund() -> Run:

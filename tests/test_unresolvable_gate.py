@@ -21,6 +21,7 @@ from console.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs.models import Run, Step
+from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
 from tests.test_api_approvals import decide, snapshot
 
@@ -109,6 +110,12 @@ def test_the_card_page_still_opens_and_refuses_the_edit_with_409(client, demo):
 def agent(db, settings):
     settings.AGENT_MODEL = "tests.agent_workflows.ScriptedChat"
     Channel.objects.get_or_create(name="payments")
+
+
+@pytest.fixture
+def bob(bob, agent):
+    """The reviewer, with approve_channel on the agent's channel (Approval.decide checks it)."""
+    return approves_every_channel(bob)
 
 
 def parked_payment() -> tuple[Run, Approval]:

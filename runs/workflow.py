@@ -421,10 +421,12 @@ class Context:
         answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
         tool has one, otherwise the run parks for a person to reconcile.
 
-        In shadow mode (console.models.Channel.in_shadow: the workflow or the channel) `call` is never made: the
-        effect is recorded as a ShadowEffect with `preview` (what the call would send, for the person who does
-        it by hand) and answers `{"shadow": True, "id": "shadow:<key>"}`, so the run goes on. The mode is read
-        when the effect's receipt is first written; kill switches apply as to any effect.
+        In shadow mode `call` is never made: the effect is recorded as a ShadowEffect with `preview` (what the
+        call would send, for the person who does it by hand) and answers `{"shadow": True, "id":
+        "shadow:<key>"}`, so the run goes on. The mode is decided once per effect: the card that authorized it
+        (the run's latest decided action card on this channel, at this step or before) says it; without one,
+        the channel and workflow do (console.models.Channel.in_shadow) when the effect's receipt is first
+        written. Kill switches apply as to any effect.
         """
         from runs import breakers
         from runs.models import Receipt
@@ -530,7 +532,11 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "",
             key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
         )
         if created:
-            receipt.shadow = Channel.in_shadow(channel, run.workflow)
+            # Decided once per effect: as the card that authorized it was (a person who did it by hand must not
+            # see it done again, nor an approved live effect be dropped, because the mode changed since), else
+            # as the channel and workflow are now, recorded with the receipt for its later attempts.
+            authorized = gates.backend().shadow_of(run, seq, channel)
+            receipt.shadow = Channel.in_shadow(channel, run.workflow) if authorized is None else authorized
             if receipt.shadow:
                 ShadowEffect.objects.create(run=run, step_seq=seq, step=step, channel=channel, key=key, preview=preview)
         else:

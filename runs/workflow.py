@@ -380,14 +380,23 @@ def names() -> list[str]:
 
 @dataclass
 class Usage:
+    """The tokens and cost a step's attempt used. Bound to its run and step by the step's Context, each `add`
+    (one model call) is also counted at once against the run's cost limit and the tenant's token rate
+    (runs.models.ModelUsage), so an attempt that fails or is lost before its checkpoint still counts."""
+
     tokens_in: int = 0
     tokens_out: int = 0
     cost: Decimal = Decimal(0)
+    counted_for: tuple | None = None  # (run, step name)
 
     def add(self, tokens_in: int, tokens_out: int, cost: Decimal) -> None:
         self.tokens_in += tokens_in
         self.tokens_out += tokens_out
         self.cost += cost
+        if self.counted_for is not None and (tokens_in or tokens_out or cost):
+            from runs.models import ModelUsage
+
+            ModelUsage.record(*self.counted_for, tokens_in, tokens_out, cost)
 
 
 class Context:
@@ -402,6 +411,7 @@ class Context:
         self.model = model
         self.tools = tools
         self.usage: Usage = getattr(model, "usage", None) or Usage()
+        self.usage.counted_for = (run, step.name)
         self.last_effect_key: str | None = None
         self._effects = 0
 

@@ -65,6 +65,16 @@ class CardBackend:
         )
         return _decision_of(card) if card is not None else None
 
+    def shadow_of(self, run, seq: int, channel: str) -> bool | None:
+        return (
+            Approval.objects.filter(
+                run=run, step_seq__lte=seq, channel__name=channel, kind=Kind.ACTION, status__in=Approval.DECIDED
+            )
+            .order_by("-step_seq", "-decided_at")
+            .values_list("shadow", flat=True)
+            .first()
+        )
+
     def close_pending(self, run, status: str) -> None:
         Approval.objects.filter(run=run, status__in=Approval.OPEN).update(status=status, decided_at=timezone.now())
 

@@ -81,8 +81,9 @@ class Channel(models.Model):
     @classmethod
     def in_shadow(cls, name: str, workflow: str) -> bool:
         """Whether `workflow`'s cards and effects on channel `name` are in shadow mode: the workflow is listed in
-        SHADOW_WORKFLOWS, or the channel is in shadow for every workflow. Read when a card opens and when an
-        effect's receipt is first written (runs.workflow), so a change applies to the cards and effects after it."""
+        SHADOW_WORKFLOWS, or the channel is in shadow for every workflow. Read when a card opens, and when the
+        receipt of an effect that no card authorized is first written (runs.workflow): an effect a person
+        authorized follows that card's mode, so a change applies to the cards, and the unapproved effects, after it."""
         return workflow in settings.SHADOW_WORKFLOWS or cls.objects.filter(name=name, shadow=True).exists()
 
     @classmethod

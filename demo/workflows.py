@@ -262,8 +262,15 @@ def _order_refund_state(ctx, args: OrderRefund) -> dict:
     }
 
 
-def _needs_a_person(args: OrderRefund) -> bool:
-    return args.amount_cents >= settings.AUTO_APPROVE_CENTS  # as refund's gate: below it, approved by itself
+def _needs_a_person(args: OrderRefund, history: list[dict]) -> bool:
+    """From AUTO_APPROVE_CENTS up (as refund's gate: below it, approved by itself), counting what this run has
+    refunded already: three refunds just under the threshold are not three refunds without a person."""
+    refunded = sum(
+        call["arguments"]["amount_cents"]
+        for call in history
+        if call["tool"] == "refund_order" and isinstance(call.get("result"), dict) and "error" not in call["result"]
+    )
+    return refunded + args.amount_cents >= settings.AUTO_APPROVE_CENTS
 
 
 @tool(

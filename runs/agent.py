@@ -46,7 +46,9 @@ class Tool:
     args: type[BaseModel]
     kind: str = "read"  # read | effect
     channel: str | None = None
-    approval: str | Callable[[BaseModel], bool] = NEVER
+    # `always`, `never`, or a predicate: `approval(args)`, or `approval(args, history)` with what the run already
+    # did (its earlier tool calls, `history`), so that a policy can count (three refunds of 19.99 are 59.97).
+    approval: str | Callable[..., bool] = NEVER
     current: Callable[[Context, BaseModel], dict] | None = None
     display: Display = field(default_factory=Display)
     risk: str = "medium"
@@ -61,15 +63,36 @@ class Tool:
             "function": {"name": self.name, "description": self.description, "parameters": parameters},
         }
 
-    def needs_approval(self, args: BaseModel) -> bool:
+    def needs_approval(self, args: BaseModel, history: list[dict]) -> bool:
         if self.approval == ALWAYS:
             return True
         if self.approval == NEVER:
             return False
+        if _arity(self.approval) >= 2:
+            return bool(self.approval(args, history))
         return bool(self.approval(args))
 
     def call(self, ctx: Context, args: BaseModel) -> Any:
         return self.fn(ctx, args) if self.takes_model else self.fn(ctx, **args.model_dump())
+
+
+def _arity(fn: Callable) -> int:
+    """How many positional arguments `fn` takes."""
+    parameters = inspect.signature(fn).parameters.values()
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def history(stage: str, outputs: dict) -> list[dict]:
+    """The tool calls an agent stage has made so far, in order, as recorded: each {tool, call_id, arguments, and
+    result (executed), rejected (by a person), skipped or error (not executed)}. What an approval policy sees."""
+    prefix = f"{stage}.turn"
+    return [
+        output
+        for name, output in outputs.items()
+        if name.startswith(prefix) and isinstance(output, dict) and "tool" in output and "call_id" in output
+    ]
 
 
 def tool(
@@ -77,7 +100,7 @@ def tool(
     *,
     kind: str = "read",
     channel: str | None = None,
-    approval: str | Callable[[BaseModel], bool] = NEVER,
+    approval: str | Callable[..., bool] = NEVER,
     current: Callable | None = None,
     display: Display | None = None,
     name: str | None = None,
@@ -94,6 +117,8 @@ def tool(
             raise ValueError(f"tool {fn.__name__}: an effect or an approval needs a channel")
         if isinstance(approval, str) and approval not in (ALWAYS, NEVER):
             raise ValueError(f"tool {fn.__name__}: approval is 'always', 'never' or a predicate")
+        if callable(approval) and _arity(approval) not in (1, 2):
+            raise ValueError(f"tool {fn.__name__}: an approval predicate takes (args) or (args, history)")
         args, takes_model = _argument_model(fn)
         return Tool(
             name=name or fn.__name__,
@@ -185,7 +210,7 @@ def _call_step(stage: StepDef, turn: int, index: int, call: dict, message: dict,
     return StepDef(
         call_name(stage.name, turn, index, call),
         known.kind if known else "read",
-        _call_fn(stage, call, message),
+        _call_fn(stage, turn, index, call, message),
         channel=known.channel if known else None,
         gate=gate,
         versions=versions,
@@ -275,6 +300,8 @@ def for_model(result: dict) -> str:
     """What a tool call's step tells the model (its `content`)."""
     if "error" in result:
         return json.dumps({"error": result["error"]})
+    if "skipped" in result:
+        return json.dumps({"error": "not executed", **result["skipped"]})
     if "rejected" in result:
         rejected = result["rejected"]
         return json.dumps(
@@ -296,7 +323,7 @@ def _call_tool(call: dict) -> str:
     return str((call.get("function") or {}).get("name") or "")
 
 
-def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], dict]:
+def _call_fn(stage: StepDef, turn: int, index: int, call: dict, message: dict) -> Callable[[Context], dict]:
     def run_call(ctx: Context) -> dict:
         name = _call_tool(call)
         base = {"tool": name, "call_id": call.get("id", "")}
@@ -312,8 +339,12 @@ def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], d
             return {**base, "error": "invalid arguments, not executed", "details": errors}
         args = known.args.model_validate(arguments)
         proposed = args.model_dump(mode="json")
+        if known.kind == "effect" and (refused := _rejected_earlier_in_turn(stage, turn, index, message, ctx.outputs)):
+            # A person refused a call of this turn: the model planned the calls together, so the effects it
+            # planned after the refused one go back to it unexecuted, with the reason, for it to plan again.
+            return {**base, "arguments": proposed, "skipped": refused}
         decision = None
-        if known.needs_approval(args):
+        if known.needs_approval(args, history(stage.name, ctx.outputs)):
             if (earlier := _earlier_rejection(stage, ctx.outputs, name, proposed)) is not None:
                 return {**base, "arguments": proposed, "rejected": earlier, "repeat": True}
             decision = ctx.gate(
@@ -343,6 +374,23 @@ def _call_fn(stage: StepDef, call: dict, message: dict) -> Callable[[Context], d
         return out
 
     return run_call
+
+
+def _rejected_earlier_in_turn(stage: StepDef, turn: int, index: int, message: dict, outputs: dict) -> dict | None:
+    """Why a call of `turn` after position `index` is not executed: an earlier call of the same turn was rejected
+    by a person. None when none was."""
+    calls = message.get("tool_calls") or []
+    for earlier, call in enumerate(calls[:index]):
+        output = outputs.get(call_name(stage.name, turn, earlier, call))
+        if isinstance(output, dict) and "rejected" in output:
+            rejected = output["rejected"]
+            return {
+                "reason": f"a reviewer rejected {output.get('tool')} earlier in this turn, so the calls planned "
+                "after it were not executed",
+                "rejected_call": output.get("call_id", ""),
+                "comment": rejected.get("comment", ""),
+            }
+    return None
 
 
 def _earlier_rejection(stage: StepDef, outputs: dict, name: str, proposed: dict) -> dict | None:

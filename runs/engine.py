@@ -23,6 +23,7 @@ import structlog
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, transaction
+from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -179,23 +180,22 @@ def _check_resumed_input(step_def: StepDef, seq: int, input_hash: str, unfinishe
 
 
 def _record_step(run: Run, step_def: StepDef, seq: int, step_input: dict, input_hash: str, **fields) -> None:
-    """Insert or update the step's row (one statement), as part of the caller's transaction."""
-    row = Step(
-        run=run,
-        seq=seq,
-        name=step_def.name,
-        kind=step_def.kind,
-        input=step_input,
-        input_hash=input_hash,
-        attempt=run.attempt + 1,
-        **fields,
-    )
-    Step.objects.bulk_create(
-        [row],
-        update_conflicts=True,
-        unique_fields=["run", "seq"],
-        update_fields=["attempt", *fields],
-    )
+    """Update the step's row (an earlier attempt's: its tokens and cost added to), or insert it, as part of the
+    caller's transaction, whose owner's row lock (Run.owned) keeps any other writer of it out."""
+    usage = {name: fields.pop(name, 0) for name in ("tokens_in", "tokens_out", "cost")}
+    added = {name: F(name) + value for name, value in usage.items()}
+    if not Step.objects.filter(run=run, seq=seq).update(attempt=run.attempt + 1, **added, **fields):
+        Step.objects.create(
+            run=run,
+            seq=seq,
+            name=step_def.name,
+            kind=step_def.kind,
+            input=step_input,
+            input_hash=input_hash,
+            attempt=run.attempt + 1,
+            **usage,
+            **fields,
+        )
 
 
 def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, unfinished: dict) -> bool:

@@ -81,6 +81,11 @@ class GateBackend(Protocol):
         """The decision taken on the gate at `seq` (its latest decided action card), whatever it asked: a
         decided gate is replayed from it, never asked again."""
 
+    def shadow_of(self, run: Run, seq: int, channel: str) -> bool | None:
+        """Whether the person who authorized an effect at `seq` on `channel` decided a shadow card (they did it by
+        hand): the latest decided action card of the run on that channel at `seq` or before; None when no card
+        authorized it. Shadow mode is decided once, when that card opened, and the effect follows it."""
+
     def close_pending(self, run: Run, status: str) -> None:
         """Close the run's pending cards (cancelled, or the run failed)."""
 

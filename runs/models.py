@@ -9,7 +9,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, connection, models, transaction
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
@@ -57,12 +57,12 @@ _COST_QUANTUM = Decimal("0.000001")
 _CANCELLED = {"outcome": "cancelled"}  # a cancelled run's result
 
 # Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
-# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert.
+# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert, its
+# tokens and cost added to (every attempt's; the run's totals were counted as the model answered: ModelUsage).
 _CHECKPOINT_SQL = """
 WITH moved AS (
     UPDATE runs_run
-    SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s,
-        tokens_in = tokens_in + %(tokens_in)s, tokens_out = tokens_out + %(tokens_out)s, cost = cost + %(cost)s{finish}
+    SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s{finish}
     WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s AND {held}
     RETURNING id, cancel_requested, tenant
 ), step AS (
@@ -77,7 +77,8 @@ WITH moved AS (
     FROM moved
     ON CONFLICT (run_id, seq) DO UPDATE SET
         status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
-        tokens_in = EXCLUDED.tokens_in, tokens_out = EXCLUDED.tokens_out, cost = EXCLUDED.cost,
+        tokens_in = s.tokens_in + EXCLUDED.tokens_in, tokens_out = s.tokens_out + EXCLUDED.tokens_out,
+        cost = s.cost + EXCLUDED.cost,
         latency_ms = EXCLUDED.latency_ms, prompt_version = EXCLUDED.prompt_version,
         tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
     RETURNING s.output
@@ -400,10 +401,12 @@ class Run(models.Model):
         finish: bool = False,
         result=None,
     ):
-        """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated) and the run's
-        cursor moved past it with its usage added, in ONE statement (a data-modifying CTE, atomic on its own in
-        autocommit): the run's UPDATE checks the owner and the cursor, and the step's row is inserted only from
-        the row that UPDATE returned, so a job that lost the run writes nothing and gets OwnershipLost.
+        """The step at `seq` is done: its row (inserted, or the row an earlier attempt left updated, with `usage`,
+        this attempt's, added to the earlier ones') and the run's cursor moved past it, in ONE statement (a
+        data-modifying CTE, atomic on its own in autocommit): the run's UPDATE checks the owner and the cursor,
+        and the step's row is inserted only from the row that UPDATE returned, so a job that lost the run writes
+        nothing and gets OwnershipLost. The run's totals are not added to here: each model call counted itself as
+        it answered (ModelUsage).
 
         Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
         would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
@@ -465,9 +468,6 @@ class Run(models.Model):
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
         self.cancel_requested, stored = row[:2]
         self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
-        self.tokens_in += usage.tokens_in
-        self.tokens_out += usage.tokens_out
-        self.cost += cost
         if finish:
             status = Run.Status.CANCELLED if self.cancel_requested else Run.Status.SUCCEEDED
             result = dict(_CANCELLED) if self.cancel_requested else result
@@ -793,14 +793,6 @@ class Step(models.Model):
 
     class Meta:
         ordering = ["run", "seq"]
-        indexes = [
-            # The token rate limit's window (runs.ratelimit): recent steps that used the model.
-            models.Index(
-                fields=["ended_at"],
-                condition=Q(tokens_in__gt=0) | Q(tokens_out__gt=0),
-                name="runs_step_tokens_ended_at",
-            ),
-        ]
         constraints = [
             models.UniqueConstraint(fields=["run", "seq"], name="runs_step_one_per_seq"),
             models.CheckConstraint(condition=Q(kind__in=StepKind.values), name="runs_step_kind_valid"),
@@ -812,6 +804,68 @@ class Step(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run_id}#{self.seq} {self.name}"
+
+
+# ModelUsage.record's one statement: the call's row, and the run's totals, which every attempt counts toward.
+_USAGE_SQL = """
+WITH spent AS (
+    INSERT INTO runs_modelusage (run_id, tenant, step, at, tokens_in, tokens_out, cost)
+    VALUES (%(run)s, %(tenant)s, %(step)s, %(at)s, %(tokens_in)s, %(tokens_out)s, %(cost)s)
+    RETURNING run_id
+)
+UPDATE runs_run r
+SET tokens_in = r.tokens_in + %(tokens_in)s, tokens_out = r.tokens_out + %(tokens_out)s, cost = r.cost + %(cost)s
+FROM spent WHERE r.id = spent.run_id
+RETURNING r.tokens_in, r.tokens_out, r.cost
+"""
+
+
+class ModelUsage(models.Model):
+    """What one model call used, written as it answers, whatever happens to its step after (it fails, its job
+    loses the run, its worker dies before the checkpoint): every attempt counts toward the run's cost limit (the
+    run's totals are added to in the same statement) and the tenant's token rate (runs.ratelimit)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="model_usage")
+    tenant = models.CharField(max_length=100)
+    step = models.CharField(max_length=100)
+    at = models.DateTimeField()
+    tokens_in = models.PositiveIntegerField()
+    tokens_out = models.PositiveIntegerField()
+    cost = models.DecimalField(max_digits=12, decimal_places=6)
+
+    class Meta:
+        ordering = ["at"]
+        indexes = [models.Index(fields=["tenant", "at"], name="runs_modelusage_tenant_at")]
+
+    def __str__(self) -> str:
+        return f"{self.step} of {self.run_id}: {self.tokens_in}+{self.tokens_out} tokens"
+
+    @classmethod
+    def record(cls, run: Run, step: str, tokens_in: int, tokens_out: int, cost: Decimal) -> None:
+        """Count a model call's usage for `run` (its totals in memory follow the row). Not an owner's write: a
+        job that lost the run still spent it. Its own statement, in autocommit; a connection found cut is
+        reopened once (the tokens were spent whether or not the step goes on)."""
+        params = {
+            "run": run.pk,
+            "tenant": run.tenant,
+            "step": step[:100],
+            "at": timezone.now(),
+            "tokens_in": tokens_in,
+            "tokens_out": tokens_out,
+            "cost": Decimal(cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP),
+        }
+        for last_try in (False, True):
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(_USAGE_SQL, params)
+                    row = cursor.fetchone()
+                break
+            except DatabaseError:
+                if last_try or connection.in_atomic_block:
+                    raise
+                connection.close()  # a session that was cut: the next statement opens a new one
+        if row is not None:
+            run.tokens_in, run.tokens_out, run.cost = row
 
 
 class ReceiptStatus(models.TextChoices):

@@ -1,11 +1,12 @@
 """The token rate limit: model tokens (in + out) per tenant per minute (TOKEN_RATE_LIMIT_PER_MINUTE, 0: off).
 
-Before a compute step (runs.engine), `wait_for_tokens(run)` sums the tokens of the tenant's steps that ended in
-the last 60 s (Step rows: nothing is counted twice, nothing needs resetting). At or over the limit the step
+Before a compute step (runs.engine), `wait_for_tokens(run)` sums the tokens of the tenant's model calls of the
+last 60 s (ModelUsage rows, written as each call answers, whatever then happens to its step: nothing is counted
+twice, nothing needs resetting). At or over the limit the step
 raises `Throttled`, a `Wait`: the run goes back to the queue until enough of those tokens have left the window
 for the tenant to be under the limit again. Never dropped, and not an attempt.
 
-The limit is checked before a step, not reserved: a step's tokens are only known once it has run. So a tenant
+The limit is checked before a step, not reserved: a call's tokens are only known once it has answered. So a tenant
 whose steps run side by side may go over it by what those steps use; its next steps then wait longer.
 """
 
@@ -18,10 +19,10 @@ from datetime import datetime, timedelta
 import structlog
 from django.conf import settings
 from django.db import connection
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
-from runs.models import Run, Step, TenantThrottle
+from runs.models import ModelUsage, Run, TenantThrottle
 from runs.workflow import Wait
 
 log = structlog.get_logger("runs.ratelimit")
@@ -40,13 +41,13 @@ class Throttled(Wait):
 
 
 def _recent(tenant: str, now: datetime):
-    """The tenant's steps that used tokens and ended in the window, oldest first (runs_step_tokens_ended_at)."""
+    """The tenant's model calls in the window, oldest first (runs_modelusage_tenant_at): every attempt's, also
+    those of steps that failed or were lost before their checkpoint."""
     return (
-        Step.objects.filter(ended_at__gt=now - WINDOW, ended_at__lte=now, run__tenant=tenant)
-        .filter(Q(tokens_in__gt=0) | Q(tokens_out__gt=0))
+        ModelUsage.objects.filter(tenant=tenant, at__gt=now - WINDOW, at__lte=now)
         .annotate(tokens=F("tokens_in") + F("tokens_out"))
-        .order_by("ended_at")
-        .values_list("ended_at", "tokens")
+        .order_by("at")
+        .values_list("at", "tokens")
     )
 
 
@@ -64,12 +65,12 @@ def wait_for_tokens(run: Run) -> None:
     used = sum(tokens for _, tokens in recent)
     if used < limit:
         return
-    # The window has room again once enough of its oldest steps have aged out of it.
+    # The window has room again once enough of its oldest calls have aged out of it.
     left, room_at = used, now + WINDOW
-    for ended_at, tokens in recent:
+    for at, tokens in recent:
         left -= tokens
         if left < limit:
-            room_at = ended_at + WINDOW
+            room_at = at + WINDOW
             break
     delay = max(MIN_DELAY, (room_at - now).total_seconds()) + random.uniform(0, JITTER)
     _note(run.tenant, now, now + timedelta(seconds=delay), used, limit)

@@ -380,14 +380,23 @@ def names() -> list[str]:
 
 @dataclass
 class Usage:
+    """The tokens and cost a step's attempt used. Bound to its run and step by the step's Context, each `add`
+    (one model call) is also counted at once against the run's cost limit and the tenant's token rate
+    (runs.models.ModelUsage), so an attempt that fails or is lost before its checkpoint still counts."""
+
     tokens_in: int = 0
     tokens_out: int = 0
     cost: Decimal = Decimal(0)
+    counted_for: tuple | None = None  # (run, step name)
 
     def add(self, tokens_in: int, tokens_out: int, cost: Decimal) -> None:
         self.tokens_in += tokens_in
         self.tokens_out += tokens_out
         self.cost += cost
+        if self.counted_for is not None and (tokens_in or tokens_out or cost):
+            from runs.models import ModelUsage
+
+            ModelUsage.record(*self.counted_for, tokens_in, tokens_out, cost)
 
 
 class Context:
@@ -402,6 +411,7 @@ class Context:
         self.model = model
         self.tools = tools
         self.usage: Usage = getattr(model, "usage", None) or Usage()
+        self.usage.counted_for = (run, step.name)
         self.last_effect_key: str | None = None
         self._effects = 0
 
@@ -421,10 +431,12 @@ class Context:
         answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
         tool has one, otherwise the run parks for a person to reconcile.
 
-        In shadow mode (console.models.Channel.in_shadow: the workflow or the channel) `call` is never made: the
-        effect is recorded as a ShadowEffect with `preview` (what the call would send, for the person who does
-        it by hand) and answers `{"shadow": True, "id": "shadow:<key>"}`, so the run goes on. The mode is read
-        when the effect's receipt is first written; kill switches apply as to any effect.
+        In shadow mode `call` is never made: the effect is recorded as a ShadowEffect with `preview` (what the
+        call would send, for the person who does it by hand) and answers `{"shadow": True, "id":
+        "shadow:<key>"}`, so the run goes on. The mode is decided once per effect: the card that authorized it
+        (the run's latest decided action card on this channel, at this step or before) says it; without one,
+        the channel and workflow do (console.models.Channel.in_shadow) when the effect's receipt is first
+        written. Kill switches apply as to any effect.
         """
         from runs import breakers
         from runs.models import Receipt
@@ -530,7 +542,11 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "",
             key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
         )
         if created:
-            receipt.shadow = Channel.in_shadow(channel, run.workflow)
+            # Decided once per effect: as the card that authorized it was (a person who did it by hand must not
+            # see it done again, nor an approved live effect be dropped, because the mode changed since), else
+            # as the channel and workflow are now, recorded with the receipt for its later attempts.
+            authorized = gates.backend().shadow_of(run, seq, channel)
+            receipt.shadow = Channel.in_shadow(channel, run.workflow) if authorized is None else authorized
             if receipt.shadow:
                 ShadowEffect.objects.create(run=run, step_seq=seq, step=step, channel=channel, key=key, preview=preview)
         else:

@@ -110,10 +110,15 @@ def _current_balance(ctx, args: Payment) -> dict:
     return {"customer_id": args.customer_id, "refunded_cents": 0}
 
 
+def _paid(history: list[dict]) -> int:
+    """What the run's earlier `pay` calls paid (the approval policy counts them)."""
+    return sum(c["arguments"]["amount_cents"] for c in history if c["tool"] == "pay" and "result" in c)
+
+
 @tool(
     kind="effect",
     channel="payments",
-    approval=lambda args: args.amount_cents > 1_000,
+    approval=lambda args, history: args.amount_cents + _paid(history) > 1_000,
     current=_current_balance,
     display=Display(headline="note", amount_minor="amount_cents"),
     risk="high",

@@ -171,6 +171,59 @@ def test_a_rejection_reaches_the_model_and_the_same_call_is_not_proposed_again(a
     assert run.result == {"agent_said": "I could not refund."}
 
 
+def pay(amount: int, note: str = "") -> list:
+    return ["pay", {"customer_id": "c1", "amount_cents": amount, "note": note}]
+
+
+def test_an_approval_policy_sees_what_the_run_already_did(agent, bob):
+    # `pay` needs a person once the run's payments would pass 10.00: three of 4.00 are not three without one.
+    run = drive(submit({"calls": [pay(400), pay(400)]}, {"calls": [pay(400, "third")]}, {"answer": "paid"}))
+    assert run.status == Run.Status.WAITING_HUMAN and calls(run, "payments") == 2
+    card = Approval.objects.get(run=run)
+    assert card.proposed["note"] == "third" and card.step_seq == 4
+    card.decide(bob, "approve")
+    assert drive(run).status == Run.Status.SUCCEEDED and calls(run, "payments") == 3
+
+
+def test_the_demo_refund_policy_counts_the_runs_refunds_so_far(settings):
+    from demo.workflows import OrderRefund, _needs_a_person
+
+    settings.AUTO_APPROVE_CENTS = 2_000
+    refund = OrderRefund(customer_id="c1", order_id="o1", amount_cents=1_999, currency="EUR", reason="late")
+    done = {"tool": "refund_order", "call_id": "1", "arguments": refund.model_dump(), "result": {"id": "pa_1"}}
+    refused = {**done, "result": {"error": "at most 0 EUR cents can be refunded", "refunded": False}}
+    rejected = {"tool": "refund_order", "call_id": "2", "arguments": refund.model_dump(), "rejected": {"by": "bob"}}
+    assert not _needs_a_person(refund, [])
+    assert not _needs_a_person(refund, [refused, rejected])  # nothing was refunded by those
+    assert _needs_a_person(refund, [done])  # 19.99 + 19.99 passes 20.00
+
+
+def test_a_rejected_call_stops_the_effects_planned_after_it_in_its_turn(agent, bob):
+    run = drive(
+        submit(
+            {
+                "calls": [
+                    pay(5_000, "late"),
+                    ["note", {"text": "refunded 50.00"}],
+                    ["lookup_customer", {"customer_id": "c1"}],
+                ]
+            },
+            {"answer": "I could not refund."},
+        )
+    )
+    Approval.objects.get(run=run).decide(bob, "reject", comment="no refunds after 30 days")
+    run = drive(run)
+    assert run.status == Run.Status.SUCCEEDED
+    assert calls(run, "payments") == 0 and calls(run, "crm") == 0  # the note about the refund was not written
+    assert calls(run, "crm_read") == 1  # a read planned after it still ran
+    skipped = run.steps.get(name="helper.turn1.2.note").output
+    assert (
+        skipped["skipped"]["comment"] == "no refunds after 30 days" and "rejected pay" in skipped["skipped"]["reason"]
+    )
+    told = SandboxCall.objects.filter(run_id=run.id, system="model", payload__turn=2).get().payload["seen"]
+    assert told[1]["error"] == "not executed" and told[1]["rejected_call"] == "call_1_0"
+
+
 def test_the_turn_limit_parks_with_a_budget_card_then_extends_or_stops(agent, bob):
     lookups = [{"calls": [["lookup_customer", {"customer_id": f"c{i}"}]]} for i in range(6)]
     run = drive(submit(*lookups, {"answer": "done"}))

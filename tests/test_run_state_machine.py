@@ -164,8 +164,8 @@ def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo
 
     run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
-    usage = Usage()
-    usage.add(10, 5, Decimal("0.0000015"))
+    usage = Usage(counted_for=(claimed, "classify"))
+    usage.add(10, 5, Decimal("0.0000015"))  # counted on the run as the model answered (ModelUsage)
     with django_assert_num_queries(1):
         stored = claimed.checkpoint(0, usage, **_step_fields())
     assert stored == {"ok": True}

@@ -71,6 +71,32 @@ def sent() -> dict:
 # --- effects ---------------------------------------------------------------------------------------------------
 
 
+def test_it_a_shadow_card_done_by_hand_stays_shadow_when_the_channel_goes_live_before_its_effect(
+    demo, client, reviewer
+):
+    shadow_channel("payments")
+    card = park(demo)
+    assert card.shadow
+    response = decide(client, card, decision="approve", agreement="agree", done_by_hand="Refunded in Stripe by hand")
+    assert response.status_code == 200
+    shadow_channel("payments", on=False)  # the pilot goes live between the decision and the effect
+    run = drive(Run.objects.get(pk=card.run_id))
+    assert run.status == Run.Status.SUCCEEDED
+    assert sent()["payments"] == 0  # the person did it by hand: it is not done again
+    assert ShadowEffect.objects.filter(run=run, channel="payments").count() == 1
+
+
+def test_it_a_live_card_approved_stays_live_if_the_channel_goes_shadow_first(demo, client, reviewer):
+    card = park(demo)
+    assert not card.shadow
+    assert decide(client, card, decision="approve").status_code == 200
+    shadow_channel("payments")  # shadow mode switched on between the decision and the effect
+    run = drive(Run.objects.get(pk=card.run_id))
+    assert run.status == Run.Status.SUCCEEDED
+    assert sent()["payments"] == 1  # what a person approved live is done, not silently dropped
+    assert not ShadowEffect.objects.filter(run=run, channel="payments").exists()
+
+
 def test_it_a_shadow_run_never_reaches_the_external_systems(client, reviewer, demo, shadow_refunds):
     card = park(demo)
     assert card.shadow
@@ -153,9 +179,14 @@ def test_it_turning_shadow_off_makes_new_effects_real(client, reviewer, demo, se
     run = drive(Run.objects.get(pk=card.run_id))
 
     assert run.status == Run.Status.SUCCEEDED
-    assert sent()["payments"] == 1 and sent()["email"] == 1  # its effects came after the switch: real
-    assert not ShadowEffect.objects.filter(run=run).exists()
+    # The payment the shadow card authorized follows the card (the reviewer did it by hand); the email, which no
+    # card authorized, came after the switch: real.
+    assert sent()["payments"] == 0 and sent()["email"] == 1
+    assert list(ShadowEffect.objects.filter(run=run).values_list("channel", flat=True)) == ["payments"]
     assert ShadowEffect.objects.filter(run=first).count() == 2  # what was shadowed stays a record
+
+    later = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "customer_id": "cus_2"})[0])
+    assert later.status == Run.Status.SUCCEEDED and sent()["payments"] == 1  # a new run's effects are real
 
 
 def test_it_turning_a_channel_out_of_shadow_makes_its_new_effects_real(demo):

@@ -11,8 +11,10 @@ from django.db.models import F
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
+import tests.workflows  # noqa: F401 - registers the test workflows
 from runs import ratelimit
-from runs.models import Run, Step, TenantThrottle
+from runs.models import ModelUsage, Run, TenantThrottle
+from runs.workflow import Retryable
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls
 from tests.test_metrics import scrape
 
@@ -43,9 +45,7 @@ def _job(run: Run) -> ProcrastinateJob:
 
 
 def _a_minute_passes() -> None:
-    Step.objects.filter(ended_at__isnull=False).update(
-        ended_at=F("ended_at") - timedelta(seconds=61), started_at=F("started_at") - timedelta(seconds=61)
-    )
+    ModelUsage.objects.update(at=F("at") - timedelta(seconds=61))
 
 
 def test_a_tenant_over_its_rate_waits_and_loses_nothing(demo, limited):
@@ -106,3 +106,32 @@ def test_the_dashboard_and_metrics_show_who_is_throttled(demo, limited, client, 
     # Once its wait is over, the tenant is no longer shown as throttled.
     TenantThrottle.objects.update(waiting_until=timezone.now() - timedelta(seconds=1))
     assert 'data-throttled="acme"' not in client.get("/dashboard/").content.decode()
+
+
+def test_a_failed_attempts_tokens_count_against_the_rate_and_the_runs_cost(demo, settings):
+    """A model call that answered, in a step that then failed, spent its tokens: they count against the tenant's
+    rate and the run's totals (which its cost limit reads), and its step shows both attempts' usage."""
+    run = Run.submit(workflow="test_spend_then_fail", input={}, tenant="acme")[0]
+    with pytest.raises(Retryable):
+        drive(run)
+    failed = Run.objects.get(pk=run.pk)
+    once, cost_once = failed.tokens_in + failed.tokens_out, failed.cost
+    assert failed.status == Run.Status.QUEUED and once > 0 and cost_once > 0
+    assert ratelimit.tokens_used("acme") == once
+    assert failed.steps.get().tokens_in == failed.tokens_in  # the failed attempt's row shows what it used
+
+    run = drive(failed, attempts=1)
+    assert run.status == Run.Status.SUCCEEDED
+    step = run.steps.get()
+    assert step.attempt == 2 and (step.tokens_in, step.tokens_out) == (run.tokens_in, run.tokens_out)
+    assert run.tokens_in + run.tokens_out == 2 * once and run.cost == 2 * cost_once  # both attempts
+    assert ratelimit.tokens_used("acme") == 2 * once
+
+
+def test_a_lost_attempts_tokens_count_too(demo):
+    """The job lost the run between the model's answer and its checkpoint (which is refused): the tokens were
+    spent all the same, and count against the run's cost and its tenant's rate."""
+    run = drive(Run.submit(workflow="test_spend_then_lose", input={}, tenant="acme")[0])
+    assert run.owner == "another-job" and not run.steps.exists()  # nothing of the step was written
+    assert run.tokens_in > 0 and run.cost > 0
+    assert ratelimit.tokens_used("acme") == run.tokens_in + run.tokens_out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runs.models import Run
-from runs.workflow import Workflow, register
+from runs.workflow import Retryable, Workflow, register
 
 cancel_midway = register(Workflow("test_cancel_midway"))
 
@@ -76,3 +76,26 @@ float_gate = register(Workflow("test_float_gate"))
 @float_gate.gate("payments")
 def ask_for_a_number(ctx):
     return ctx.gate(proposed={"factor": 1.5}, summary="scale it")
+
+
+# A compute step whose model answers (its tokens spent), then fails on its first attempt (an answer that does not
+# parse); and one whose job loses the run between the model's answer and the checkpoint (another job took it over).
+spend_then_fail = register(Workflow("test_spend_then_fail"))
+
+
+@spend_then_fail.compute
+def think_then_fail(ctx):
+    answer = ctx.model.complete("classify", reason="late delivery", amount_cents=100)
+    if ctx.run.attempt == 0:
+        raise Retryable("the model's answer did not parse")
+    return answer
+
+
+spend_then_lose = register(Workflow("test_spend_then_lose"))
+
+
+@spend_then_lose.compute
+def think_then_lose(ctx):
+    answer = ctx.model.complete("classify", reason="late delivery", amount_cents=100)
+    Run.objects.filter(pk=ctx.run.pk).update(owner="another-job")
+    return answer

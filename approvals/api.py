@@ -7,11 +7,13 @@ from django.shortcuts import get_object_or_404
 from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError, ValidationError
+from pydantic import ConfigDict
 
 from approvals.diff import changes
 from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
 from console.api_errors import ERRORS
 from console.models import Channel
+from console.safe_input import NOT_BLANK
 
 router = Router(tags=["approvals"])
 
@@ -89,14 +91,40 @@ class CardOut(Schema):
 
 
 class DecisionIn(Schema):
+    # What depends on the decision alone is stated in the schema (below); Approval.decide is what refuses it.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"decision": {"const": "edit"}}},
+                    "then": {"required": ["payload"], "properties": {"payload": {"type": "object"}}},
+                },
+                {
+                    "if": {"properties": {"decision": {"const": "reject"}}},
+                    "then": {"required": ["comment"], "properties": {"comment": {"pattern": NOT_BLANK}}},
+                },
+            ]
+        }
+    )
+
     decision: Literal["approve", "edit", "reject"]
-    comment: str = Field("", max_length=5000)
+    comment: str = Field("", max_length=5000, description="Required, not blank, for a rejection.")
     reason: str | None = Field(None, max_length=32)
-    payload: dict | None = None
-    version: int
+    payload: dict | None = Field(
+        None,
+        description="An edit's new payload (required for an edit; ignored otherwise). It must fit the card: its "
+        "proposal's shape and the fields a person may change; else 422 naming the fields.",
+    )
+    version: int = Field(description="The card's `version` as read: 409 when it has changed since.")
     # Shadow cards only: whether the reviewer, who did the action by hand, agrees with the agent (required there).
-    agreement: Literal["agree", "disagree"] | None = None
-    done_by_hand: str = Field("", max_length=5000)
+    agreement: Literal["agree", "disagree"] | None = Field(
+        None, description="Required on a card with `shadow: true`; refused (422) on any other card."
+    )
+    done_by_hand: str = Field(
+        "",
+        max_length=5000,
+        description="What the reviewer did by hand: shadow cards only (422 on others, unless blank).",
+    )
 
 
 def decidable_channels(user):
@@ -127,7 +155,22 @@ def list_cards(request, status: CardStatus = "pending"):
 
 
 @router.post(
-    "/approvals/{card_id}/decision", response={200: CardOut, **ERRORS}, summary="Approve, edit or reject a card"
+    "/approvals/{card_id}/decision",
+    response={200: CardOut, **ERRORS},
+    summary="Approve, edit or reject a card",
+    description="Two rules depend on the card, not on the body alone, and are answered with 422: `agreement` "
+    "(and `done_by_hand`) belong to shadow cards only (`shadow` in the card: required there, refused elsewhere), "
+    "and an edit's `payload` must fit the card's proposal.",
+    openapi_extra={
+        "responses": {
+            "422": {
+                "description": "The body is invalid, or does not fit this card: `agreement`/`done_by_hand` on a "
+                "card that is not shadow, no `agreement` on a shadow card, an edit the card does not allow.",
+                # (openapi_extra replaces the response ERRORS declared: its body is stated again)
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}},
+            }
+        }
+    },
 )
 def decide(request, card_id: int, body: DecisionIn):
     card = _get_card_for_user(request, card_id)

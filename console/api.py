@@ -10,6 +10,7 @@ from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.security import HttpBearer
 
+from console import safe_input
 from console.api_errors import ERRORS
 from console.models import ApiToken
 from console.safe_input import SafeJsonParser, UnsafeJson
@@ -24,7 +25,15 @@ class BearerToken(HttpBearer):
         return found.user
 
 
-api = NinjaAPI(
+class ConsoleApi(NinjaAPI):
+    def get_openapi_schema(self, *, path_prefix=None, path_params=None):
+        # The parser's and the middleware's refusals (NUL, numbers beyond ±2**53) stated where a client reads
+        # them: in every request body and parameter of the document (console.safe_input.declare).
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        return safe_input.declare(schema)
+
+
+api = ConsoleApi(
     title="HITL approval console",
     version="1",
     auth=BearerToken(),

@@ -22,6 +22,7 @@ from ninja.errors import HttpError
 
 from console.api_errors import ERRORS
 from console.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from console.safe_input import NOT_BLANK
 from runs import breakers
 
 log = structlog.get_logger("console.breakers")
@@ -80,7 +81,11 @@ def force_breaker(request):
 
 class BreakerIn(Schema):
     state: Literal["open", "closed"] = Field(description="`open`: held open until closed by hand; `closed`.")
-    reason: str = Field(max_length=KILL_SWITCH_REASON_MAX)
+    reason: str = Field(
+        max_length=KILL_SWITCH_REASON_MAX,
+        description="Why, for opening and closing alike: what the next person on call reads. Not blank.",
+        json_schema_extra={"pattern": NOT_BLANK},  # runs.breakers.force is the one that refuses
+    )
 
 
 class BreakerOut(Schema):

@@ -28,6 +28,7 @@ from ninja.errors import HttpError
 
 from console.api_errors import ERRORS
 from console.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
+from console.safe_input import NOT_BLANK
 from runs.models import Run
 
 log = structlog.get_logger("console.channels")
@@ -185,7 +186,11 @@ def global_kill_switch(request):
 
 class KillSwitchIn(Schema):
     engaged: bool
-    reason: str = Field(max_length=KILL_SWITCH_REASON_MAX)
+    reason: str = Field(
+        max_length=KILL_SWITCH_REASON_MAX,
+        description="Why, for engaging and releasing alike: what the next person on call reads. Not blank.",
+        json_schema_extra={"pattern": NOT_BLANK},  # the model's check (ReasonRequired) is the one that refuses
+    )
 
 
 class KillSwitchOut(Schema):

@@ -62,12 +62,26 @@ def _parse_int(digits: str) -> int | _Refused:
     return int(digits)
 
 
+def _parse_float(text: str) -> int | float | _Refused:
+    value = float(text)
+    if not math.isfinite(value):
+        # 1e400 parses as a float infinity: jsonb could not store it.
+        return _Refused("the number is out of range")
+    if value.is_integer():
+        # JSON has one kind of number, and so have JSON Schema (the OpenAPI document's language) and JavaScript:
+        # 65.0 is the integer 65, which a strict integer field takes, and 1e300 is an integer beyond ±2**53,
+        # which check() refuses as such. The rule is on the value, not on how it is written: no schema can tell
+        # 1e300 from 1000...0, so a rule on the spelling could not be stated in the document.
+        return int(value)
+    return value
+
+
 def loads(body: bytes | str, root: str = "body") -> Any:
     """json.loads, refusing what must not reach the database: raises UnsafeJson naming the field (its path
     starting at `root`), or ValueError for text that is not JSON. UnsafeJson is a ValueError too, so a form
     field that reports "not valid JSON" on ValueError reports these as well."""
     try:
-        data = json.loads(body, parse_constant=_parse_constant, parse_int=_parse_int)
+        data = json.loads(body, parse_constant=_parse_constant, parse_int=_parse_int, parse_float=_parse_float)
     except RecursionError:
         raise UnsafeJson([root], f"nested deeper than {MAX_DEPTH} levels") from None
     check(data, root)
@@ -100,9 +114,8 @@ def check(data: Any, root: str = "body") -> None:
             continue
         elif isinstance(value, int):
             if abs(value) > MAX_SAFE_INTEGER:
-                raise UnsafeJson(loc, "integers beyond ±2**53 are not allowed")
-        elif isinstance(value, float) and not math.isfinite(value):
-            # 1e400 parses as a float infinity: jsonb could not store it.
+                raise UnsafeJson(loc, "numbers beyond ±2**53 are not allowed")
+        elif isinstance(value, float) and not math.isfinite(value):  # (from Python callers; loads has none)
             raise UnsafeJson(loc, "the number is out of range")
 
 
@@ -112,3 +125,100 @@ class SafeJsonParser(Parser):
 
     def parse_body(self, request):
         return loads(request.body)
+
+
+# --- the same rules, stated in the OpenAPI document ------------------------------------------------------------
+
+# What str.strip() removes (every character for which str.isspace() is true), as a regular expression class that
+# reads the same in Python, ECMA-262 (JSON Schema) and Rust (pydantic). ECMA's \s is a different set (it has
+# U+FEFF, lacks U+001C-U+001F and U+0085), hence the explicit list; a test compares it with str.isspace().
+_WHITESPACE_CLASS = r"\t\n\x0b\x0c\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# A string with something in it besides whitespace: what the server's `.strip()` leaves non-empty.
+NOT_BLANK = f"[^{_WHITESPACE_CLASS}]"
+NO_NUL = r"^[^\u0000]*$"
+JSON_VALUE = "JsonValue"
+_JSON_VALUE_REF = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+
+
+def _json_value_schema() -> dict:
+    return {
+        "description": (
+            "Any JSON value the API stores: no NUL character in a string or a key (nor a lone UTF-16 surrogate), "
+            f"numbers within ±2**53 (JavaScript's safe integers; 65.0 is the integer 65), at most {MAX_DEPTH} "
+            "levels of objects and arrays in the whole body."
+        ),
+        "anyOf": [
+            {"type": "null"},
+            {"type": "boolean"},
+            {"type": "number", "minimum": -MAX_SAFE_INTEGER, "maximum": MAX_SAFE_INTEGER},
+            {"type": "string", "pattern": NO_NUL},
+            {"type": "array", "items": _JSON_VALUE_REF},
+            {"type": "object", "propertyNames": {"pattern": NO_NUL}, "additionalProperties": _JSON_VALUE_REF},
+        ],
+    }
+
+
+def declare(openapi: dict) -> dict:
+    """States the parser's rules (no NUL in a string or a key, numbers within ±2**53; and the middleware's, no NUL
+    in a parameter) in `openapi`, on every request body, every schema a request body uses and every parameter, so
+    that a client generated from the document cannot send what loads() or the middleware refuses. A free-form
+    object or array (a run's `input`, an edit's `payload`, the fields a body may carry besides its own, which are
+    ignored) holds JsonValues. Response schemas are left as they are (those a request body shares too, harmlessly:
+    what the API answers was stored)."""
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    components[JSON_VALUE] = _json_value_schema()
+    seen: set[str] = {JSON_VALUE}
+    pending: list[str] = []
+
+    def walk(schema: Any) -> None:
+        if isinstance(schema, list):
+            for item in schema:
+                walk(item)
+            return
+        if not isinstance(schema, dict):
+            return
+        ref = schema.get("$ref", "")
+        if ref.startswith("#/components/schemas/"):
+            name = ref.rsplit("/", 1)[1]
+            if name not in seen:
+                seen.add(name)
+                pending.append(name)
+            return
+        kind = schema.get("type")
+        if kind == "string" and "enum" not in schema and "const" not in schema:
+            pattern = schema.get("pattern")
+            if pattern is None:
+                schema["pattern"] = NO_NUL
+            elif pattern != NO_NUL:
+                schema.setdefault("allOf", []).append({"pattern": NO_NUL})
+        elif kind in ("integer", "number"):
+            if not schema.get("exclusiveMinimum", -math.inf) > -MAX_SAFE_INTEGER:
+                schema["minimum"] = max(schema.get("minimum", -MAX_SAFE_INTEGER), -MAX_SAFE_INTEGER)
+            if not schema.get("exclusiveMaximum", math.inf) < MAX_SAFE_INTEGER:
+                schema["maximum"] = min(schema.get("maximum", MAX_SAFE_INTEGER), MAX_SAFE_INTEGER)
+        elif kind == "object":
+            schema.setdefault("propertyNames", {"pattern": NO_NUL})
+            if schema.get("additionalProperties", True) is True:
+                schema["additionalProperties"] = dict(_JSON_VALUE_REF)
+        elif kind == "array" and "items" not in schema:
+            schema["items"] = dict(_JSON_VALUE_REF)
+        for key in ("properties", "patternProperties", "$defs"):
+            for child in schema.get(key, {}).values():
+                walk(child)
+        # Not into `not` or `if`: a constraint added there would widen what the schema admits.
+        for key in ("items", "additionalProperties", "propertyNames", "then", "else"):
+            walk(schema.get(key))
+        for key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+            walk(schema.get(key, []))
+
+    for operations in openapi.get("paths", {}).values():
+        for operation in operations.values():
+            if not isinstance(operation, dict):
+                continue
+            for parameter in operation.get("parameters", []):
+                walk(parameter.get("schema"))
+            for media in operation.get("requestBody", {}).get("content", {}).values():
+                walk(media.get("schema"))
+    while pending:
+        walk(components.get(pending.pop()))
+    return openapi

@@ -18,14 +18,22 @@ from django.conf import settings
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from runs.agent import tool
-from runs.currencies import check_currency
+from runs.currencies import ISO_4217, check_currency
 from runs.gates import ApprovalRequest
 from runs.webhooks import Source, register_source
 from runs.workflow import Display, Fatal, Workflow, register
 
-Currency = Annotated[StrictStr, AfterValidator(check_currency)]
+# The JSON Schema lists the codes check_currency takes, so that POST /api/runs' document says which.
+Currency = Annotated[StrictStr, AfterValidator(check_currency), Field(json_schema_extra={"enum": sorted(ISO_4217)})]
 Cents = Annotated[StrictInt, Field(gt=0, le=100_000_000)]  # up to one million in major units
 CustomerId = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+
+
+def _faults_schema(schema: dict) -> None:
+    if not settings.DEMO_FAULTS_ENABLED:
+        for option in schema["anyOf"]:
+            if option.get("type") == "object":
+                option["maxProperties"] = 0
 
 
 class DemoInput(BaseModel):
@@ -33,7 +41,8 @@ class DemoInput(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    faults: dict[str, list[StrictStr]] | None = None  # demo fault injection (demo.sandbox), development only
+    # Demo fault injection (demo.sandbox), development only: elsewhere the schema admits none (null or {}).
+    faults: dict[str, list[StrictStr]] | None = Field(None, json_schema_extra=_faults_schema)
 
     @field_validator("faults")
     @classmethod

@@ -4,3 +4,10 @@ from django.apps import AppConfig
 class JobsConfig(AppConfig):
     name = "jobs"
     verbose_name = "Jobs and dead letters"
+
+    def ready(self):
+        from jobs import internals
+
+        # Every process (web server, workers, manage.py) refuses to start on a procrastinate whose internals we
+        # rely on have changed; the SQL ones are checked when a worker starts (jobs.worker.Worker._register).
+        internals.check_python()

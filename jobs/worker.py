@@ -42,6 +42,8 @@ from procrastinate.contrib.django.django_connector import DjangoConnector
 from procrastinate.psycopg_connector import PsycopgConnector
 from psycopg_pool.base import AttemptWithBackoff
 
+from jobs import internals
+
 log = structlog.get_logger("jobs.worker")
 
 BACKOFF_INITIAL_SECONDS = 0.5
@@ -200,6 +202,7 @@ class Worker(procrastinate_worker.Worker):
         # After an outage: requeue jobs the database says we run but we do not (a fetch whose answer was lost,
         # a status we gave up writing), and check our worker row is still there.
         self._reconcile_due = False
+        self._database_checked = False
 
     @property
     def stopping(self) -> bool:
@@ -290,6 +293,11 @@ class Worker(procrastinate_worker.Worker):
             self._loop = None
 
     async def _register(self) -> int:
+        if not self._database_checked:
+            # Once per worker, before it takes a job: the SQL functions, types and columns we use are as we expect
+            # (an InternalsMismatch is no database error: it stops the worker, naming what differs).
+            await internals.check_database_async(self.app.connector)
+            self._database_checked = True
         pruned = await self.app.job_manager.prune_stalled_workers(self.stalled_worker_timeout)
         if pruned:
             log.info("pruned stalled workers", worker_ids=pruned)

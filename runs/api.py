@@ -7,6 +7,7 @@ from decimal import Decimal
 from django.shortcuts import get_object_or_404
 from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
+from pydantic import ConfigDict
 
 from console.api_errors import ERRORS
 from console.models import Role
@@ -16,13 +17,36 @@ from runs.workflow import InvalidInput, UnknownWorkflow
 router = Router(tags=["runs"])
 
 
+# A decimal string: up to 6 digits before the point and 6 after (Run.cost_limit is a numeric(12, 6)). A string,
+# not a JSON number: a number's decimals are a binary float's (0.1 is not one tenth), and a schema cannot bound them.
+COST_LIMIT_PATTERN = r"^[0-9]{1,6}(\.[0-9]{1,6})?$"
+
+
+def _declare_workflows(schema: dict) -> None:
+    """RunIn's JSON Schema: `workflow` is one of the deployed workflows, and `input` fits that workflow's input
+    schema (Run.submit refuses anything else with a 422)."""
+    from runs import workflow as workflows
+
+    schema["properties"]["workflow"]["enum"] = sorted(workflows.names())
+    schema["allOf"] = [
+        {"if": {"properties": {"workflow": {"const": name}}}, "then": {"properties": {"input": input_schema}}}
+        for name, input_schema in sorted(_workflow_inputs().items())
+    ]
+
+
 class RunIn(Schema):
-    workflow: str = Field(max_length=100)
-    input: dict
+    model_config = ConfigDict(json_schema_extra=_declare_workflows)
+
+    workflow: str = Field(max_length=100, description="A deployed workflow's name.")
+    input: dict = Field(description="The workflow's input: it must fit the workflow's input schema.")
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
     tenant: str = Field("default", min_length=1, max_length=100)
     priority: int = Field(0, ge=-100, le=100)
-    cost_limit: Decimal | None = Field(None, ge=0, max_digits=12, decimal_places=6)
+    cost_limit: str | None = Field(
+        None,
+        pattern=COST_LIMIT_PATTERN,
+        description='A decimal string, such as "2.50": at most 6 digits before the point and 6 after.',
+    )
 
 
 class RunAccepted(Schema):
@@ -132,8 +156,29 @@ def _workflow_inputs() -> dict:
     for name in workflows.names():
         definition = workflows.get(name)
         if definition.input_schema is not None:
-            schemas[name] = definition.input_schema.model_json_schema()
+            schemas[name] = _defs_inlined(definition.input_schema.model_json_schema())
     return schemas
+
+
+def _defs_inlined(schema: dict) -> dict:
+    """A model's JSON Schema with its `$defs` written where they are used: it is embedded in the OpenAPI document,
+    where `#/$defs/...` would point nowhere. (An input model that refers to itself cannot be embedded.)"""
+    defs = schema.pop("$defs", {})
+
+    def inline(node, depth: int = 0):
+        if isinstance(node, list):
+            return [inline(item, depth) for item in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            if depth > 16:
+                raise ValueError(f"a workflow's input schema refers to itself ({ref}): it cannot be embedded")
+            siblings = {key: inline(value, depth) for key, value in node.items() if key != "$ref"}
+            return {**inline(defs[ref.removeprefix("#/$defs/")], depth + 1), **siblings}
+        return {key: inline(value, depth) for key, value in node.items()}
+
+    return inline(schema)
 
 
 @router.post(
@@ -154,7 +199,7 @@ def create_run(request, body: RunIn):
             idempotency_key=body.idempotency_key,
             tenant=body.tenant,
             priority=body.priority,
-            cost_limit=body.cost_limit,
+            cost_limit=None if body.cost_limit is None else Decimal(body.cost_limit),
             created_by=request.user,
         )
     except UnknownWorkflow as exc:

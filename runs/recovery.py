@@ -107,9 +107,16 @@ def _recover_ownerless(run_id, owner: str) -> bool:
             if run is None:
                 return False
             with connection.cursor() as cursor:
-                # Guarded by its status: the stalled-job sweep may have requeued or finished it meanwhile.
-                cursor.execute(  # aborted, not failed: its worker's session ended, the job did not fail
-                    "UPDATE procrastinate_jobs SET status = 'aborted' WHERE lock = %s AND status = 'doing'",
+                # The dead job (at most one: procrastinate's unique index on the lock of `doing` jobs) is finished by
+                # procrastinate's own procedure, as a worker finishes a job (status, attempts, abort flag), in this
+                # transaction. Guarded by its status: the stalled-job sweep may have requeued or finished it
+                # meanwhile, and the procedure would finish a `todo` job too; so the row is locked first (a row
+                # another transaction changed is read again), and is still `doing` when the procedure runs.
+                # Aborted, not failed: its worker's session ended, the job did not fail.
+                cursor.execute(
+                    "WITH dead AS MATERIALIZED ("
+                    " SELECT id FROM procrastinate_jobs WHERE lock = %s AND status = 'doing' FOR NO KEY UPDATE"
+                    ") SELECT procrastinate_finish_job_v1(id, 'aborted', false) FROM dead",
                     [f"run:{run_id}"],
                 )
             try:

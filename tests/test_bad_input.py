@@ -77,6 +77,11 @@ REFUSED_RUN_BODIES = {
     "lone low surrogate in a key": (runs_body('{"\\udfff": 1}'), ["body", "input"]),
     "lone surrogate deep in a list": (runs_body('{"tags": ["ok", ["\\ud83d"]]}'), ["body", "input", "tags", 1, 0]),
     "integer beyond 2**53": (runs_body(f'{{"amount_cents": {2**53 + 1}}}'), ["body", "input", "amount_cents"]),
+    "a float beyond 2**53 (an integer, to JSON)": (
+        runs_body('{"amount_cents": 1e300}'),
+        ["body", "input", "amount_cents"],
+    ),
+    "a float just beyond 2**53": (runs_body('{"n": 9007199254740994.0}'), ["body", "input", "n"]),
     "integer below -2**53": (runs_body(f'{{"amount_cents": {-(2**53) - 1}}}'), ["body", "input", "amount_cents"]),
     "integer of 30 digits": (runs_body('{"amount_cents": 1000000000000000000000000000000}'), ["body", "input"]),
     "integer of 5000 digits": (runs_body('{"amount_cents": ' + "9" * 5000 + "}"), ["body", "input"]),
@@ -123,7 +128,8 @@ ACCEPTED_BODIES = {
     "32 levels deep": nested(32),
     "2**53": str(2**53),
     "-2**53": str(-(2**53)),
-    "a big float": "1e300",
+    "a float within 2**53": "-9007199254740992.0",
+    "a tiny float": "1e-300",
     "a surrogate pair (one astral character)": '"\\ud83d\\ude00"',
     "unicode text": '"Grüße, 東京 \U0001f600"',
     "booleans and null": "[true, false, null]",
@@ -133,6 +139,15 @@ ACCEPTED_BODIES = {
 @pytest.mark.parametrize("text", ACCEPTED_BODIES.values(), ids=ACCEPTED_BODIES.keys())
 def test_the_parser_accepts_what_can_be_stored(text):
     assert safe_input.loads(text) == json.loads(text)
+
+
+def test_the_parser_reads_an_integral_number_within_2_53_as_an_integer():
+    """JSON (and JSON Schema, which the OpenAPI document is written in) has one kind of number: 65.0 is the
+    integer 65, which a strict integer field (a workflow's amount in cents) takes."""
+    parsed = safe_input.loads("[65.0, 1e2, -0.0, 9007199254740992.0, 0.5]")
+
+    assert parsed == [65, 100, 0, 2**53, 0.5]
+    assert [type(number) for number in parsed] == [int, int, int, int, float]
 
 
 def test_the_decision_api_refuses_a_nul_in_the_comment_and_the_card_stays_pending(client, demo, card):

@@ -16,6 +16,7 @@ from procrastinate import cli
 from procrastinate.contrib.django import app
 from procrastinate.contrib.django.django_connector import DjangoConnector
 
+from jobs.internals import InternalsMismatch
 from jobs.worker import Worker, WorkerConnector
 
 
@@ -50,7 +51,10 @@ class Command(BaseCommand):
         if not isinstance(connector, DjangoConnector):
             raise CommandError(f"the procrastinate app has a {type(connector).__name__}, not a DjangoConnector")
         with app.replace_connector(WorkerConnector.for_django(connector)):
-            asyncio.run(self._run(options))
+            try:
+                asyncio.run(self._run(options))
+            except InternalsMismatch as exc:  # the database's procrastinate is not the one we expect
+                raise CommandError(str(exc)) from exc
 
     async def _run(self, options: dict[str, Any]) -> None:
         async with app.open_async():

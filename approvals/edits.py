@@ -16,6 +16,7 @@ Errors are [{loc, msg}], loc a dotted path into the payload.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +36,23 @@ class GateUnresolved(LookupError):
     so it cannot check an edit of it. Approval.decide refuses the edit (409) rather than check it less."""
 
 
+# Cards whose gate is not a workflow's step (an external agent's approval requests: external.models) are
+# resolved by the app that opens them, registered here by the run's workflow name at start-up.
+_resolvers: dict[str, Callable[[Approval], GateSpec | None]] = {}
+
+
+def register_resolver(workflow: str, resolve: Callable[[Approval], GateSpec | None]) -> None:
+    _resolvers[workflow] = resolve
+
+
 def gate_spec(card: Approval) -> GateSpec | None:
     """The declaration of the gate this action card belongs to (the run's pinned workflow version): None for
     other cards, or when the card's step declares no gate (it asks with ctx.gate). Raises GateUnresolved."""
     if card.kind != Kind.ACTION:
         return None
     run = card.run
+    if (resolve := _resolvers.get(run.workflow)) is not None:
+        return resolve(card)
     workflow, retry = f"workflow {run.workflow} v{run.workflow_version}", "try again once the deploy is complete"
     try:
         step = workflows.get(run.workflow, run.workflow_version).step_of(run, card.step_seq)

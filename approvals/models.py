@@ -5,6 +5,7 @@ from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, transaction
 from django.db.models import Q
+from django.dispatch import Signal
 from django.utils import timezone
 
 from approvals import edits
@@ -94,6 +95,19 @@ class Agreement(models.TextChoices):
 DONE_BY_HAND_MAX = 5000
 
 
+class OnExpiry(models.TextChoices):
+    """What a card's deadline does, when the card says rather than its channel (an external agent's request)."""
+
+    CHANNEL = "", "as the channel's SLA policy says"
+    EXPIRE = "expire", "expires: nothing runs (fail closed)"
+    ESCALATE = "escalate", "escalates once as the channel says, then expires"
+
+
+# Sent in the transaction that closes a card with an outcome (a decision that completes it, an SLA's safe default
+# or expiry), with `card`: what depends on the outcome (an external agent's callback) is written with it.
+card_closed = Signal()
+
+
 class Risk(models.TextChoices):
     LOW = "low"
     MEDIUM = "medium"
@@ -139,6 +153,13 @@ class Approval(models.Model):
     args_hash = models.CharField(max_length=64)
     version = models.PositiveIntegerField(default=1)
     due_at = models.DateTimeField()
+    on_expiry = models.CharField(
+        max_length=16,
+        choices=OnExpiry.choices,
+        blank=True,
+        default=OnExpiry.CHANNEL,
+        help_text="What the deadline does when the card says so instead of its channel (external requests).",
+    )
     # Set when the SLA ran out on an `escalate` channel: the group the card was escalated to.
     assigned_group = models.ForeignKey(
         Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="escalated_approvals"
@@ -339,6 +360,8 @@ class Approval(models.Model):
                     ),
                 },
             )
+            if complete:
+                card_closed.send(Approval, card=card)
             # Two-person rule: a first approval leaves the card open and the run parked.
             if complete and run.status in Run.PARKED:
                 run.resume()

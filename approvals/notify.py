@@ -86,7 +86,33 @@ class WebhookBackend:
             response.read(1024)
 
 
-BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (EmailBackend(), WebhookBackend())}
+class CallbackBackend:
+    """An external agent's decision callback (external.requests): `payload` is {url, body}, the body POSTed to
+    the url as JSON, signed with CALLBACK_SECRET (Standard Webhooks; `webhook-id` the notification's id, the same
+    on every retry, so the agent can drop a repeated delivery)."""
+
+    name = "callback"
+
+    def send(self, notification: Notification) -> None:
+        body = json.dumps(notification.payload["body"], cls=DjangoJSONEncoder, sort_keys=True).encode()
+        secrets = webhook_signing.secret_list(settings.CALLBACK_SECRET)
+        request = urllib.request.Request(
+            notification.payload["url"],
+            data=body,
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": "hitl-console-callback",
+                **webhook_signing.signed_headers(secrets, str(notification.pk), body),
+            },
+        )
+        with urllib.request.urlopen(request, timeout=settings.NOTIFY_WEBHOOK_TIMEOUT) as response:
+            response.read(1024)
+
+
+BACKENDS: dict[str, Backend] = {
+    backend.name: backend for backend in (EmailBackend(), WebhookBackend(), CallbackBackend())
+}
 
 
 def enabled_backends() -> list[str]:

@@ -9,6 +9,9 @@ find nothing to do.
   group, gets a new deadline (due_at + the channel's SLA) with a new timer, and the group is notified.
 - `safe_default`: the card is rejected by `system` (no side effect happens) and the run is re-queued, so it
   ends as its workflow says a rejection ends. Reconcile cards escalate instead (their rejection would act).
+
+A card may override its channel (`Approval.on_expiry`, an external agent's request): `expire` closes it as
+expired at its deadline (fail closed: nothing runs), `escalate` escalates it once and expires it at the next.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 from procrastinate.exceptions import AlreadyEnqueued
 
-from approvals.models import Approval, Decision, Notification
+from approvals.models import Approval, Decision, Notification, OnExpiry, card_closed
 from console.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
@@ -57,6 +60,14 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
     if card is None or card.status not in Approval.OPEN or card.due_at > now:
         return None
     channel: Channel = card.channel
+    # A card may say what its deadline does (an external agent's request): it expires, fail closed, at once or
+    # after one escalation.
+    if card.on_expiry == OnExpiry.EXPIRE or (
+        card.on_expiry == OnExpiry.ESCALATE and card.status == card.Status.ESCALATED
+    ):
+        return "expire" if _expire(card, now) else None
+    if card.on_expiry == OnExpiry.ESCALATE:
+        return "escalate" if _escalate(card, now) else None
     # A reconcile card is never auto-rejected: there a rejection means "it did not happen: do the write now",
     # an ambiguous write done again with nobody deciding. It escalates instead.
     if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind != Kind.RECONCILE:
@@ -158,9 +169,36 @@ def _safe_default(card: Approval, now: datetime) -> bool:
                 "proposed": card.proposed,
             },
         )
+        card.refresh_from_db()
+        card_closed.send(Approval, card=card)
         if run.status in Run.PARKED:
             run.resume()
     log.info("card rejected by its SLA's safe default", card_id=card.pk, channel=card.channel.name)
+    return True
+
+
+def _expire(card: Approval, now: datetime) -> bool:
+    """The card's deadline passed with nobody deciding it: it is closed as expired, and nothing of it runs."""
+    with transaction.atomic():
+        # Same lock order as Approval.decide() and Run.cancel(): the run, then the card (the UPDATE below).
+        run = Run.objects.select_for_update().get(pk=card.run_id)
+        if not _swap(card, now, status=Approval.Status.EXPIRED, decided_at=timezone.now(), version=F("version") + 1):
+            return False
+        card.refresh_from_db()
+        AuditEntry.record(
+            "sla.expire",
+            actor=SYSTEM,
+            target=f"approval:{card.pk}",
+            run_id=run.id,
+            approval_id=card.pk,
+            channel=card.channel.name,
+            trace_id=run.trace_id,
+            data={"missed_due_at": card.due_at, "kind": card.kind, "proposed": card.proposed},
+        )
+        card_closed.send(Approval, card=card)
+        if run.status in Run.PARKED:
+            run.resume()
+    log.info("card expired", card_id=card.pk, channel=card.channel.name)
     return True
 
 

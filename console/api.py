@@ -105,6 +105,7 @@ def _mount_app_routers() -> None:
     api.add_router("/", approvals_router)
     api.add_router("/", channels_router)
     api.add_router("/", breakers_router)
+    api.add_router("/", "external.api.router")
     api.add_router("/", "runs.webhook_api.router")  # signed, no bearer token (auth=None on its route)
 
 

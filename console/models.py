@@ -59,6 +59,8 @@ class Channel(models.Model):
         permissions = [
             ("approve_channel", "Can see and decide the approval cards of this channel"),
             ("operate_channel", "Can engage and release this channel's kill switch"),
+            ("request_channel", "Can ask for approvals on this channel (an external agent's token)"),
+            ("act_unreviewed", "Can act on this channel without a person's approval (an external agent's token)"),
         ]
         constraints = [
             models.CheckConstraint(

@@ -102,6 +102,7 @@ INSTALLED_APPS = [
     "jobs",
     "runs",
     "approvals",
+    "external",
 ]
 # The demo (the `refund` workflow, its fake external systems and scripted model): development and tests only.
 DEMO_ENABLED = env_bool("DEMO_ENABLED", DEVELOPMENT)
@@ -302,6 +303,11 @@ NOTIFY_WEBHOOK_SECRET = env_secret(
 )
 webhook_secrets("NOTIFY_WEBHOOK_SECRET", NOTIFY_WEBHOOK_SECRET)
 NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
+# Signs the decisions POSTed to an external agent's `callback_url` (external.requests), the same way; unset
+# outside development, a request with a callback is refused (422) rather than sent unsigned.
+CALLBACK_SECRET = env_str("CALLBACK_SECRET", "callback-secret" if DEVELOPMENT else "")
+if CALLBACK_SECRET:
+    webhook_secrets("CALLBACK_SECRET", CALLBACK_SECRET)
 NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 6)
 _MAIL_BACKEND = env_str(
     "EMAIL_BACKEND",

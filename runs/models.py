@@ -41,6 +41,13 @@ class RunStatus(models.TextChoices):
     SUCCEEDED = "succeeded"
     FAILED = "failed"  # in the dead-letter queue
     CANCELLED = "cancelled"
+    # Driven by an agent outside the console, which asks for approvals over the API (external.models): the
+    # engine never takes it; it ends only when it is cancelled.
+    EXTERNAL = "external"
+
+
+# The workflow name of an external agent's run: its timeline holds the approval requests it made.
+EXTERNAL_WORKFLOW = "external"
 
 
 _FINISHED = [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
@@ -562,7 +569,7 @@ class Run(models.Model):
         self.enqueue()
 
     def cancel(self, by=None) -> Run:
-        """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
+        """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
         from console.models import AuditEntry
 
@@ -583,7 +590,7 @@ class Run(models.Model):
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
                 run._swap(
-                    [self.Status.QUEUED, *self.PARKED],
+                    [self.Status.QUEUED, *self.PARKED, self.Status.EXTERNAL],
                     **run._finished(self.Status.CANCELLED, {"outcome": "cancelled"}),
                     waiting_for_slot_since=None,
                 )
@@ -920,6 +927,16 @@ class Receipt(models.Model):
             self.completed_at = timezone.now()
             self.save(update_fields=["status", "external_id", "response", "reconciled", "completed_at"])
         return response
+
+    def complete_outcome(self, response: dict) -> None:
+        """The outcome of an external agent's execution (external.requests.report), which no engine job owns:
+        recorded once, by a compare-and-swap from pending (the caller holds the run's row lock)."""
+        now = timezone.now()
+        if not Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).update(
+            status=self.Status.DONE, response=response, completed_at=now, external_id=str(response.get("id", ""))[:200]
+        ):
+            raise TransitionRefused(f"receipt {self.key} is not pending")
+        self.status, self.response, self.completed_at = self.Status.DONE, response, now
 
     def discard(self) -> None:
         """The tool says the call was not applied: forget the pending write, so the next attempt calls again.

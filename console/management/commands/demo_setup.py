@@ -14,13 +14,14 @@ DEMO_CHANNELS = {
     "crm": "Customer records (fake CRM)",
 }
 
-# username -> (groups, superuser, staff (Django admin: ops requeue dead letters there), channel permission)
+# username -> (groups, superuser, staff (Django admin: ops requeue dead letters there), channel permissions). The
+# agent may ask for approvals on every channel (external agents: docs/external-agents.md), never act unreviewed.
 DEMO_USERS = {
-    "admin": ([Role.ADMIN], True, True, None),
-    "reviewer": ([Role.REVIEWER], False, False, "approve_channel"),
-    "ops": ([Role.OPS], False, True, "operate_channel"),
-    "outsider": ([], False, False, None),
-    "agent": ([], False, False, None),
+    "admin": ([Role.ADMIN], True, True, ()),
+    "reviewer": ([Role.REVIEWER], False, False, ("approve_channel",)),
+    "ops": ([Role.OPS], False, True, ("operate_channel",)),
+    "outsider": ([], False, False, ()),
+    "agent": ([], False, False, ("request_channel",)),
 }
 
 
@@ -38,13 +39,13 @@ class Command(BaseCommand):
                 Channel.objects.get_or_create(name=name, defaults={"description": description})[0]
                 for name, description in DEMO_CHANNELS.items()
             ]
-            for username, (roles, superuser, staff, channel_perm) in DEMO_USERS.items():
-                self._ensure_user(username, roles, superuser, staff, channel_perm, channels)
+            for username, (roles, superuser, staff, channel_perms) in DEMO_USERS.items():
+                self._ensure_user(username, roles, superuser, staff, channel_perms, channels)
         if options["verbosity"] > 0:
             self.stdout.write("Demo channels: " + ", ".join(DEMO_CHANNELS))
             self.stdout.write("Demo users: " + ", ".join(DEMO_USERS) + " (password: $DEMO_PASSWORD)")
 
-    def _ensure_user(self, username, roles, superuser, staff, channel_perm, channels) -> None:
+    def _ensure_user(self, username, roles, superuser, staff, channel_perms, channels) -> None:
         user, _ = User.objects.get_or_create(username=username)
         # Only write what differs, so a second run leaves every row as it was.
         if not user.check_password(settings.DEMO_PASSWORD) or (user.is_superuser, user.is_staff) != (superuser, staff):
@@ -52,6 +53,6 @@ class Command(BaseCommand):
             user.is_superuser, user.is_staff = superuser, staff
             user.save()
         user.groups.add(*Group.objects.filter(name__in=roles))
-        if channel_perm:
+        for channel_perm in channel_perms:
             for channel in channels:
                 assign_perm(f"console.{channel_perm}", user, channel)

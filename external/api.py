@@ -1,0 +1,262 @@
+"""Approval requests over HTTP (docs/external-agents.md): an external agent asks a person to sign off one action,
+waits for the decision (a long-poll), consumes the approval once and reports the outcome. The logic is in
+external.requests; this module maps it to JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest
+from ninja import Field, Query, Router, Schema, Status
+from ninja.security import HttpBearer
+from pydantic import ConfigDict
+
+from console.api_errors import ERRORS, ErrorOut
+from console.models import ApiToken
+from external import requests
+from external.requests import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError
+
+router = Router(tags=["approval requests"])
+
+NOT_BLANK = r"\S"
+ACTION = r"^[A-Za-z0-9_.:-]{1,100}$"
+PATH = r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$"
+MAX_WAIT = 60  # seconds a long-poll may hold the request
+POLL = 0.2  # seconds between two looks at the request while a long-poll waits
+
+
+class Citation(Schema):
+    title: str = Field(max_length=300)
+    url: str = Field("", max_length=2000)
+
+
+class Rationale(Schema):
+    summary: str = Field(max_length=5000)
+    rule_id: str = Field("", max_length=100)
+    confidence: float | None = Field(None, ge=0, le=1)
+    citations: list[Citation] = Field(default_factory=list, max_length=20)
+
+
+class DisplayPaths(Schema):
+    """Dotted paths into the arguments: the inbox's headline, and an amount in minor units with its currency."""
+
+    headline: str | None = Field(None, pattern=PATH, max_length=200)
+    amount_minor: str | None = Field(None, pattern=PATH, max_length=200)
+    currency: str | None = Field(None, pattern=PATH, max_length=200)
+
+
+class RequestIn(Schema):
+    model_config = ConfigDict(populate_by_name=True)
+
+    channel: str = Field(min_length=1, max_length=64)
+    action: str = Field(pattern=ACTION, description="What the agent wants to do: a tool's name.")
+    arguments: dict = Field(description="The action's arguments, as the agent would run them.")
+    current: dict | None = Field(None, description="The target's state now: the card shows the diff.")
+    rationale: str | Rationale | None = Field(
+        None, description="Why: a text, or {summary, rule_id, confidence, citations}."
+    )
+    risk: Literal["low", "medium", "high"] = "medium"
+    display: DisplayPaths | None = None
+    schema_: dict | None = Field(
+        None,
+        alias="schema",
+        description="A JSON Schema of the arguments: a reviewer's edit must fit it. Without one, the card is "
+        "approved or rejected, not edited.",
+    )
+    run: uuid.UUID | None = Field(None, description="An external run of this token's user: one timeline per session.")
+    idempotency_key: str = Field(min_length=1, max_length=200, pattern=NOT_BLANK)
+    callback_url: str | None = Field(
+        None, max_length=2000, pattern=r"^https?://", description="Where the decision is POSTed, signed."
+    )
+    expires_in: int | None = Field(
+        None, ge=MIN_EXPIRES_IN, le=MAX_EXPIRES_IN, description="Seconds until it expires (default: the channel's SLA)."
+    )
+    on_expiry: Literal["reject", "escalate"] = Field(
+        "reject", description="At expiry: rejected, or escalated once as the channel says and then rejected."
+    )
+    approval: Literal["required", "never"] = Field(
+        "required",
+        description="`never`: no card, executed once all the same; only with `act_unreviewed` on the channel.",
+    )
+
+
+class RequestAccepted(Schema):
+    id: uuid.UUID
+    status: str
+    url: str
+    run_id: uuid.UUID
+    card_id: int | None
+
+
+class Execution(Schema):
+    status: Literal["not_started", "pending", "succeeded", "failed"]
+    consumed_at: datetime | None
+    completed_at: datetime | None
+    result: Any = None
+    error: str
+
+
+class RequestOut(Schema):
+    id: uuid.UUID
+    run_id: uuid.UUID
+    card_id: int | None
+    channel: str
+    action: str
+    status: Literal["pending", "approved", "rejected", "expired", "cancelled"]
+    arguments: dict | None = Field(description="What to execute once approved: a reviewer's edit, else as asked.")
+    arguments_digest: str | None = Field(description="SHA-256 hex of the arguments' canonical JSON.")
+    edited: bool
+    decided_by: str | None
+    decided_at: datetime | None
+    comment: str
+    reason: str
+    expires_at: datetime
+    shadow: bool
+    execution: Execution
+
+
+class ConsumeIn(Schema):
+    arguments_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Go(Schema):
+    go: bool
+    shadow: bool
+    arguments: dict
+    arguments_digest: str
+    execution: Execution
+
+
+class ResultIn(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {"if": {"properties": {"ok": {"const": True}}}, "then": {"not": {"required": ["error"]}}},
+                {"if": {"properties": {"ok": {"const": False}}}, "then": {"required": ["error"]}},
+            ]
+        }
+    )
+
+    ok: bool
+    result: Any = None
+    error: str | None = Field(None, min_length=1, max_length=5000)
+
+
+class Refusal(ErrorOut):
+    """A refused consume or result: `execution` says what is recorded (a second consume, another outcome)."""
+
+    execution: Execution | None = None
+
+
+# A consume's and a result's refusals: a conflict (and a stop) says what is recorded.
+REFUSALS = {frozenset({400, 401, 403, 404, 413, 422, 429, 503}): ErrorOut, frozenset({409, 423}): Refusal}
+
+
+def _refused(exc: RequestError) -> Status:
+    return Status(exc.status, {"error": exc.error, "detail": exc.detail, **exc.extra})
+
+
+@router.post(
+    "/approval-requests",
+    response={200: RequestAccepted, 202: RequestAccepted, **ERRORS},
+    summary="Ask a person to sign off one action (202; the same idempotency key gives the same request, 200)",
+)
+def create_request(request: HttpRequest, body: RequestIn):
+    ask = Ask(
+        channel=body.channel,
+        action=body.action,
+        arguments=body.arguments,
+        idempotency_key=body.idempotency_key,
+        current=body.current,
+        rationale=body.rationale.model_dump() if isinstance(body.rationale, Rationale) else body.rationale,
+        risk=body.risk,
+        display=body.display.model_dump(exclude_none=True) if body.display else None,
+        schema=body.schema_,
+        run=str(body.run) if body.run else None,
+        callback_url=body.callback_url,
+        expires_in=body.expires_in,
+        on_expiry=body.on_expiry,
+        approval=body.approval,
+    )
+    try:
+        action_request, created = requests.open_request(request.user, ask, console_host=request.get_host())
+    except RequestError as exc:
+        return _refused(exc)
+    status = requests.state(action_request)["status"]
+    return Status(
+        202 if created else 200,
+        {
+            "id": action_request.id,
+            "status": status,
+            "url": f"/api/approval-requests/{action_request.id}",
+            "run_id": action_request.run_id,
+            "card_id": action_request.card_id,
+        },
+    )
+
+
+class AsyncBearerToken(HttpBearer):
+    """The bearer token, looked up without blocking the event loop (the long-poll is an async view)."""
+
+    async def authenticate(self, request: HttpRequest, token: str):
+        found = await sync_to_async(ApiToken.find)(token)
+        if found is None:
+            return None
+        request.user, request.api_token = found.user, found
+        return found.user
+
+
+@router.get(
+    "/approval-requests/{request_id}",
+    auth=AsyncBearerToken(),
+    response={200: RequestOut, **ERRORS},
+    summary="The request: its decision and what to execute; `wait` long-polls until it is decided",
+)
+async def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0, ge=0, le=MAX_WAIT)):
+    # An async view: a request waiting here holds no thread; each look at the database is a short sync call.
+    deadline = time.monotonic() + wait
+    look = sync_to_async(_look, thread_sensitive=True)
+    while True:
+        try:
+            answer = await look(request.user, request_id)
+        except RequestError as exc:
+            return _refused(exc)
+        if answer["status"] != "pending" or time.monotonic() >= deadline:
+            return answer
+        await asyncio.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
+
+
+def _look(user, request_id) -> dict:
+    return requests.state(requests.for_user(user, request_id))
+
+
+@router.post(
+    "/approval-requests/{request_id}/consume",
+    response={200: Go, **REFUSALS},
+    summary="Go, once: for an approved request and the digest of its arguments (409 again, 423 while stopped)",
+)
+def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
+    try:
+        return requests.consume(request.user, request_id, body.arguments_digest)
+    except RequestError as exc:
+        return _refused(exc)
+
+
+@router.post(
+    "/approval-requests/{request_id}/result",
+    response={200: Execution, **REFUSALS},
+    summary="The outcome of the execution the agent consumed: completes its receipt",
+)
+def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
+    if body.ok == (body.error is not None):
+        what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
+        return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})
+    try:
+        return requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
+    except RequestError as exc:
+        return _refused(exc)

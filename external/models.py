@@ -1,0 +1,65 @@
+"""An external agent's approval requests (docs/external-agents.md): one action that a person signs off, executed at
+most once by the agent with the arguments the person approved.
+
+A request lives on an external run (`Run.Status.EXTERNAL`, workflow `external`: the agent's session, whose page
+reads as one timeline; the engine never drives it) as one step: its card (an `Approval`, in the inbox like any
+other, with the two-person rule, the SLA and shadow mode) and, once the agent consumes the approval, its receipt
+(a `Receipt`: written once, pending until the agent reports the outcome). The logic is in `external.requests`.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+from django.db.models import Q
+
+
+class ApprovalMode(models.TextChoices):
+    REQUIRED = "required"  # a person signs it off on a card
+    NEVER = "never"  # no card: approved by the channel's permission `act_unreviewed`, executed once all the same
+
+
+class ActionRequest(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
+    idempotency_key = models.CharField(max_length=200)
+    request_hash = models.CharField(max_length=64, help_text="What was asked: the same key must ask the same.")
+    run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="action_requests")
+    step_seq = models.PositiveIntegerField()
+    channel = models.ForeignKey("console.Channel", on_delete=models.PROTECT, related_name="+")
+    action = models.CharField(max_length=100)
+    arguments = models.JSONField(encoder=DjangoJSONEncoder, help_text="What the agent asked to run.")
+    schema = models.JSONField(null=True, blank=True, help_text="JSON Schema of the arguments: edits must fit it.")
+    display = models.JSONField(null=True, blank=True, help_text="Dotted paths: headline, amount_minor, currency.")
+    approval = models.CharField(max_length=8, choices=ApprovalMode.choices, default=ApprovalMode.REQUIRED)
+    card = models.OneToOneField(
+        "approvals.Approval", null=True, blank=True, on_delete=models.PROTECT, related_name="action_request"
+    )
+    receipt = models.OneToOneField(
+        "runs.Receipt",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="action_request",
+        help_text="Written when the agent consumes the approval: its one execution.",
+    )
+    callback_url = models.URLField(max_length=2000, blank=True)
+    expires_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["created_by", "idempotency_key"], name="external_request_key_per_user"),
+            models.UniqueConstraint(fields=["run", "step_seq"], name="external_request_one_per_step"),
+            models.CheckConstraint(
+                condition=Q(approval="never", card__isnull=True) | Q(approval="required", card__isnull=False),
+                name="external_request_card_iff_required",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} on {self.channel_id} ({self.id})"

@@ -1,0 +1,532 @@
+"""What an external agent's approval request does (external.models.ActionRequest; the HTTP side is external.api):
+open it (a card in the inbox), tell its state, hand out its one execution ("consume"), record the outcome.
+
+Every change is one transaction that locks the request's run first (the lock order of Approval.decide and
+Run.cancel: the run, then what hangs from it), so a consume, a decision, a cancel and an expiry of one request
+are serialised, and each reads what the others committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.parse
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import jsonschema
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from approvals import policy
+from approvals.models import Approval, Notification, OnExpiry
+from approvals.tasks import send_notification
+from console.models import ActorType, AuditEntry, Channel
+from external.models import ActionRequest, ApprovalMode
+from runs.gates import Kind, canonical_hash
+from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, ShadowEffect, Step
+from runs.workflow import ANY_LEAF, Display, GateSpec, shadow_response
+
+MIN_EXPIRES_IN, MAX_EXPIRES_IN = 60, 7 * 24 * 3600
+
+# What the agent is told of a card's status.
+_STATUS = {
+    Approval.Status.PENDING: "pending",
+    Approval.Status.ESCALATED: "pending",
+    Approval.Status.APPROVED: "approved",
+    Approval.Status.EDITED: "approved",
+    Approval.Status.REJECTED: "rejected",
+    Approval.Status.EXPIRED: "expired",
+    Approval.Status.CANCELLED: "cancelled",
+}
+
+
+def canonical(arguments: Any) -> bytes:
+    """The arguments' canonical JSON: sorted keys, no whitespace, UTF-8 (what the digest is of)."""
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def digest(arguments: Any) -> str:
+    """SHA-256 hex of the canonical JSON: what an agent names when it consumes an approval."""
+    return hashlib.sha256(canonical(arguments)).hexdigest()
+
+
+class RequestError(Exception):
+    """A request, a consume or a result refused: `status` (HTTP), `error` (code) and `detail`; nothing written."""
+
+    status, error = 400, "bad_request"
+
+    def __init__(self, detail: Any, **extra):
+        super().__init__(detail if isinstance(detail, str) else json.dumps(detail))
+        self.detail = detail
+        self.extra = extra
+
+
+class NotFound(RequestError):
+    status, error = 404, "not_found"
+
+
+class Forbidden(RequestError):
+    status, error = 403, "forbidden"
+
+
+class Invalid(RequestError):
+    status, error = 422, "invalid"
+
+
+class Conflict(RequestError):
+    status, error = 409, "conflict"
+
+
+class AlreadyConsumed(Conflict):
+    error = "already_consumed"
+
+
+class DigestMismatch(Conflict):
+    error = "digest_mismatch"
+
+
+class NotApproved(Conflict):
+    error = "not_approved"
+
+
+class NotConsumed(Conflict):
+    error = "not_consumed"
+
+
+class Locked(RequestError):
+    status, error = 423, "locked"
+
+
+# --- opening a request -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What an agent asks (POST /api/approval-requests), its fields checked for shape by the API's schema."""
+
+    channel: str
+    action: str
+    arguments: dict
+    idempotency_key: str
+    current: dict | None = None
+    rationale: str | dict | None = None
+    risk: str = "medium"
+    display: dict | None = None
+    schema: dict | None = None
+    run: str | None = None
+    callback_url: str | None = None
+    expires_in: int | None = None
+    on_expiry: str = "reject"
+    approval: str = ApprovalMode.REQUIRED
+
+    def fingerprint(self) -> str:
+        """What makes two asks under one key the same request (the key itself aside)."""
+        fields = {k: v for k, v in self.__dict__.items() if k != "idempotency_key"}
+        return canonical_hash(fields)
+
+
+def open_request(user, ask: Ask, *, console_host: str = "") -> tuple[ActionRequest, bool]:
+    """Open the request (its step on the agent's run, its card in the inbox, its SLA timer) in one transaction:
+    (request, True). The same key asking the same again gives (the request, False); another ask under it is a
+    Conflict. `console_host` (host:port the call came to) is what a callback may not point at."""
+    existing = ActionRequest.objects.filter(created_by=user, idempotency_key=ask.idempotency_key).first()
+    if existing is not None:
+        return _same(existing, ask), False
+    channel = _channel_for(user, ask)
+    _check(ask, console_host)
+    try:
+        with transaction.atomic():
+            return _open(user, ask, channel), True
+    except IntegrityError:
+        # The same key sent twice at once: the other transaction's insert won the unique index.
+        existing = ActionRequest.objects.filter(created_by=user, idempotency_key=ask.idempotency_key).first()
+        if existing is None:
+            raise
+        return _same(existing, ask), False
+
+
+def _same(existing: ActionRequest, ask: Ask) -> ActionRequest:
+    if existing.request_hash != ask.fingerprint():
+        raise Conflict(f"idempotency key {ask.idempotency_key!r} was used for another request ({existing.id})")
+    return existing
+
+
+def _channel_for(user, ask: Ask) -> Channel:
+    channel = Channel.objects.filter(name=ask.channel).first()
+    if channel is None:
+        raise NotFound(f"No channel {ask.channel!r}.")
+    if not user.has_perm("console.request_channel", channel):
+        raise Forbidden(f"This token may not ask for approvals on {channel.name} (no request_channel there).")
+    if ask.approval == ApprovalMode.NEVER and not user.has_perm("console.act_unreviewed", channel):
+        raise Forbidden(
+            f"This token may not act on {channel.name} without a person's approval (no act_unreviewed there)."
+        )
+    return channel
+
+
+def _check(ask: Ask, console_host: str) -> None:
+    """What the API's schema cannot say: a valid JSON Schema that the arguments fit, a callback elsewhere."""
+    if ask.schema is not None:
+        try:
+            validator = jsonschema.validators.validator_for(ask.schema)
+            validator.check_schema(ask.schema)
+        except jsonschema.SchemaError as exc:
+            raise Invalid([{"loc": "schema", "msg": f"is not a valid JSON Schema: {exc.message}"}]) from None
+        if errors := schema_errors(ask.schema, ask.arguments, "arguments"):
+            raise Invalid(errors)
+    if ask.callback_url:
+        if not settings.CALLBACK_SECRET:
+            raise Invalid(
+                [{"loc": "callback_url", "msg": "this console sends no callbacks (CALLBACK_SECRET is unset)"}]
+            )
+        url = urllib.parse.urlsplit(ask.callback_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise Invalid([{"loc": "callback_url", "msg": "must be an http(s) URL"}])
+        port = url.port or (443 if url.scheme == "https" else 80)
+        if console_host and f"{url.hostname}:{port}".lower() == _with_port(console_host, url.scheme).lower():
+            raise Invalid([{"loc": "callback_url", "msg": "must not point at this console"}])
+
+
+def _with_port(host: str, scheme: str) -> str:
+    return host if ":" in host.rsplit("]", 1)[-1] else f"{host}:{443 if scheme == 'https' else 80}"
+
+
+def schema_errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
+    """Where `value` does not fit the JSON Schema `schema`, as [{loc, msg}] (loc dotted, under `prefix`)."""
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [
+        {"loc": ".".join(str(p) for p in (prefix, *error.absolute_path) if p != "") or "payload", "msg": error.message}
+        for error in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def _open(user, ask: Ask, channel: Channel) -> ActionRequest:
+    run = _run_for(user, ask.run)
+    seq = ActionRequest.objects.filter(run=run).count()
+    expires_at = timezone.now() + (timedelta(seconds=ask.expires_in) if ask.expires_in else channel.sla)
+    Step.objects.create(
+        run=run,
+        seq=seq,
+        name=ask.action[:100],
+        kind=Step.Kind.EFFECT,
+        input={"arguments": ask.arguments},
+        input_hash=canonical_hash(ask.arguments),
+        status=Step.Status.WAITING,
+        started_at=timezone.now(),
+    )
+    request = ActionRequest(
+        created_by=user,
+        idempotency_key=ask.idempotency_key,
+        request_hash=ask.fingerprint(),
+        run=run,
+        step_seq=seq,
+        channel=channel,
+        action=ask.action,
+        arguments=ask.arguments,
+        schema=ask.schema,
+        display=ask.display,
+        approval=ask.approval,
+        callback_url=ask.callback_url or "",
+        expires_at=expires_at,
+    )
+    if ask.approval == ApprovalMode.REQUIRED:
+        request.card = _open_card(run, seq, channel, ask, expires_at)
+    request.save(force_insert=True)
+    AuditEntry.record(
+        "external.request",
+        actor=user,
+        actor_type=ActorType.AGENT,
+        target=f"action_request:{request.id}",
+        run_id=run.id,
+        approval_id=request.card_id,
+        channel=channel.name,
+        trace_id=run.trace_id,
+        data={"action": ask.action, "arguments": ask.arguments, "approval": ask.approval},
+    )
+    return request
+
+
+def _run_for(user, run_id: str | None) -> Run:
+    """The agent's run (its session): the one it names, locked; else a new one."""
+    if run_id is None:
+        return Run.objects.create(
+            workflow=EXTERNAL_WORKFLOW,
+            workflow_version=1,
+            input={},
+            status=Run.Status.EXTERNAL,
+            created_by=user,
+            max_attempts=1,
+        )
+    run = Run.objects.select_for_update().filter(pk=run_id, created_by=user, workflow=EXTERNAL_WORKFLOW).first()
+    if run is None:
+        raise NotFound(f"No external run {run_id} of this token's user.")
+    if run.status != Run.Status.EXTERNAL:
+        raise Conflict(f"The run {run_id} is {run.status}: open a new one (leave `run` out).")
+    return run
+
+
+def _open_card(run: Run, seq: int, channel: Channel, ask: Ask, expires_at) -> Approval:
+    rationale = ask.rationale if isinstance(ask.rationale, dict) else {"summary": ask.rationale or ""}
+    card = Approval.objects.create(
+        **_display(ask.display).values(ask.arguments),
+        run=run,
+        step_seq=seq,
+        kind=Kind.ACTION,
+        channel=channel,
+        proposed=ask.arguments,
+        current=ask.current,
+        summary=rationale.get("summary") or f"The agent wants to run {ask.action}.",
+        rule_id=(rationale.get("rule_id") or f"external:{ask.action}")[:100],
+        confidence=rationale.get("confidence"),
+        citations=rationale.get("citations") or [],
+        risk=ask.risk,
+        shadow=Channel.in_shadow(channel.name, EXTERNAL_WORKFLOW),
+        args_hash=canonical_hash({"kind": Kind.ACTION, "channel": channel.name, "proposed": ask.arguments}),
+        due_at=expires_at,
+        on_expiry=OnExpiry.ESCALATE if ask.on_expiry == "escalate" else OnExpiry.EXPIRE,
+    )
+    policy.schedule_timer(card)  # in this transaction: the timer exists if and only if the card does
+    return card
+
+
+def _display(paths: dict | None) -> Display:
+    paths = paths or {}
+    return Display(
+        headline=paths.get("headline"), amount_minor=paths.get("amount_minor"), currency=paths.get("currency")
+    )
+
+
+# --- the card's gate: edits against the request's schema ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchemaGate(GateSpec):
+    """An external request's card: an edit must fit the JSON Schema the agent sent; without one, the card is
+    approved or rejected, never edited."""
+
+    schema: dict | None = None
+
+    def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
+        if not isinstance(edited, dict):
+            return [{"loc": "payload", "msg": "must be an object"}]
+        if self.schema is None:
+            return [{"loc": "payload", "msg": "the agent sent no schema for this action: approve or reject it"}]
+        return schema_errors(self.schema, edited)
+
+
+def gate_of(card: Approval) -> GateSpec | None:
+    """approvals.edits' resolver for the cards of external runs."""
+    request = ActionRequest.objects.filter(card=card).only("schema", "display").first()
+    if request is None:
+        return None
+    return SchemaGate(editable=ANY_LEAF, display=_display(request.display), schema=request.schema)
+
+
+# --- what the agent is told --------------------------------------------------------------------------------------
+
+
+def state(request: ActionRequest) -> dict:
+    """The request as GET /api/approval-requests/{id} shows it: the decision, what to execute, the execution."""
+    card = request.card
+    if card is None:  # approval: never
+        status, decided_by, decided_at, comment, reason = "approved", "policy", request.created_at, "", ""
+        to_execute, edited = request.arguments, False
+    else:
+        status = _STATUS[card.status]
+        last = card.decisions.select_related("actor").order_by("-created_at").first()
+        comment, reason = (last.comment, last.reason) if last else ("", "")
+        decided_at = card.decided_at
+        decided_by = _deciders(card) if status in ("approved", "rejected") else None
+        to_execute = card.to_execute if status == "approved" else None
+        edited = card.status == Approval.Status.EDITED
+    return {
+        "id": str(request.id),
+        "run_id": str(request.run_id),
+        "card_id": request.card_id,
+        "channel": request.channel.name,
+        "action": request.action,
+        "status": status,
+        "arguments": to_execute,
+        "arguments_digest": digest(to_execute) if to_execute is not None else None,
+        "edited": edited,
+        "decided_by": decided_by,
+        "decided_at": decided_at,
+        "comment": comment,
+        "reason": reason,
+        "expires_at": request.expires_at,
+        "shadow": bool(card and card.shadow),
+        "execution": execution(request),
+    }
+
+
+def _deciders(card: Approval) -> str:
+    decisions = list(card.decisions.select_related("actor").order_by("created_at"))
+    if card.status == Approval.Status.REJECTED:
+        counted = [d for d in decisions if d.decision == "reject"]
+    else:
+        last_edit = max((i for i, d in enumerate(decisions) if d.decision == "edit"), default=0)
+        counted = [d for d in decisions[last_edit:] if d.decision in ("approve", "edit")]
+    return ", ".join(dict.fromkeys(d.actor.get_username() if d.actor else "system" for d in counted)) or "system"
+
+
+def execution(request: ActionRequest) -> dict:
+    """The one execution: not started, pending (consumed, no outcome reported: unknown), succeeded or failed."""
+    receipt = request.receipt
+    if receipt is None:
+        return {"status": "not_started", "consumed_at": None, "completed_at": None, "result": None, "error": ""}
+    response = receipt.response or {}
+    outcome = "succeeded" if response.get("ok") else "failed"
+    status = "pending" if receipt.status == Receipt.Status.PENDING else outcome
+    return {
+        "status": status,
+        "consumed_at": receipt.created_at,
+        "completed_at": receipt.completed_at,
+        "result": response.get("result"),
+        "error": response.get("error", ""),
+    }
+
+
+def for_user(user, request_id) -> ActionRequest:
+    """The request, if it is this user's (NotFound otherwise: another token's requests do not exist for it)."""
+    request = (
+        ActionRequest.objects.select_related("channel", "card", "receipt", "run")
+        .filter(pk=request_id, created_by=user)
+        .first()
+    )
+    if request is None:
+        raise NotFound("Not found.")
+    return request
+
+
+# --- its one execution -------------------------------------------------------------------------------------------
+
+
+def consume(user, request_id, arguments_digest: str) -> dict:
+    """ "Go", once: for an approved request whose arguments are the ones named by `arguments_digest`, while no
+    kill switch stops its channel. Writes its receipt (pending until the agent reports the outcome). A shadow
+    card's action is not to run: the receipt is completed as shadow, and the answer says so (`go: false`)."""
+    with transaction.atomic():
+        request = _locked(user, request_id)
+        answer = state(request)
+        if request.receipt_id is not None:
+            raise AlreadyConsumed(
+                "This approval was consumed already: its execution is what is recorded.", execution=answer["execution"]
+            )
+        if answer["status"] != "approved":
+            raise NotApproved(f"The request is {answer['status']}: there is nothing to execute.")
+        if arguments_digest != answer["arguments_digest"]:
+            raise DigestMismatch(
+                "These are not the approved arguments: GET the request and execute its `arguments` "
+                "(a reviewer may have edited them)."
+            )
+        if (killed := Channel.killed_for_effects(request.channel.name)) is not None:
+            raise Locked(killed.describe(request.channel.name))
+        key = f"external:{request.id}"
+        receipt = Receipt.objects.create(
+            key=key, run=request.run, step_seq=request.step_seq, channel=request.channel.name
+        )
+        request.receipt = receipt
+        request.save(update_fields=["receipt"])
+        shadow = answer["shadow"]
+        if shadow:
+            ShadowEffect.objects.create(
+                run=request.run,
+                step_seq=request.step_seq,
+                step=request.action,
+                channel=request.channel.name,
+                key=key,
+                preview={"call": request.action, **answer["arguments"]},
+            )
+            receipt.complete_outcome({"ok": True, "result": shadow_response(key)})
+        Step.objects.filter(run=request.run, seq=request.step_seq).update(
+            status=Step.Status.DONE if shadow else Step.Status.UNKNOWN,
+            output={"shadow": shadow_response(key)} if shadow else None,
+            ended_at=timezone.now() if shadow else None,
+        )
+        _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": shadow})
+        return {
+            "go": not shadow,
+            "shadow": shadow,
+            "arguments": answer["arguments"],
+            "arguments_digest": answer["arguments_digest"],
+            "execution": execution(request),
+        }
+
+
+def report(user, request_id, *, ok: bool, result: Any = None, error: str = "") -> dict:
+    """The outcome of the execution the agent consumed: completes its receipt (once; the same outcome sent
+    again is answered as recorded)."""
+    outcome = {"ok": True, "result": result} if ok else {"ok": False, "error": error}
+    with transaction.atomic():
+        request = _locked(user, request_id)
+        receipt = request.receipt
+        if receipt is None:
+            raise NotConsumed("The approval was not consumed: there is no execution to report on.")
+        if receipt.status == Receipt.Status.DONE:
+            if receipt.response != json.loads(json.dumps(outcome, default=str)):
+                raise Conflict("Another outcome was recorded for this execution.", execution=execution(request))
+            return execution(request)
+        receipt.complete_outcome(outcome)
+        Step.objects.filter(run=request.run, seq=request.step_seq).update(
+            status=Step.Status.DONE if ok else Step.Status.FAILED,
+            output={"result": result} if ok else None,
+            error="" if ok else error[:5000],
+            ended_at=timezone.now(),
+        )
+        _audit(request, "external.result", user, outcome)
+        return execution(request)
+
+
+def _locked(user, request_id) -> ActionRequest:
+    """The request, its run locked first (the order of Approval.decide and Run.cancel), then its own row."""
+    found = for_user(user, request_id)
+    Run.objects.select_for_update().filter(pk=found.run_id).exists()
+    return (
+        ActionRequest.objects.select_for_update(of=("self",))
+        .select_related("channel", "card", "receipt", "run")
+        .get(pk=found.pk)
+    )
+
+
+def _audit(request: ActionRequest, action: str, user, data: dict) -> None:
+    AuditEntry.record(
+        action,
+        actor=user,
+        actor_type=ActorType.AGENT,
+        target=f"action_request:{request.id}",
+        run_id=request.run_id,
+        approval_id=request.card_id,
+        channel=request.channel.name,
+        trace_id=request.run.trace_id,
+        data={"action": request.action, **data},
+    )
+
+
+# --- when its card closes ----------------------------------------------------------------------------------------
+
+
+def card_closed(sender, card: Approval, **_) -> None:
+    """approvals.models.card_closed: a rejected or expired request's step ends; its callback (if any) is written
+    with its job, in the decision's transaction (sent, signed and retried, by the `outbound` queue)."""
+    request = ActionRequest.objects.select_related("channel", "run").filter(card=card).first()
+    if request is None:
+        return
+    request.card = card
+    answer = state(request)
+    if answer["status"] in ("rejected", "expired"):
+        Step.objects.filter(run=request.run, seq=request.step_seq).update(
+            status=Step.Status.DONE,
+            output={"decision": answer["status"], "comment": answer["comment"], "by": answer["decided_by"]},
+            ended_at=timezone.now(),
+        )
+    if request.callback_url:
+        notification = Notification.objects.create(
+            approval=card,
+            event="external.decision",
+            backend="callback",
+            payload={"url": request.callback_url, "body": json.loads(json.dumps(answer, default=str))},
+        )
+        send_notification.defer(notification_id=notification.pk)

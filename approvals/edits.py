@@ -66,6 +66,18 @@ def gate_spec(card: Approval) -> GateSpec | None:
     return step.gate
 
 
+def accepts_edits(card: Approval) -> bool:
+    """Whether the card offers an edit: not a reconcile card, nor a gate that takes none (an external request
+    without a schema). A gate this process cannot resolve offers it: the edit is then refused, saying why."""
+    if card.kind == Kind.RECONCILE:
+        return False
+    try:
+        spec = gate_spec(card)
+    except GateUnresolved:
+        return True
+    return spec is None or spec.accepts_edits()
+
+
 def editable_paths(card: Approval) -> tuple[str, ...] | None:
     """The leaves a person may change, or None when the gate declares none (every leaf, same shape); None too
     when the gate cannot be found here (the form offers every leaf; the edit is then refused, saying why)."""

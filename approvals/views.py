@@ -25,6 +25,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
+from approvals import edits
 from approvals.diff import changes, diff_json, summarize
 from approvals.forms import EditForm, RejectForm
 from approvals.models import (
@@ -39,6 +40,7 @@ from approvals.models import (
     StaleVersion,
 )
 from runs.gates import Kind
+from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
 EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
@@ -128,6 +130,11 @@ def prepare(card: Approval, user, **state) -> Approval:
     error (a refused decision's form or message, shown in place)."""
     card.diff = diff_json(card.current, card.proposed)
     card.diff_counts = summarize(card.diff)
+    # What happened when it ran: the receipt of the action at the card's own step (an agent's tool call, an
+    # external agent's request), pending while its outcome is unknown.
+    card.execution = Receipt.objects.filter(run_id=card.run_id, step_seq=card.step_seq).first()
+    if card.execution is not None:
+        card.execution.response_text = json.dumps(card.execution.response, indent=2, sort_keys=True, default=str)
     # What runs when a person edited the proposal (Approval.to_execute), shown above it with its diffs and its
     # author, so that the second person of the two-person rule approves the edit they see.
     card.pending_edit = card.last_edit if card.to_execute is not None else None
@@ -160,6 +167,8 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
     card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
+    if not edits.accepts_edits(card):
+        card.labels = {**card.labels, "edit": ""}  # no edit offered
     # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).
     card.shadow_values = state.get("shadow_values") or {"agreement": "", "done_by_hand": ""}
     card.agreements = Agreement.choices

@@ -309,6 +309,9 @@ class SchemaGate(GateSpec):
 
     schema: dict | None = None
 
+    def accepts_edits(self) -> bool:
+        return self.schema is not None
+
     def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
         if not isinstance(edited, dict):
             return [{"loc": "payload", "msg": "must be an object"}]

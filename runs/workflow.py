@@ -124,6 +124,10 @@ class GateSpec:
     check_edit: Callable[[dict, dict], list[dict]] | None = None
     display: Display = field(default_factory=Display)
 
+    def accepts_edits(self) -> bool:
+        """Whether a person may edit the proposal at all (the card offers an edit)."""
+        return True
+
     def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
         if not isinstance(edited, dict):
             return [{"loc": "payload", "msg": "must be an object"}]

@@ -85,14 +85,6 @@ class RequestIn(Schema):
     )
 
 
-class RequestAccepted(Schema):
-    id: uuid.UUID
-    status: str
-    url: str
-    run_id: uuid.UUID
-    card_id: int | None
-
-
 class Execution(Schema):
     status: Literal["not_started", "pending", "succeeded", "failed"]
     consumed_at: datetime | None
@@ -118,10 +110,22 @@ class RequestOut(Schema):
     expires_at: datetime
     shadow: bool
     execution: Execution
+    url: str
+
+
+def _out(action_request, answer: dict | None = None) -> dict:
+    return {**(answer or requests.state(action_request)), "url": f"/api/approval-requests/{action_request.id}"}
 
 
 class ConsumeIn(Schema):
     arguments_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    nonce: str = Field(
+        "",
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_\-]*$",
+        description="The caller's name for this consume: the same nonce asking again while the execution is "
+        "pending gets the same go (its first answer was lost); any other second consume is 409.",
+    )
 
 
 class Go(Schema):
@@ -163,7 +167,7 @@ def _refused(exc: RequestError) -> Status:
 
 @router.post(
     "/approval-requests",
-    response={200: RequestAccepted, 202: RequestAccepted, **ERRORS},
+    response={200: RequestOut, 202: RequestOut, **ERRORS},
     summary="Ask a person to sign off one action (202; the same idempotency key gives the same request, 200)",
 )
 def create_request(request: HttpRequest, body: RequestIn):
@@ -187,17 +191,7 @@ def create_request(request: HttpRequest, body: RequestIn):
         action_request, created = requests.open_request(request.user, ask, console_host=request.get_host())
     except RequestError as exc:
         return _refused(exc)
-    status = requests.state(action_request)["status"]
-    return Status(
-        202 if created else 200,
-        {
-            "id": action_request.id,
-            "status": status,
-            "url": f"/api/approval-requests/{action_request.id}",
-            "run_id": action_request.run_id,
-            "card_id": action_request.card_id,
-        },
-    )
+    return Status(202 if created else 200, _out(action_request))
 
 
 class AsyncBearerToken(HttpBearer):
@@ -232,7 +226,7 @@ async def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Q
 
 
 def _look(user, request_id) -> dict:
-    return requests.state(requests.for_user(user, request_id))
+    return _out(requests.for_user(user, request_id))
 
 
 @router.post(
@@ -242,7 +236,7 @@ def _look(user, request_id) -> dict:
 )
 def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
     try:
-        return requests.consume(request.user, request_id, body.arguments_digest)
+        return requests.consume(request.user, request_id, body.arguments_digest, body.nonce)
     except RequestError as exc:
         return _refused(exc)
 

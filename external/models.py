@@ -46,6 +46,9 @@ class ActionRequest(models.Model):
         related_name="action_request",
         help_text="Written when the agent consumes the approval: its one execution.",
     )
+    consume_nonce = models.CharField(
+        max_length=100, blank=True, help_text="The consumer's name for its consume: it may ask again, and only it."
+    )
     callback_url = models.URLField(max_length=2000, blank=True)
     expires_at = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)

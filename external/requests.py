@@ -123,9 +123,10 @@ class Ask:
     approval: str = ApprovalMode.REQUIRED
 
     def fingerprint(self) -> str:
-        """What makes two asks under one key the same request (the key itself aside)."""
-        fields = {k: v for k, v in self.__dict__.items() if k != "idempotency_key"}
-        return canonical_hash(fields)
+        """What makes two asks under one key the same request: the action and its arguments, on its channel. The
+        rest describes the moment it was asked (an agent re-run after a crash sees another `current`): the first
+        ask's stands."""
+        return canonical_hash({"channel": self.channel, "action": self.action, "arguments": self.arguments})
 
 
 def open_request(user, ask: Ask, *, console_host: str = "") -> tuple[ActionRequest, bool]:
@@ -407,14 +408,20 @@ def for_user(user, request_id) -> ActionRequest:
 # --- its one execution -------------------------------------------------------------------------------------------
 
 
-def consume(user, request_id, arguments_digest: str) -> dict:
-    """ "Go", once: for an approved request whose arguments are the ones named by `arguments_digest`, while no
-    kill switch stops its channel. Writes its receipt (pending until the agent reports the outcome). A shadow
-    card's action is not to run: the receipt is completed as shadow, and the answer says so (`go: false`)."""
+def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
+    """Go, once: for an approved request whose arguments are the ones named by `arguments_digest`, while no kill
+    switch stops its channel. Writes its receipt (pending until the agent reports the outcome). A shadow card's
+    action is not to run: the receipt is completed as shadow, and the answer says so (`go: false`).
+
+    `nonce`: the caller's name for this consume. The same nonce asking again while the execution is pending is
+    answered with the same go (the first answer was lost on its way: that caller has not run anything yet); any
+    other second consume is AlreadyConsumed."""
     with transaction.atomic():
         request = _locked(user, request_id)
         answer = state(request)
         if request.receipt_id is not None:
+            if nonce and nonce == request.consume_nonce and answer["execution"]["status"] == "pending":
+                return _go(request, answer, shadow=False)
             raise AlreadyConsumed(
                 "This approval was consumed already: its execution is what is recorded.", execution=answer["execution"]
             )
@@ -431,8 +438,8 @@ def consume(user, request_id, arguments_digest: str) -> dict:
         receipt = Receipt.objects.create(
             key=key, run=request.run, step_seq=request.step_seq, channel=request.channel.name
         )
-        request.receipt = receipt
-        request.save(update_fields=["receipt"])
+        request.receipt, request.consume_nonce = receipt, nonce
+        request.save(update_fields=["receipt", "consume_nonce"])
         shadow = answer["shadow"]
         if shadow:
             ShadowEffect.objects.create(
@@ -450,13 +457,17 @@ def consume(user, request_id, arguments_digest: str) -> dict:
             ended_at=timezone.now() if shadow else None,
         )
         _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": shadow})
-        return {
-            "go": not shadow,
-            "shadow": shadow,
-            "arguments": answer["arguments"],
-            "arguments_digest": answer["arguments_digest"],
-            "execution": execution(request),
-        }
+        return _go(request, answer, shadow=shadow)
+
+
+def _go(request: ActionRequest, answer: dict, *, shadow: bool) -> dict:
+    return {
+        "go": not shadow,
+        "shadow": shadow,
+        "arguments": answer["arguments"],
+        "arguments_digest": answer["arguments_digest"],
+        "execution": execution(request),
+    }
 
 
 def report(user, request_id, *, ok: bool, result: Any = None, error: str = "") -> dict:

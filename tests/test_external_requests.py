@@ -118,6 +118,9 @@ def test_the_same_key_gives_the_same_request_and_another_request_under_it_is_ref
     first = ask(agent)[1]
     status, again = ask(agent)
     assert status == 200 and again["id"] == first["id"]
+    # An agent re-run after a crash sees the world as it is now: the same action and arguments are the same request.
+    status, rerun = ask(agent, current={"order_id": "ord_42", "refunded_cents": 12_500}, rationale="again")
+    assert status == 200 and rerun["id"] == first["id"] and rerun["execution"]["status"] == "not_started"
     status, body = ask(agent, arguments={**REFUND, "amount_cents": 1})
     assert status == 409 and body["error"] == "conflict"
     assert ActionRequest.objects.count() == 1 and Approval.objects.count() == 1
@@ -322,3 +325,18 @@ def test_a_decision_is_posted_to_the_callback_with_its_job(agent, reviewer):
     assert notification.payload["url"] == "https://agent.example.com/hooks/decisions"
     assert notification.payload["body"]["status"] == "approved" and notification.payload["body"]["id"] == request["id"]
     assert ProcrastinateJob.objects.filter(task_name="approvals.tasks.send_notification").exists()
+
+
+def test_a_consume_whose_answer_was_lost_is_answered_again_for_its_own_nonce_only(agent, reviewer):
+    request = ask(agent)[1]
+    decide(reviewer, request["card_id"], "approve")
+    path = f"/api/approval-requests/{request['id']}/consume"
+    first = agent.post(path, {"arguments_digest": digest(REFUND), "nonce": "attempt-1"})
+    again = agent.post(path, {"arguments_digest": digest(REFUND), "nonce": "attempt-1"})
+    assert first[0] == again[0] == 200 and first[1]["go"] and again[1]["go"]
+    assert agent.post(path, {"arguments_digest": digest(REFUND), "nonce": "attempt-2"})[0] == 409
+    assert agent.post(path, {"arguments_digest": digest(REFUND)})[0] == 409
+    assert Receipt.objects.filter(key=f"external:{request['id']}").count() == 1
+    agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": "done"})
+    # Once the outcome is recorded, nobody gets a go, the same nonce included.
+    assert agent.post(path, {"arguments_digest": digest(REFUND), "nonce": "attempt-1"})[0] == 409

@@ -3,7 +3,7 @@
 One `advance_run` job per run at a time (runs.tasks) calls `advance()`. Each step is checkpointed in its own
 transaction (Step row + run cursor + totals); a done step is replayed from the database, never re-executed.
 Between steps the engine checks cancellation, worker shutdown and the cost limit; kill switches are checked
-where effects start (runs.workflow._open_receipt). Errors are classified: Fatal goes to the dead-letter queue
+where effects start (runs.steps._open_receipt). Errors are classified: Fatal goes to the dead-letter queue
 at once, anything else is retried by the job (exponential backoff with full jitter) until attempts run out.
 """
 
@@ -32,9 +32,11 @@ from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
 from runs import gates, ownership, ratelimit
 from runs import workflow as workflows
+from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
 from runs.gates import ApprovalRequest, canonical_hash
-from runs.models import OwnershipLost, Run, Step
-from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, Stop, UnknownWorkflow, Wait, Workflow
+from runs.models import Run, Step
+from runs.steps import Context, StepDef, check_decided_edit
+from runs.workflow import Workflow
 
 log = structlog.get_logger("runs.engine")
 
@@ -236,7 +238,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         # gate's code would now decide otherwise (a new auto-approve threshold after a deploy). An edit must
         # still fit the gate's declaration (Fatal otherwise: nothing after it runs).
         if decided is not None:
-            workflows.check_decided_edit(step_def, decided.proposed, decided)
+            check_decided_edit(step_def, decided.proposed, decided)
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
         _park(run, seq, park, record)

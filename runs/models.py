@@ -14,23 +14,11 @@ from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from runs import ownership
+from runs.errors import IdempotencyConflict, OwnershipLost, TransitionRefused
 
 
 def new_trace_id() -> str:
     return uuid.uuid4().hex
-
-
-class IdempotencyConflict(Exception):
-    pass
-
-
-class TransitionRefused(Exception):
-    """A run's state change whose compare-and-swap changed no row: the run is no longer in a state it may
-    leave that way, or the caller no longer owns it. The caller must stop acting for the run."""
-
-
-class OwnershipLost(TransitionRefused):
-    """The job no longer owns the run: another job took it over, or it was finished or cancelled meanwhile."""
 
 
 class RunStatus(models.TextChoices):
@@ -967,7 +955,7 @@ class WebhookDelivery(models.Model):
 
 
 class ShadowEffect(models.Model):
-    """A side effect that shadow mode kept from its external system (runs.workflow.Context.effect): what the
+    """A side effect that shadow mode kept from its external system (runs.steps.Context.effect): what the
     agent would have done, for the person who does it by hand and for the team deciding when to go live.
 
     Written in the transaction that inserts the effect's receipt, so that it also says how that receipt's first

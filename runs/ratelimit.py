@@ -22,8 +22,8 @@ from django.db import connection
 from django.db.models import F
 from django.utils import timezone
 
+from runs.errors import Wait
 from runs.models import ModelUsage, Run, TenantThrottle
-from runs.workflow import Wait
 
 log = structlog.get_logger("runs.ratelimit")
 

@@ -27,7 +27,8 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from runs import engine, ownership
-from runs.models import Run, TransitionRefused
+from runs.errors import TransitionRefused
+from runs.models import Run
 
 log = structlog.get_logger("runs.recovery")
 

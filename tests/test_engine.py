@@ -16,7 +16,8 @@ from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs import ownership
-from runs.models import IdempotencyConflict, Receipt, Run, Step
+from runs.errors import IdempotencyConflict
+from runs.models import Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs

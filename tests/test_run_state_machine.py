@@ -26,7 +26,8 @@ from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs import ownership, recovery
-from runs.models import OwnershipLost, Receipt, Run, Step, TransitionRefused
+from runs.errors import OwnershipLost, TransitionRefused
+from runs.models import Receipt, Run, Step
 from runs.tasks import requeue_stalled_jobs
 from runs.workflow import Ambiguous, Retryable
 from tests.conftest import approves_every_channel

@@ -35,6 +35,7 @@ from runs import workflow as workflows
 from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
 from runs.gates import ApprovalRequest, canonical_hash
 from runs.models import Run, Step
+from runs.sql import queries
 from runs.steps import Context, StepDef, check_decided_edit
 from runs.workflow import Workflow
 
@@ -157,9 +158,7 @@ def _checkpoints(run: Run) -> tuple[dict, dict]:
     rows = getattr(run, "step_rows", None)
     if rows is None:  # a run that was not claimed by this job's Run.claim
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
-            )
+            cursor.execute(queries["steps_of_run"], [run.pk])
             rows = cursor.fetchall()
     run.step_rows = None  # read once
     for name, seq, status, output, input_hash in rows:

@@ -25,13 +25,9 @@ import structlog
 from django.db import connection
 from django.db.models.sql import InsertQuery
 
-log = structlog.get_logger("runs.outbox")
+from runs.sql import queries
 
-_DEFER = (
-    "SELECT unnest(procrastinate_defer_jobs_v1(ARRAY["
-    "ROW(%s, %s, %s, %s, %s, %s::jsonb, NULL)::procrastinate_job_to_defer_v1"
-    "])) FROM inserted"
-)
+log = structlog.get_logger("runs.outbox")
 
 
 def insert_with_first_job(run) -> int:
@@ -51,7 +47,7 @@ def insert_with_first_job(run) -> int:
     args = json.dumps({"run_id": str(run.pk)})
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH inserted AS ({insert_sql} RETURNING {pk}) {_DEFER}",
+            queries["insert_run_with_first_job"].format(insert=insert_sql, pk=pk),
             [*insert_params, advance_run.queue, advance_run.name, run.priority, lock, lock, args],
         )
         (job_id,) = cursor.fetchone()

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import uuid
@@ -9,12 +8,17 @@ from decimal import ROUND_HALF_UP, Decimal
 import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, IntegrityError, connection, models, transaction
+from django.db import DatabaseError, connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
+from guardian.shortcuts import get_objects_for_user
+from procrastinate.contrib.django import app
+from procrastinate.exceptions import AlreadyEnqueued
+from procrastinate.jobs import JobDeferrer
 
-from runs import ownership
-from runs.errors import IdempotencyConflict, OwnershipLost, TransitionRefused
+from console.models import AuditEntry, Channel, Role
+from runs import gates, ownership
+from runs.errors import OwnershipLost, TransitionRefused
 from runs.sql import queries
 from runs.transitions import FINISHED, PARKED, TRANSITIONS, RunStatus
 
@@ -142,28 +146,21 @@ class Run(models.Model):
     def visible_to(cls, user):
         """The runs `user` may see: all of them for superusers, ops and admins; for others the runs they started
         and the runs with a card on a channel they may approve."""
-        from guardian.shortcuts import get_objects_for_user
-
-        from console.models import Channel, Role
-
         if not user.is_authenticated:
             return cls.objects.none()
         if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return cls.objects.all()
-        from approvals.models import Approval
-
         channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+        # The cards (approvals.models.Approval) through their relation to the run: the runs app does not import
+        # the approvals app, which builds on it.
+        cards = cls._meta.get_field("approvals").related_model.objects
         # An index probe on each run's cards, newest run first, so a page stops after its rows: not `pk IN
         # (every card of those channels)`, which PostgreSQL hashes before the first row (~150 ms at 100,000
         # cards; it does the same to a plain EXISTS, hence _Probe).
-        with_a_card = _Probe(
-            Approval.objects.filter(run=OuterRef("pk"), channel__in=list(channels.values_list("pk", flat=True)))
-        )
+        with_a_card = _Probe(cards.filter(run=OuterRef("pk"), channel__in=list(channels.values_list("pk", flat=True))))
         return cls.objects.filter(Q(created_by=user) | with_a_card)
 
     def is_visible_to(self, user) -> bool:
-        from console.models import Role
-
         if not user.is_authenticated:
             return False
         if user.is_superuser or self.created_by_id == user.pk:
@@ -172,72 +169,27 @@ class Run(models.Model):
             return True
         return any(user.has_perm("console.approve_channel", card.channel) for card in self.approvals.all())
 
-    @classmethod
-    def submit(
-        cls,
-        *,
-        workflow: str,
-        input: dict,
-        created_by=None,
-        idempotency_key: str | None = None,
-        tenant: str = "default",
-        priority: int = 0,
-        cost_limit=None,
-    ) -> tuple[Run, bool]:
-        """Create a run and queue its first job in one transaction; no agent work happens here.
-
-        The same idempotency key gives back the same run (created=False); the same key with a different
-        request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput."""
-        from runs import workflow as workflows
-
-        definition = workflows.get(workflow)  # raises UnknownWorkflow
-        definition.validate_input(input)  # raises InvalidInput: nothing is written
-        from runs.outbox import insert_with_first_job
-
-        run = cls(
-            workflow=definition.name,
-            workflow_version=definition.version,
-            input=input,
-            tenant=tenant,
-            priority=priority,
-            idempotency_key=idempotency_key,
-            created_by=created_by,
-            cost_limit=cost_limit,
-            max_attempts=settings.RUN_MAX_ATTEMPTS,
+    def advance_job(self, delay: float | None = None) -> JobDeferrer:
+        """This run's `advance_run` job (runs.tasks), configured by the task's name (a model does not import its
+        tasks): at most one per run waits in the queue (queueing lock) and one runs at a time (lock)."""
+        lock = f"run:{self.pk}"
+        return app.configure_task(
+            "advance_run",
+            allow_unknown=False,  # not a job on procrastinate's default queue, which no worker of ours reads
+            lock=lock,
+            queueing_lock=lock,
+            priority=self.priority,
+            schedule_in={"seconds": delay} if delay else None,
+            task_kwargs={"run_id": str(self.pk)},
         )
-        try:
-            # The run and its job in one statement (runs/outbox.py): its own transaction in autocommit; inside a
-            # caller's, a savepoint, so that a duplicate key does not abort the caller's transaction.
-            with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
-                insert_with_first_job(run)
-            return run, True
-        except IntegrityError:
-            if idempotency_key is None:
-                raise
-        existing = cls.objects.get(idempotency_key=idempotency_key, created_by=created_by)
-        if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
-            raise IdempotencyConflict(
-                f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
-            )
-        return existing, False
 
     def enqueue(self, delay: float | None = None) -> bool:
-        """Defer `advance_run` for this run, as part of the caller's transaction (the outbox). At most one job
-        per run waits in the queue (queueing lock) and one runs at a time (lock). False when one already waited."""
-        from procrastinate.exceptions import AlreadyEnqueued
-
-        from runs.tasks import advance_run
-
+        """Defer the run's job, as part of the caller's transaction (the outbox). False when one already
+        waited."""
         assert connection.in_atomic_block, "enqueue() must run inside the transaction that changes the run"
-        lock = f"run:{self.pk}"
         try:
             with transaction.atomic():  # a savepoint: AlreadyEnqueued must not abort the caller's transaction
-                advance_run.configure(
-                    lock=lock,
-                    queueing_lock=lock,
-                    priority=self.priority,
-                    schedule_in={"seconds": delay} if delay else None,
-                ).defer(run_id=str(self.pk))
+                self.advance_job(delay).defer()
         except AlreadyEnqueued:
             return False  # a job for this run is already waiting: it will see the new state
         return True
@@ -505,8 +457,6 @@ class Run(models.Model):
     def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
-        from console.models import AuditEntry
-
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
@@ -532,8 +482,6 @@ class Run(models.Model):
         return {"owner": "", "result": result, "finished_at": timezone.now()}
 
     def _close_cards(self, status: str) -> None:
-        from runs import gates
-
         gates.backend().close_pending(self, status)
 
     @classmethod

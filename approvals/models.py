@@ -122,7 +122,7 @@ class Approval(models.Model):
     proposed = models.JSONField(encoder=DjangoJSONEncoder)
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     summary = models.TextField(blank=True)
-    # Display hints from the gate's declaration (runs.workflow.Display), copied when the card opens so that the
+    # Display hints from the gate's declaration (runs.gates.Display), copied when the card opens so that the
     # inbox shows any workflow's headline and amount without knowing its proposal's shape; an edit writes them
     # again from what then runs (decide), so that they are never the proposal's once it was edited.
     headline = models.CharField(max_length=300, blank=True)
@@ -206,7 +206,7 @@ class Approval(models.Model):
         return edit.payload if edit is not None else self.proposed
 
     def display_of(self, payload) -> dict:
-        """The gate's display hints (runs.workflow.Display: headline, amount, currency) applied to `payload`, for
+        """The gate's display hints (runs.gates.Display: headline, amount, currency) applied to `payload`, for
         the columns the inbox reads; nothing for a card whose gate declares none (budget and reconcile cards), or
         whose gate this process cannot resolve (edits.GateUnresolved: a deploy in progress)."""
         try:

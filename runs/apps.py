@@ -8,6 +8,7 @@ class RunsConfig(AppConfig):
     name = "runs"
 
     def ready(self):
+        # Here, not at the top: Django reads apps.py before it loads the models.
         from console.models import kill_switch_released
         from runs.models import Run
 

@@ -34,8 +34,9 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from console import safe_input, webhook_signing
-from runs.models import Run, WebhookDelivery
-from runs.workflow import InvalidInput
+from runs import submission
+from runs.errors import InvalidInput
+from runs.models import WebhookDelivery
 
 log = structlog.get_logger("runs.webhooks")
 
@@ -155,7 +156,7 @@ def ingest(source: Source, delivery_id: str, input: dict) -> tuple[WebhookDelive
             if delivery.status == WebhookDelivery.Status.ACCEPTED:
                 return delivery, False
             # Refused earlier (its body, or the schema then): this copy is processed as new, on the same row.
-        run, _ = Run.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
+        run, _ = submission.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
         delivery.status = WebhookDelivery.Status.ACCEPTED
         delivery.run = run
         delivery.error = ""

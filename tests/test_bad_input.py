@@ -18,6 +18,7 @@ from approvals.models import Approval, Decision
 from console import safe_input
 from console.middleware import SafeInputMiddleware
 from console.models import ApiToken, AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive
 
@@ -42,7 +43,7 @@ def agent(demo):
 
 @pytest.fixture
 def card(demo) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
+    run, _ = submission.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
     assert drive(run).status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
 
@@ -297,7 +298,7 @@ def test_a_data_error_in_the_api_is_400_json(client, agent, monkeypatch):
     def refuse(**kwargs):
         raise DataError("value too long for type character varying(100)\n")
 
-    monkeypatch.setattr(Run, "submit", refuse)
+    monkeypatch.setattr(submission, "submit", refuse)
 
     response = post_json(client, "/api/runs", runs_body(REFUND_JSON), agent)
 

@@ -15,6 +15,7 @@ from playwright.sync_api import expect
 from approvals.models import Approval, Decision
 from console.models import Channel
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
@@ -34,7 +35,7 @@ def rita(reviewer):
 
 
 def park(amount: int = REFUND["amount_cents"]) -> Approval:
-    run, _ = Run.submit(
+    run, _ = submission.submit(
         workflow="refund", input={**REFUND, "amount_cents": amount}, created_by=User.objects.get(username="agent")
     )
     run = drive(run)

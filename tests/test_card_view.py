@@ -15,6 +15,7 @@ from guardian.shortcuts import assign_perm
 from approvals.models import Approval, Decision, RejectReason
 from approvals.views import sla
 from console.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -49,7 +50,7 @@ def agent(channels):
 
 
 def park(created_by=None, input: dict = REFUND) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=input, created_by=created_by)
+    run, _ = submission.submit(workflow="refund", input=input, created_by=created_by)
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)

@@ -13,6 +13,7 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed
 from console.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -25,7 +26,7 @@ def demo(db):
 
 @pytest.fixture
 def card(demo) -> Approval:
-    run = drive(Run.submit(workflow="refund", input=REFUND, created_by=demo["agent"])[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND, created_by=demo["agent"])[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
 

@@ -16,7 +16,7 @@ from guardian.shortcuts import assign_perm
 from console.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
 from demo import sandbox
 from demo.models import SandboxCall
-from runs import engine, ownership
+from runs import engine, ownership, submission
 from runs.models import Receipt, Run
 from runs.workflow import Park
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
@@ -49,7 +49,7 @@ def emails_per_run() -> dict:
 
 
 def submit(n: int, payload=SMALL_REFUND) -> list[Run]:
-    return [Run.submit(workflow="refund", input={**payload, "customer_id": f"cus_{i}"})[0] for i in range(n)]
+    return [submission.submit(workflow="refund", input={**payload, "customer_id": f"cus_{i}"})[0] for i in range(n)]
 
 
 # --- the engine ----------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_releasing_resumes_only_the_runs_that_switch_paused(demo, ops, bob):
     at_email = drive(at_payment)
     assert (at_email.status, at_email.paused_switch) == (Run.Status.PAUSED, "email")
 
-    budget = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=0)[0])
+    budget = drive(submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit=0)[0])
     assert budget.status == Run.Status.PAUSED and budget.paused_switch == ""  # paused by its budget, not a switch
     channel("payments").engage_kill_switch(ops, "again")
     channel("payments").release_kill_switch(ops, "fine")
@@ -163,7 +163,7 @@ def test_releasing_resumes_only_the_runs_that_switch_paused(demo, ops, bob):
 
 def test_new_runs_are_still_accepted_while_a_switch_is_engaged(demo, ops):
     channel("email").engage_kill_switch(ops, "bad template")
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN  # work before the effect goes on: the card is waiting
 
 
@@ -250,7 +250,7 @@ def test_an_engage_waits_for_effects_past_the_check_and_stops_every_later_one(tr
     commits after it, and from then on no effect starts."""
     call_command("demo_setup", verbosity=0)
     ops = User.objects.get(username="ops")
-    run = Run.submit(workflow="refund", input=SMALL_REFUND)[0]
+    run = submission.submit(workflow="refund", input=SMALL_REFUND)[0]
     checked, finish, engaged = threading.Event(), threading.Event(), threading.Event()
 
     def effect_in_flight():
@@ -288,7 +288,9 @@ def test_an_effect_already_under_way_completes_and_none_starts_after(transaction
     the next run's email does not start."""
     call_command("demo_setup", verbosity=0)
     ops = User.objects.get(username="ops")
-    slow = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["latency:800"]}})[0]
+    slow = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["latency:800"]}})[
+        0
+    ]
     worker = _in_thread(lambda: drive(slow))
     wait_until(lambda: Receipt.objects.filter(run=slow, channel="email").exists(), timeout=10, interval=0.01)
     channel("email").engage_kill_switch(ops, "stop the emails")
@@ -614,7 +616,7 @@ def test_with_real_workers_no_email_starts_after_the_engage_commits(start_worker
     for _ in range(3):
         start_worker()
     runs = [
-        Run.submit(
+        submission.submit(
             workflow="refund",
             input={
                 **SMALL_REFUND,

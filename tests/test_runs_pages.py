@@ -16,6 +16,7 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval
 from console.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
@@ -30,9 +31,9 @@ def world(db, alice, bob, carol, dave):
     erin = User.objects.create_user("erin")
     assign_perm("console.approve_channel", erin, Channel.objects.get(name="email"))
     frank = User.objects.create_user("frank")
-    parked = drive(Run.submit(workflow="refund", input={**REFUND, "reason": XSS}, created_by=frank)[0])
+    parked = drive(submission.submit(workflow="refund", input={**REFUND, "reason": XSS}, created_by=frank)[0])
     assert parked.status == Run.Status.WAITING_HUMAN
-    daves = drive(Run.submit(workflow="refund", input=SMALL_REFUND, created_by=dave)[0])
+    daves = drive(submission.submit(workflow="refund", input=SMALL_REFUND, created_by=dave)[0])
     assert daves.status == Run.Status.SUCCEEDED
     users = {"alice": alice, "bob": bob, "carol": carol, "dave": dave, "erin": erin, "frank": frank}
     return {"users": users, "parked": parked, "daves": daves}

@@ -22,7 +22,7 @@ from django.utils import timezone
 from procrastinate.exceptions import AlreadyEnqueued
 
 from approvals.models import Approval, Decision, Notification
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 

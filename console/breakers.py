@@ -20,9 +20,9 @@ from django.views.decorators.http import require_POST
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from console.api_errors import ERRORS
-from console.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
-from console.safe_input import NOT_BLANK
+from core.api_errors import ERRORS
+from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from core.safe_input import NOT_BLANK
 from runs import breakers
 
 log = structlog.get_logger("console.breakers")

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from console import monitoring
 from console.context_processors import roles
-from console.models import Role
+from core.models import Role
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from approvals.models import Agreement, Approval, Decision
-from console.models import AuditEntry, Channel, GlobalKillSwitch
+from core.models import AuditEntry, Channel, GlobalKillSwitch
 from jobs.models import DeadLetter
 from runs import breakers, ratelimit
 from runs.models import Run, ShadowEffect

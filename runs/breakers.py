@@ -220,7 +220,7 @@ def known_systems() -> list[str]:
 def force(system: str, *, open: bool, by, reason: str) -> bool:
     """Hold the breaker of `system` open (no probe until someone closes it), or close it. Audited. True when it
     changed; raises ReasonRequired for a blank reason, UnknownSystem for a system without a breaker."""
-    from console.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
+    from core.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
 
     reason = (reason or "").strip()
     if not reason:

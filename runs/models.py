@@ -206,7 +206,7 @@ class Run(models.Model):
         and the runs with a card on a channel they may approve."""
         from guardian.shortcuts import get_objects_for_user
 
-        from console.models import Channel, Role
+        from core.models import Channel, Role
 
         if not user.is_authenticated:
             return cls.objects.none()
@@ -214,7 +214,7 @@ class Run(models.Model):
             return cls.objects.all()
         from approvals.models import Approval
 
-        channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+        channels = get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
         # An index probe on each run's cards, newest run first, so a page stops after its rows: not `pk IN
         # (every card of those channels)`, which PostgreSQL hashes before the first row (~150 ms at 100,000
         # cards; it does the same to a plain EXISTS, hence _Probe).
@@ -224,7 +224,7 @@ class Run(models.Model):
         return cls.objects.filter(Q(created_by=user) | with_a_card)
 
     def is_visible_to(self, user) -> bool:
-        from console.models import Role
+        from core.models import Role
 
         if not user.is_authenticated:
             return False
@@ -232,7 +232,7 @@ class Run(models.Model):
             return True
         if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return True
-        return any(user.has_perm("console.approve_channel", card.channel) for card in self.approvals.all())
+        return any(user.has_perm("core.approve_channel", card.channel) for card in self.approvals.all())
 
     @classmethod
     def submit(
@@ -564,7 +564,7 @@ class Run(models.Model):
     def cancel(self, by=None) -> Run:
         """Cancel: a parked or queued run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
-        from console.models import AuditEntry
+        from core.models import AuditEntry
 
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.

@@ -33,7 +33,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from console import safe_input, webhook_signing
+from core import safe_input, webhook_signing
 from runs.models import Run, WebhookDelivery
 from runs.workflow import InvalidInput
 

@@ -523,7 +523,7 @@ def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "",
     channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
     already past here. `receipt.shadow`: the effect is in shadow mode (a ShadowEffect is written with a new
     receipt when the workflow or channel is in shadow; an earlier attempt's pending receipt keeps its mode)."""
-    from console.models import Channel
+    from core.models import Channel
     from runs.models import Receipt, ShadowEffect
 
     if _inside_a_transaction():

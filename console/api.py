@@ -106,9 +106,9 @@ def _data_error(request, exc):
 
 def _mount_app_routers() -> None:
     from approvals.api import router as approvals_router
-    from console.breakers import router as breakers_router
     from console.channels import router as channels_router
     from runs.api import router as runs_router
+    from runs.breaker_api import router as breakers_router
 
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)

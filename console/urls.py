@@ -7,7 +7,7 @@ from django.views.generic import RedirectView
 
 from approvals import inbox
 from approvals import views as approval_views
-from console import audit, breakers, channels, dashboard, passwords, views
+from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from console.env import env_bool
 from runs import views as run_views
@@ -37,7 +37,7 @@ urlpatterns = [
     path("readyz", views.readyz, name="readyz"),
     path("metrics", dashboard.metrics, name="metrics"),
     path("dashboard/", dashboard.dashboard, name="dashboard"),
-    path("dashboard/breakers/", breakers.force_breaker, name="breaker-force"),
+    path("dashboard/breakers/", dashboard.force_breaker, name="breaker-force"),
     path("channels/", channels.channel_list, name="channels"),
     path("channels/kill-switch/", channels.global_kill_switch, name="global-kill-switch"),
     path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),

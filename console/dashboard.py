@@ -1,5 +1,6 @@
 """The monitoring dashboard (ops and admins), its form that forces a circuit breaker (ops), and /metrics
-(Prometheus text). Both show the figures of console.monitoring, read from the database on each request."""
+(Prometheus text, console.prometheus). Both show the figures of console.monitoring, read from the database on
+each request."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from console import monitoring
+from console import alerts, charts, monitoring, prometheus
 from console.context_processors import roles
 from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
 from runs import breakers
@@ -41,8 +42,8 @@ def render_dashboard(request, status: int = 200, **extra):
     snap = monitoring.snapshot()
     context = {
         "snap": snap,
-        "signals": monitoring.signals(snap),
-        "charts": monitoring.charts(snap.at),
+        "signals": alerts.signals(snap),
+        "charts": charts.charts(snap.at),
         "queue_sla": settings.QUEUE_SLA_SECONDS,
         "token_rate_limit": settings.TOKEN_RATE_LIMIT_PER_MINUTE,
         "can_force_breakers": may_force(request.user),
@@ -113,4 +114,4 @@ def _refuse_scraper(request) -> HttpResponse | None:
 def metrics(request):
     if (refusal := _refuse_scraper(request)) is not None:
         return refusal
-    return HttpResponse(generate_latest(monitoring.registry), content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(generate_latest(prometheus.registry), content_type=CONTENT_TYPE_LATEST)

@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from approvals import policy
 from approvals.models import Approval
-from console.models import Channel
+from core.models import Channel
 from runs.errors import Fatal
 from runs.gates import ApprovalRequest, Decision, Kind
 

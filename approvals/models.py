@@ -8,7 +8,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from approvals import edits
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 
@@ -133,7 +133,7 @@ class Approval(models.Model):
     citations = models.JSONField(default=list, blank=True)
     risk = models.CharField(max_length=8, choices=Risk.choices, default=Risk.MEDIUM)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
-    # Shadow mode (console.models.Channel.in_shadow, read when the card opens): nothing is sent for it; the
+    # Shadow mode (core.models.Channel.in_shadow, read when the card opens): nothing is sent for it; the
     # reviewer does the action by hand and records what they did and whether they agree with the agent.
     shadow = models.BooleanField(default=False)
     args_hash = models.CharField(max_length=64)
@@ -265,7 +265,7 @@ class Approval(models.Model):
             card.run = run
             # Checked here whoever the caller is (card page, API, bulk): guardian's object permission, which a
             # superuser holds on every channel. The system (no actor: the SLA policy) needs none.
-            if actor is not None and not actor.has_perm("console.approve_channel", card.channel):
+            if actor is not None and not actor.has_perm("core.approve_channel", card.channel):
                 raise NotAllowed(f"you may not decide cards on {card.channel.name} (no approve_channel there)")
             if card.status not in self.OPEN:
                 raise AlreadyDecided(card)

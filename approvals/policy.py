@@ -24,7 +24,7 @@ from procrastinate.exceptions import AlreadyEnqueued
 
 from approvals import notify
 from approvals.models import Approval, Decision, Notification
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 

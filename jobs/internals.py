@@ -154,9 +154,9 @@ SQL_TYPES = {
 SQL_ENUMS = {
     "procrastinate_job_status": (
         {"todo", "doing", "aborted"},
-        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, console/monitoring.py",
+        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, jobs/monitoring.py",
     ),
-    "procrastinate_job_event_type": ({"deferred"}, "console/monitoring.py"),
+    "procrastinate_job_event_type": ({"deferred"}, "jobs/monitoring.py"),
 }
 # Columns our own SQL reads or writes (the tables may have more).
 SQL_COLUMNS = {
@@ -170,12 +170,12 @@ SQL_COLUMNS = {
             "scheduled_at": "timestamp with time zone",
             "worker_id": "bigint",
         },
-        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, console/monitoring.py",
+        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, jobs/monitoring.py",
     ),
     "procrastinate_workers": ({"id": "bigint"}, "jobs/worker.py"),
     "procrastinate_events": (
         {"job_id": "bigint", "type": "procrastinate_job_event_type", "at": "timestamp with time zone"},
-        "console/monitoring.py",
+        "jobs/monitoring.py",
     ),
 }
 

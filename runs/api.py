@@ -9,8 +9,8 @@ from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from console.api_errors import ERRORS
-from console.models import Role
+from core.api_errors import ERRORS
+from core.models import Role
 from runs import submission
 from runs import workflow as workflows
 from runs.errors import IdempotencyConflict, InvalidInput, UnknownWorkflow

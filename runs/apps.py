@@ -9,7 +9,7 @@ class RunsConfig(AppConfig):
 
     def ready(self):
         # Here, not at the top: Django reads apps.py before it loads the models.
-        from console.models import kill_switch_released
+        from core.models import kill_switch_released
         from runs.models import Run
 
         for module in settings.WORKFLOW_MODULES:  # each registers its workflows on import

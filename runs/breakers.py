@@ -35,7 +35,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from console.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
+from core.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
 from runs.errors import Fatal, Retryable, Wait
 from runs.models import Breaker
 

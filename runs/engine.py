@@ -27,7 +27,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
 from runs import gates, ownership, ratelimit

@@ -16,7 +16,7 @@ from procrastinate.contrib.django import app
 from procrastinate.exceptions import AlreadyEnqueued
 from procrastinate.jobs import JobDeferrer
 
-from console.models import AuditEntry, Channel, Role
+from core.models import AuditEntry, Channel, Role
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
 from runs.sql import queries
@@ -150,7 +150,7 @@ class Run(models.Model):
             return cls.objects.none()
         if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return cls.objects.all()
-        channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+        channels = get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
         # The cards (approvals.models.Approval) through their relation to the run: the runs app does not import
         # the approvals app, which builds on it.
         cards = cls._meta.get_field("approvals").related_model.objects
@@ -167,7 +167,7 @@ class Run(models.Model):
             return True
         if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return True
-        return any(user.has_perm("console.approve_channel", card.channel) for card in self.approvals.all())
+        return any(user.has_perm("core.approve_channel", card.channel) for card in self.approvals.all())
 
     def advance_job(self, delay: float | None = None) -> JobDeferrer:
         """This run's `advance_run` job (runs.tasks), configured by the task's name (a model does not import its
@@ -201,7 +201,7 @@ class Run(models.Model):
     @classmethod
     def resume_paused_by(cls, switch: str, **_) -> int:
         """Queue every run the kill switch `switch` paused, each with its job deferred in the caller's
-        transaction (the release's: console.models.kill_switch_released)."""
+        transaction (the release's: core.models.kill_switch_released)."""
         assert connection.in_atomic_block
         count = 0
         for run in cls.paused_by(switch).select_for_update():

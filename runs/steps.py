@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import transaction
 
-from console.models import Channel
+from core.models import Channel
 from runs import breakers, gates
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
 from runs.gates import ApprovalRequest, Decision, GateSpec
@@ -101,7 +101,7 @@ class Context:
         call would send, for the person who does it by hand) and answers `{"shadow": True, "id":
         "shadow:<key>"}`, so the run goes on. The mode is decided once per effect: the card that authorized it
         (the run's latest decided action card on this channel, at this step or before) says it; without one,
-        the channel and workflow do (console.models.Channel.in_shadow) when the effect's receipt is first
+        the channel and workflow do (core.models.Channel.in_shadow) when the effect's receipt is first
         written. Kill switches apply as to any effect.
         """
         channel = self.step.channel

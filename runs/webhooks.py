@@ -7,7 +7,7 @@ or a plain string, comma-separated: more than one is active during a rotation). 
 order, each failure answered without a run:
 
 1. the source is registered and has a secret, else 404;
-2. the Standard Webhooks signature (console.webhook_signing): `webhook-timestamp` (unix seconds) is within
+2. the Standard Webhooks signature (core.webhook_signing): `webhook-timestamp` (unix seconds) is within
    WEBHOOK_TOLERANCE_SECONDS of our clock either way, and `webhook-signature` holds a `v1,<base64 HMAC-SHA256
    of "<webhook-id>.<timestamp>.<raw body>">` by one of its secrets, compared in constant time over the raw
    bytes, else 401 (nothing is recorded: the sender is unknown). The id is under the signature, so a captured
@@ -33,7 +33,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from console import safe_input, webhook_signing
+from core import safe_input, webhook_signing
 from runs import submission
 from runs.errors import InvalidInput
 from runs.models import WebhookDelivery

@@ -8,7 +8,7 @@ import pytest
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.models import Approval, InvalidDecision
-from console.models import Channel
+from core.models import Channel
 from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run, Step

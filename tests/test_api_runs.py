@@ -20,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals.models import Approval
-from console.models import ApiToken
+from core.models import ApiToken
 from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run, Step

@@ -4,7 +4,7 @@ import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 from django.db import DatabaseError, connection, transaction
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from runs import submission
 from tests.conftest import approves_every_channel
 

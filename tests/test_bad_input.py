@@ -15,9 +15,9 @@ from django.test import RequestFactory
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console import safe_input
 from console.middleware import SafeInputMiddleware
-from console.models import ApiToken, AuditEntry, Channel
+from core import safe_input
+from core.models import ApiToken, AuditEntry, Channel
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive
@@ -277,7 +277,7 @@ def test_a_nul_in_a_bulk_decision_is_400(client, demo, card):
 
 def test_a_nul_in_a_kill_switch_reason_is_400(client, demo):
     client.force_login(demo["ops"])
-    assign_perm("console.operate_channel", demo["ops"], Channel.objects.get(name="payments"))
+    assign_perm("core.operate_channel", demo["ops"], Channel.objects.get(name="payments"))
 
     response = client.post("/channels/payments/kill-switch/", {"engaged": "1", "reason": "x\x00"})
 

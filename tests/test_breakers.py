@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console.models import ApiToken, AuditEntry
+from core.models import ApiToken, AuditEntry
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import breakers, submission

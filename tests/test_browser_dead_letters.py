@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from jobs.models import DeadLetter
 from runs import submission
 from runs.models import Run

@@ -7,7 +7,7 @@ from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from approvals.models import Approval, Decision
-from console.models import AuditEntry
+from core.models import AuditEntry
 from runs import submission
 from runs.models import Run
 from tests.conftest import log_in

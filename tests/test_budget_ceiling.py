@@ -14,7 +14,7 @@ from django.core.management import call_command
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.inbox import decide_cards
 from approvals.models import Approval, InvalidDecision
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run

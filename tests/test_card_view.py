@@ -14,7 +14,7 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, RejectReason
 from approvals.views import sla
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
@@ -32,7 +32,7 @@ def channels(db):
 
 @pytest.fixture
 def bob_reviews_payments(bob, channels):
-    assign_perm("console.approve_channel", bob, channels["payments"])
+    assign_perm("core.approve_channel", bob, channels["payments"])
     return bob
 
 
@@ -40,7 +40,7 @@ def bob_reviews_payments(bob, channels):
 def erin(channels):
     """A reviewer of another channel (email) only."""
     user = User.objects.create_user("erin", password="password")
-    assign_perm("console.approve_channel", user, channels["email"])
+    assign_perm("core.approve_channel", user, channels["email"])
     return user
 
 

@@ -12,7 +12,7 @@ from django.db import connection
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import Approval
-from console.models import AuditEntry
+from core.models import AuditEntry
 from demo import sandbox
 from jobs.models import DeadLetter
 from runs import dead_letters, submission

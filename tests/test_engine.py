@@ -11,7 +11,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
-from console.models import Channel
+from core.models import Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter

@@ -13,7 +13,7 @@ from django.db.models import Count
 from django.test import Client
 from guardian.shortcuts import assign_perm
 
-from console.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
+from core.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import engine, ownership, submission
@@ -359,7 +359,7 @@ def test_an_admin_sees_it_and_a_superuser_may_flip_everything(demo, alice):
 
 def test_someone_who_operates_one_channel_sees_only_that_one(demo):
     olga = User.objects.create_user("olga")
-    assign_perm("console.operate_channel", olga, channel("crm"))
+    assign_perm("core.operate_channel", olga, channel("crm"))
     page = client_for(olga).get("/channels/").content.decode()
     assert 'id="channel-crm"' in page and 'id="channel-email"' not in page
     assert page.count('name="reason"') == 1  # crm's; not the global switch
@@ -466,9 +466,9 @@ def test_the_summary_partial_refreshes_on_the_event(demo, ops):
 def test_django_admin_shows_the_global_switch_read_only(demo, alice, ops):
     GlobalKillSwitch.load().engage_kill_switch(ops, "incident")
     client = client_for(alice)
-    assert "incident" in client.get("/admin/console/globalkillswitch/").content.decode()
-    assert client.get("/admin/console/globalkillswitch/1/change/").status_code == 200
-    response = client.post("/admin/console/globalkillswitch/1/change/", {"kill_switch_engaged": ""})
+    assert "incident" in client.get("/admin/core/globalkillswitch/").content.decode()
+    assert client.get("/admin/core/globalkillswitch/1/change/").status_code == 200
+    response = client.post("/admin/core/globalkillswitch/1/change/", {"kill_switch_engaged": ""})
     assert response.status_code == 403 and GlobalKillSwitch.load().kill_switch_engaged
 
 
@@ -481,7 +481,7 @@ def test_the_page_is_a_get_and_the_flip_a_post(demo, ops):
 
 
 def bearer(user) -> dict:
-    from console.models import ApiToken
+    from core.models import ApiToken
 
     return {"Authorization": f"Bearer {ApiToken.issue(user)[1]}"}
 

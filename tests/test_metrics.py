@@ -15,7 +15,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from prometheus_client.parser import text_string_to_metric_families
 
 from approvals.models import Approval
-from console.models import Channel, GlobalKillSwitch
+from core.models import Channel, GlobalKillSwitch
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs import dead_letters, engine, submission

@@ -20,7 +20,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from approvals import policy
 from approvals.models import Approval, Notification
 from approvals.tasks import send_notification
-from console.models import Channel
+from core.models import Channel
 from jobs.retry import BackoffWithJitter
 from runs import submission
 from tests.engine_helpers import REFUND, drive

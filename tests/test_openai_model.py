@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from demo.model import ScriptedModel
 from jobs.models import DeadLetter
 from runs import submission

@@ -15,8 +15,8 @@ from django.core.management import call_command
 
 from approvals.models import Approval, Decision
 from console.api import api
-from console.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
-from console.safe_input import NOT_BLANK
+from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
+from core.safe_input import NOT_BLANK
 from runs import submission
 from runs.models import Breaker, Run
 from tests.engine_helpers import REFUND, drive

@@ -21,7 +21,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals import policy
 from approvals.models import Approval, SecondApproverNeeded
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter

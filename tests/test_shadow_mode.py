@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from approvals.models import Approval, Decision
-from console.models import ApiToken, AuditEntry, Channel
+from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
 from runs import submission
 from runs.models import Receipt, Run, ShadowEffect
@@ -398,7 +398,7 @@ def test_it_counts_the_effects_shadow_mode_kept(client, demo, shadow_refunds):
 def test_it_lets_admins_put_a_channel_in_shadow(client, demo):
     client.force_login(demo["admin"])
     channel = Channel.objects.get(name="payments")
-    url = f"/admin/console/channel/{channel.pk}/change/"
+    url = f"/admin/core/channel/{channel.pk}/change/"
     form = client.get(url).context["adminform"].form
     data = {name: form[name].value() for name in form.fields if form[name].value() is not None}
     data.update(shadow="on", sla="01:00:00")

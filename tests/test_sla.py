@@ -16,7 +16,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from approvals import policy
 from approvals.models import AlreadyDecided, Approval, Decision, Notification
 from approvals.tasks import card_due, sla_sweep
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo import sandbox
 from runs import submission
 from runs.models import Run

@@ -14,7 +14,7 @@ from guardian.shortcuts import assign_perm
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from approvals.models import Approval, Decision
-from console.models import Channel
+from core.models import Channel
 from demo import sandbox
 from demo.model import ScriptedModel
 from runs import submission
@@ -30,7 +30,7 @@ def demo(db):
     call_command("demo_setup", verbosity=0)
     rita = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", rita, channel)
+        assign_perm("core.approve_channel", rita, channel)
     return {user.username: user for user in User.objects.all()}
 
 

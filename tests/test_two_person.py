@@ -10,7 +10,7 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
-from console.models import ApiToken, AuditEntry, Channel
+from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
 from runs import submission
 from runs.models import Run
@@ -28,7 +28,7 @@ def demo(db):
 def rita(demo):
     user = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", user, channel)
+        assign_perm("core.approve_channel", user, channel)
     return user
 
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.models import Approval, Decision, DecisionError
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs import submission

@@ -22,7 +22,7 @@ from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console import webhook_signing
+from core import webhook_signing
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import submission

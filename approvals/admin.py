@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.contrib import admin, messages
 from django.db import transaction
 from django.utils.html import format_html
+from procrastinate.contrib.django import app
 
 from approvals.models import Notification
 
@@ -47,14 +48,15 @@ class NotificationAdmin(admin.ModelAdmin):
 
     @admin.action(description="Send the selected failed notifications again")
     def send_again(self, request, queryset) -> None:
-        from approvals.tasks import send_notification
-
         count = 0
         with transaction.atomic():
             for notification in (
                 queryset.select_related(None).select_for_update(of=("self",)).filter(status=Notification.Status.FAILED)
             ):
                 Notification.objects.filter(pk=notification.pk).update(status=Notification.Status.PENDING, attempts=0)
-                send_notification.defer(notification_id=notification.pk)
+                # By its name, as the SLA policy defers it (approvals.policy): tasks are deferred by name.
+                app.configure_task("approvals.tasks.send_notification", allow_unknown=False).defer(
+                    notification_id=notification.pk
+                )
                 count += 1
         self.message_user(request, f"{count} notification(s) queued again.", messages.SUCCESS)

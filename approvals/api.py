@@ -11,9 +11,9 @@ from pydantic import ConfigDict
 
 from approvals.diff import changes
 from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
-from console.api_errors import ERRORS
-from console.models import Channel
-from console.safe_input import NOT_BLANK
+from core.api_errors import ERRORS
+from core.models import Channel
+from core.safe_input import NOT_BLANK
 
 router = Router(tags=["approvals"])
 
@@ -128,13 +128,13 @@ class DecisionIn(Schema):
 
 
 def decidable_channels(user):
-    return get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+    return get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
 
 
 def _get_card_for_user(request, card_id: int) -> Approval:
     """404 for a card the user may not see (no approve_channel on its channel)."""
     card = get_object_or_404(Approval.objects.select_related("channel", "run"), pk=card_id)
-    if not request.user.has_perm("console.approve_channel", card.channel):
+    if not request.user.has_perm("core.approve_channel", card.channel):
         raise HttpError(404, "Not found.")
     return card
 

@@ -1,11 +1,13 @@
 from django.apps import AppConfig
 
+from runs import gates
+
 
 class ApprovalsConfig(AppConfig):
     name = "approvals"
 
     def ready(self):
+        # Here, not at the top: Django reads apps.py before it loads the models (CardBackend's module imports them).
         from approvals.gates import CardBackend
-        from runs import gates
 
         gates.register(CardBackend())

@@ -1,11 +1,11 @@
 """The one validator of an edit decision, called inside Approval.decide() (so the card form, the API and bulk
 decisions all pass through it): what executes is a payload the card's declaration allows.
 
-- action cards: the gate's declaration in its workflow (runs.workflow.GateSpec: proposal schema, editable leaves,
+- action cards: the gate's declaration in its workflow (runs.gates.GateSpec: proposal schema, editable leaves,
   bounds); a gate that declares nothing may change values but not the proposal's shape (keys and types). When
   this process cannot find the gate (the run's workflow version is not deployed here, or has no such step), the
   edit is refused (GateUnresolved), never checked less. The engine checks a decided edit again before the step
-  acts on it (runs.workflow.check_decided_edit).
+  acts on it (runs.steps.check_decided_edit).
 - budget cards: only `cost_limit`, a decimal above the run's spent cost and at most BUDGET_CEILING; or, for an
   agent's turn limit (runs.agent), only `max_turns`, a whole number above the turns taken, at most AGENT_MAX_TURNS.
   Approving one as proposed raises the limit too, so it is held to the same ceiling (`approval_refusal`).
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 
 from runs import workflow as workflows
-from runs.gates import Kind
-from runs.workflow import ANY_LEAF, GateSpec, UnknownWorkflow
+from runs.errors import UnknownWorkflow
+from runs.gates import ANY_LEAF, GateSpec, Kind
 
 if TYPE_CHECKING:
     from approvals.models import Approval

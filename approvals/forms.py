@@ -18,7 +18,7 @@ from django.core.validators import RegexValidator
 
 from approvals import edits
 from approvals.models import CannotCheckEdit, RejectReason
-from console import safe_input
+from core import safe_input
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")

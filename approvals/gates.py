@@ -6,9 +6,9 @@ from django.utils import timezone
 
 from approvals import policy
 from approvals.models import Approval
-from console.models import Channel
+from core.models import Channel
+from runs.errors import Fatal
 from runs.gates import ApprovalRequest, Decision, Kind
-from runs.workflow import Fatal
 
 
 class CardBackend:

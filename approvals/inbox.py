@@ -1,8 +1,8 @@
 """The reviewer inbox at `/`: the open cards of the channels the user may approve, most urgent first.
 
-- Who: users with `approve_channel` on at least one channel (guardian; superusers hold every permission).
-  Everyone else gets the home page's empty states (console.views.home). Cards of runs the user started are
-  never listed (separation of duties: someone else must decide them).
+- Who: users with `approve_channel` on at least one channel (guardian; superusers hold every permission): `/`
+  (console.views.home) shows them this page, and everyone else the home page's empty states. Cards of runs the
+  user started are never listed (separation of duties: someone else must decide them).
 - What: cards whose status is pending or escalated, ordered by (due_at, id), 50 per page with a keyset cursor
   (`?after=<due_at>~<id>`), so a later page costs what the first does.
 - Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now:
@@ -28,8 +28,7 @@ from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
-from django.views.decorators.http import require_GET, require_POST
-from django.views.decorators.vary import vary_on_headers
+from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
 from approvals.api import decidable_channels
@@ -42,8 +41,7 @@ from approvals.models import (
     StaleVersion,
     latest_edits,
 )
-from console import views as console_views
-from console.models import Channel
+from core.models import Channel
 
 TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
@@ -264,12 +262,8 @@ def approvable_channels(user) -> list[Channel]:
     return list(decidable_channels(user).order_by("name"))
 
 
-@require_GET
-@vary_on_headers("HX-Request", "HX-Target")
-def inbox(request):
-    channels = approvable_channels(request.user)
-    if not channels:
-        return console_views.home(request)
+def render_inbox(request, channels: list[Channel]):
+    """The page, or one of its partials for htmx, over `channels` (approvable_channels of the user, not empty)."""
     box = Inbox.from_request(request, channels)
     template, context = TEMPLATE, {"inbox": box, "reasons": REJECT_REASONS}
     partial = None

@@ -9,7 +9,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from approvals import edits
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 
@@ -136,7 +136,7 @@ class Approval(models.Model):
     proposed = models.JSONField(encoder=DjangoJSONEncoder)
     current = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     summary = models.TextField(blank=True)
-    # Display hints from the gate's declaration (runs.workflow.Display), copied when the card opens so that the
+    # Display hints from the gate's declaration (runs.gates.Display), copied when the card opens so that the
     # inbox shows any workflow's headline and amount without knowing its proposal's shape; an edit writes them
     # again from what then runs (decide), so that they are never the proposal's once it was edited.
     headline = models.CharField(max_length=300, blank=True)
@@ -147,7 +147,7 @@ class Approval(models.Model):
     citations = models.JSONField(default=list, blank=True)
     risk = models.CharField(max_length=8, choices=Risk.choices, default=Risk.MEDIUM)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
-    # Shadow mode (console.models.Channel.in_shadow, read when the card opens): nothing is sent for it; the
+    # Shadow mode (core.models.Channel.in_shadow, read when the card opens): nothing is sent for it; the
     # reviewer does the action by hand and records what they did and whether they agree with the agent.
     shadow = models.BooleanField(default=False)
     args_hash = models.CharField(max_length=64)
@@ -227,7 +227,7 @@ class Approval(models.Model):
         return edit.payload if edit is not None else self.proposed
 
     def display_of(self, payload) -> dict:
-        """The gate's display hints (runs.workflow.Display: headline, amount, currency) applied to `payload`, for
+        """The gate's display hints (runs.gates.Display: headline, amount, currency) applied to `payload`, for
         the columns the inbox reads; nothing for a card whose gate declares none (budget and reconcile cards), or
         whose gate this process cannot resolve (edits.GateUnresolved: a deploy in progress)."""
         try:
@@ -286,7 +286,7 @@ class Approval(models.Model):
             card.run = run
             # Checked here whoever the caller is (card page, API, bulk): guardian's object permission, which a
             # superuser holds on every channel. The system (no actor: the SLA policy) needs none.
-            if actor is not None and not actor.has_perm("console.approve_channel", card.channel):
+            if actor is not None and not actor.has_perm("core.approve_channel", card.channel):
                 raise NotAllowed(f"you may not decide cards on {card.channel.name} (no approve_channel there)")
             if card.status not in self.OPEN:
                 raise AlreadyDecided(card)

@@ -5,7 +5,7 @@ A backend turns a Notification row into one delivery and raises on failure; the 
 row. Backends: `email` (Django's mail, to the escalation group's members) and `webhook` (a JSON POST signed
 with Standard Webhooks, like the deliveries we receive: `webhook-id` (the notification's id, the same on every
 retry, so the receiver can drop a copy), `webhook-timestamp` and `webhook-signature: v1,<base64 HMAC-SHA256 of
-"<id>.<timestamp>.<body>">`, one per NOTIFY_WEBHOOK_SECRET during a rotation; console.webhook_signing)."""
+"<id>.<timestamp>.<body>">`, one per NOTIFY_WEBHOOK_SECRET during a rotation; core.webhook_signing)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from django.core.mail import send_mail
 from django.core.serializers.json import DjangoJSONEncoder
 
 from approvals.models import Notification
-from console import webhook_signing
+from core import webhook_signing
 
 
 class NothingToSend(Exception):

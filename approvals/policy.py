@@ -22,10 +22,12 @@ import structlog
 from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
+from procrastinate.contrib.django import app
 from procrastinate.exceptions import AlreadyEnqueued
 
+from approvals import notify
 from approvals.models import Approval, Decision, Notification, OnExpiry, card_closed
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
 
@@ -39,13 +41,15 @@ SYSTEM = "system"  # the actor named in the audit log
 def schedule_timer(card: Approval) -> None:
     """Defer the card's timer job at its `due_at`, in the caller's transaction (the one that opens the card or
     moves its deadline): the timer exists if and only if that commits. One waiting timer per card; a timer
-    that fires on a deadline moved later re-schedules itself (card_due)."""
-    from approvals.tasks import card_due
-
+    that fires on a deadline moved later re-schedules itself (approvals.tasks.card_due, deferred by its name: the
+    tasks call this module)."""
     assert connection.in_atomic_block, "the timer is deferred in the transaction that sets the deadline"
+    timer = app.configure_task(
+        "approvals.tasks.card_due", allow_unknown=False, schedule_at=card.due_at, queueing_lock=f"card-due:{card.pk}"
+    )
     try:
         with transaction.atomic():  # a savepoint: AlreadyEnqueued must not abort the caller's transaction
-            card_due.configure(schedule_at=card.due_at, queueing_lock=f"card-due:{card.pk}").defer(card_id=card.pk)
+            timer.defer(card_id=card.pk)
     except AlreadyEnqueued:
         pass  # a timer already waits for this card: it re-schedules itself if the deadline moved
 
@@ -117,9 +121,6 @@ def _escalate(card: Approval, now: datetime) -> bool:
 def _notify(card: Approval, missed: datetime) -> None:
     """A Notification row and its job per enabled backend, in the escalation's transaction: sent if and only
     if the escalation commits, and sent (with retries) by the `outbound` queue, never by this transaction."""
-    from approvals import notify
-    from approvals.tasks import send_notification
-
     payload = {
         "approval_id": card.pk,
         "run_id": str(card.run_id),
@@ -136,7 +137,9 @@ def _notify(card: Approval, missed: datetime) -> None:
         notification = Notification.objects.create(
             approval=card, event="sla.escalate", backend=backend, group=card.assigned_group, payload=payload
         )
-        send_notification.defer(notification_id=notification.pk)
+        app.configure_task("approvals.tasks.send_notification", allow_unknown=False).defer(
+            notification_id=notification.pk
+        )
 
 
 def _safe_default(card: Approval, now: datetime) -> bool:

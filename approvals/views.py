@@ -65,7 +65,7 @@ def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval
     """The card `pk`: 404 when the user may not see it (no `approve_channel` on its channel), PermissionDenied
     when they are about to decide the card of a run they started."""
     card = get_object_or_404(Approval.objects.select_related("channel", "run", "run__created_by"), pk=pk)
-    if not request.user.has_perm("console.approve_channel", card.channel):
+    if not request.user.has_perm("core.approve_channel", card.channel):
         raise Http404("No such card.")
     if to_decide and card.run.created_by_id == request.user.pk:
         raise PermissionDenied("You started this run: someone else must decide its cards.")

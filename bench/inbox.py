@@ -117,7 +117,7 @@ def main() -> None:
     from django.test import Client
     from django.test.utils import CaptureQueriesContext
 
-    from console.models import Channel
+    from core.models import Channel
 
     agent, _ = User.objects.get_or_create(username="agent")
     reviewer = User.objects.get(username="reviewer")

@@ -11,7 +11,7 @@ for web server *and* PostgreSQL together on these 2 cores. The baseline, one INS
 {base_cpu} ms of web-process CPU alone and reaches {base_rps} req/s (p50 {base_p50} ms at 16 connections); `POST
 /api/runs` costs {runs_cpu} ms and the machine is shared (load average {load}). A run's request is two statements:
 the bearer-token lookup (its SQL compiled once per process, `ApiToken.find`) and the run's INSERT with
-Procrastinate's defer of its first job as one statement in autocommit (`runs/outbox.py`, one implicit transaction),
+Procrastinate's defer of its first job as one statement in autocommit (`runs/submission.py`, one implicit transaction),
 where it was seven (BEGIN, the token, the INSERT, a savepoint, the defer, its release, COMMIT); measured on the
 server alone, that statement costs 0.4-0.5 ms of PostgreSQL CPU against 0.15 ms for the baseline's INSERT, and the
 token lookup 0.19 ms. The profile of the request threads (py-spy, wall clock, in the enqueue section above) shows

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runs import submission
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -57,7 +59,7 @@ def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: b
     try:
         agent, reviewer = User.objects.get(username="agent"), User.objects.get(username="reviewer")
         ids = [
-            Run.submit(
+            submission.submit(
                 workflow="refund",
                 created_by=agent,
                 input={"customer_id": f"cus_{i}", "amount_cents": 50_000 + i, "currency": "EUR", "reason": "damaged"},

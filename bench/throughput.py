@@ -84,8 +84,8 @@ def submit_code(workflow: str, runs: int, tenant: str) -> str:
         )
     else:
         body = (
-            "from runs.models import Run\n"
-            f"    for i in range({runs}): Run.submit(workflow={workflow!r}, input={{'i': i}}, tenant={tenant!r})"
+            "from runs import submission\n"
+            f"    for i in range({runs}): submission.submit(workflow={workflow!r}, input={{'i': i}}, tenant={tenant!r})"
         )
     return f"from django.db import transaction\nwith transaction.atomic():\n    {body}\n"
 

@@ -9,7 +9,7 @@ new embedded PostgreSQL in a temporary folder), migrated and seeded here. Worker
 For each worker count, two batches of --runs, each with freshly started workers:
 * baseline: plain Procrastinate, `bench_plain_run` (bench/noop_workflow.py): one job per run doing the same five
   step writes the cheapest durable way, each one INSERT in its own transaction;
-* engine: `bench_noop5` runs (five empty compute steps) submitted as the API does (Run.submit).
+* engine: `bench_noop5` runs (five empty compute steps) submitted as the API does (runs.submission.submit).
 Each batch is committed with its jobs scheduled a few seconds ahead, so the statistics can be read before the
 workers start on it and after they stopped (PostgreSQL publishes a backend's counters when it goes idle or exits):
 * runs/s and steps/s over the batch's span in procrastinate_events (first `started` to last `succeeded`);
@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 import psycopg
+
+from runs import submission
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -98,7 +100,6 @@ def submit(kind: str, runs: int, batch: str) -> list[int]:
     from django.db import connection, transaction
 
     from bench.noop_workflow import bench_plain_run
-    from runs.models import Run
 
     with transaction.atomic():
         with connection.cursor() as cursor:
@@ -107,7 +108,7 @@ def submit(kind: str, runs: int, batch: str) -> list[int]:
         if kind == "engine":
             agent = User.objects.get(username="agent")
             for i in range(runs):
-                Run.submit(workflow="bench_noop5", input={"i": i}, created_by=agent, tenant=f"{batch}-{i % 100}")
+                submission.submit(workflow="bench_noop5", input={"i": i}, created_by=agent, tenant=f"{batch}-{i % 100}")
             with connection.cursor() as cursor:
                 cursor.execute(
                     "UPDATE procrastinate_jobs SET scheduled_at = %s WHERE status = 'todo'"

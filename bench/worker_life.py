@@ -3,7 +3,7 @@
     .venv/bin/python bench/worker_life.py [--memory-runs 1000,10000] [--skip-recovery] [--skip-memory]
 
 A new embedded PostgreSQL in a temporary folder (EMBEDDED_PGDATA), migrated and seeded here; runs are submitted
-in this process (Run.submit, as the API does); workers are the production command, `manage.py worker`, with
+in this process (runs.submission.submit, as the API does); workers are the production command, `manage.py worker`, with
 DATABASE_CONN_MAX_AGE=300 and WORKFLOW_MODULES=bench.noop_workflow.
 
 * recovery: two workers; a `bench_slow` run (one step that sleeps) is taken by one of them, which is SIGKILLed
@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from runs import submission
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -91,11 +93,11 @@ def recovery(env: dict, tmp: Path) -> dict:
         progress("two workers up")
         # Baseline: a new run picked up by a live worker (submission to owned).
         started = time.perf_counter()
-        probe = Run.submit(workflow="bench_noop", input={"i": -1}, created_by=agent)[0]
+        probe = submission.submit(workflow="bench_noop", input={"i": -1}, created_by=agent)[0]
         wait_until(lambda: Run.objects.get(pk=probe.pk).status == "succeeded", 60, "the probe run")
         pickup = time.perf_counter() - started
 
-        run = Run.submit(workflow="bench_slow", input={"i": 0}, created_by=agent)[0]
+        run = submission.submit(workflow="bench_slow", input={"i": 0}, created_by=agent)[0]
         owner = wait_until(lambda: Run.objects.get(pk=run.pk).owner, 60, "a worker to take the slow run")
         time.sleep(0.5)  # in the step's sleep
         victim = next(
@@ -156,7 +158,9 @@ def memory(env: dict, tmp: Path, sizes: list[int]) -> dict:
             nonlocal done
             with transaction.atomic():
                 for i in range(n):
-                    Run.submit(workflow="bench_noop", input={"i": done + i}, created_by=agent, tenant=f"m{done + i}")
+                    submission.submit(
+                        workflow="bench_noop", input={"i": done + i}, created_by=agent, tenant=f"m{done + i}"
+                    )
             done += n
             wait_until(
                 lambda: Run.objects.filter(workflow="bench_noop", status="succeeded").count() >= done,

@@ -8,12 +8,13 @@ from django.db import DataError
 from django.http import Http404, HttpRequest
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
 from ninja.security import HttpBearer
 
-from console import safe_input
-from console.api_errors import ERRORS
-from console.models import ApiToken
-from console.safe_input import SafeJsonParser, UnsafeJson
+from core import safe_input
+from core.api_errors import ERRORS
+from core.models import ApiToken
+from core.safe_input import UnsafeJson
 
 
 class BearerToken(HttpBearer):
@@ -25,10 +26,18 @@ class BearerToken(HttpBearer):
         return found.user
 
 
+class SafeJsonParser(Parser):
+    """django-ninja's body parser. ninja turns any exception raised here into a 400 "Cannot parse request body"
+    HttpError raised `from` it; `_http_error` below answers an UnsafeJson cause with a 422 that names the field."""
+
+    def parse_body(self, request):
+        return safe_input.loads(request.body)
+
+
 class ConsoleApi(NinjaAPI):
     def get_openapi_schema(self, *, path_prefix=None, path_params=None):
         # The parser's and the middleware's refusals (NUL, numbers beyond ±2**53) stated where a client reads
-        # them: in every request body and parameter of the document (console.safe_input.declare).
+        # them: in every request body and parameter of the document (core.safe_input.declare).
         schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
         return safe_input.declare(schema)
 
@@ -97,9 +106,9 @@ def _data_error(request, exc):
 
 def _mount_app_routers() -> None:
     from approvals.api import router as approvals_router
-    from console.breakers import router as breakers_router
     from console.channels import router as channels_router
     from runs.api import router as runs_router
+    from runs.breaker_api import router as breakers_router
 
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)

@@ -2,4 +2,7 @@ from django.apps import AppConfig
 
 
 class ConsoleConfig(AppConfig):
+    """The top floor: the Django project (settings, urls, the web server) and the pages that cross apps
+    (dashboard, channels, audit log). Its models moved down to `core` (migration console.0012)."""
+
     name = "console"

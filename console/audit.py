@@ -31,7 +31,7 @@ from django.views.decorators.http import require_GET
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import push_url
 
-from console.models import ActorType, AuditEntry, Channel, Role
+from core.models import ActorType, AuditEntry, Channel, Role
 
 PAGE_SIZE = 50
 EXPORT_CHUNK = 2000

@@ -26,9 +26,9 @@ from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from console.api_errors import ERRORS
-from console.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
-from console.safe_input import NOT_BLANK
+from core.api_errors import ERRORS
+from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
+from core.safe_input import NOT_BLANK
 from runs.models import Run
 
 log = structlog.get_logger("console.channels")
@@ -47,7 +47,7 @@ def _is_ops_or_admin(user) -> bool:
 
 
 def operable_channels(user) -> QuerySet[Channel]:
-    return get_objects_for_user(user, "console.operate_channel", klass=Channel, accept_global_perms=False)
+    return get_objects_for_user(user, "core.operate_channel", klass=Channel, accept_global_perms=False)
 
 
 def visible_channels(user) -> QuerySet[Channel]:
@@ -70,7 +70,7 @@ def _get_channel_for_user(user, name: str) -> Channel:
     channel = visible_channels(user).filter(name=name).select_related("kill_switch_by").first()
     if channel is None:
         raise Http404("No such channel.")
-    if not user.has_perm("console.operate_channel", channel):
+    if not user.has_perm("core.operate_channel", channel):
         raise PermissionDenied(f"You may not operate the kill switch of {name}.")
     return channel
 

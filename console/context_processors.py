@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from console.models import Role
+from core.models import Role
 
 
 def roles(request) -> dict:

@@ -1,21 +1,25 @@
-"""The monitoring dashboard (ops and admins) and /metrics (Prometheus text). Both show the figures of
-console.monitoring, read from the database on each request."""
+"""The monitoring dashboard (ops and admins), its form that forces a circuit breaker (ops), and /metrics
+(Prometheus text, console.prometheus). Both show the figures of console.monitoring, read from the database on
+each request."""
 
 from __future__ import annotations
 
 import hmac
 
+from django import forms
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
 from django.http import Http404, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from console import monitoring
+from console import alerts, charts, monitoring, prometheus
 from console.context_processors import roles
-from console.models import Role
+from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from runs import breakers
+from runs.breaker_api import check_may_force, may_force
 
 LOOPBACK = {"127.0.0.1", "::1"}
 
@@ -34,23 +38,53 @@ def dashboard(request):
 
 def render_dashboard(request, status: int = 200, **extra):
     """The page (or its figures, for htmx), with `extra` in its context (the breaker form's errors)."""
-    from console import breakers
-
     _check_dashboard_access(request)
     snap = monitoring.snapshot()
     context = {
         "snap": snap,
-        "signals": monitoring.signals(snap),
-        "charts": monitoring.charts(snap.at),
+        "signals": alerts.signals(snap),
+        "charts": charts.charts(snap.at),
         "queue_sla": settings.QUEUE_SLA_SECONDS,
         "token_rate_limit": settings.TOKEN_RATE_LIMIT_PER_MINUTE,
-        "can_force_breakers": breakers.may_force(request.user),
+        "can_force_breakers": may_force(request.user),
         **extra,
     }
     template = "console/dashboard.html"
     if request.htmx:
         template += "#figures"
     return render(request, template, context, status=status)
+
+
+class ForceBreakerForm(forms.Form):
+    system = forms.SlugField(max_length=64)
+    action = forms.ChoiceField(choices=[("open", "Hold open"), ("close", "Close")])
+    reason = forms.CharField(
+        max_length=KILL_SWITCH_REASON_MAX,
+        error_messages={"required": "Give a reason: it is what the next person on call will read."},
+    )
+
+
+@require_POST
+def force_breaker(request):
+    """The dashboard's form: hold a circuit breaker open, or close it (runs.breakers.force, audited); who may is
+    runs.breaker_api.check_may_force, as for the API."""
+    form = ForceBreakerForm(request.POST)
+    if form.is_valid():
+        check_may_force(request.user, form.cleaned_data["system"])
+        try:
+            breakers.force(
+                form.cleaned_data["system"],
+                open=form.cleaned_data["action"] == "open",
+                by=request.user,
+                reason=form.cleaned_data["reason"],
+            )
+        except ReasonRequired as exc:
+            form.add_error("reason", str(exc))
+        else:
+            return redirect("dashboard")
+    else:
+        check_may_force(request.user, request.POST.get("system", ""))
+    return render_dashboard(request, status=422, breaker_form=form)
 
 
 def _refuse_scraper(request) -> HttpResponse | None:
@@ -80,4 +114,4 @@ def _refuse_scraper(request) -> HttpResponse | None:
 def metrics(request):
     if (refusal := _refuse_scraper(request)) is not None:
         return refusal
-    return HttpResponse(generate_latest(monitoring.registry), content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(generate_latest(prometheus.registry), content_type=CONTENT_TYPE_LATEST)

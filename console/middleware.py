@@ -13,7 +13,7 @@ from django.db import DataError, InterfaceError, OperationalError
 from django.http import HttpResponse, JsonResponse
 from django.utils.html import escape
 
-from console.safe_input import unsafe_char
+from core.safe_input import unsafe_char
 
 log = structlog.get_logger("console.request")
 
@@ -89,7 +89,7 @@ _FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data
 def _unsafe_input(request) -> str | None:
     """What in the request cannot be stored (a NUL character, a lone surrogate) and where, or None.
 
-    JSON bodies of the API are checked by its parser (console.safe_input), which names the field."""
+    JSON bodies of the API are checked by its parser (core.safe_input), which names the field."""
     if why := unsafe_char(request.path):
         return f"The path contains {why}."
     for where, items in (

@@ -7,7 +7,7 @@ from django.contrib.auth.forms import PasswordChangeForm
 from django.contrib.auth.views import PasswordChangeView
 from django.db import transaction
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 
 
 def record_password_change(user, *, by) -> None:

@@ -98,11 +98,14 @@ INSTALLED_APPS = [
     "ninja",
     "axes",  # login throttling (see the security block below)
     "procrastinate.contrib.django",
-    "console",
+    # The ground floor first (channels, kill switches, audit log, API tokens), then the apps that build on it,
+    # then the project itself: pages that cross apps, and its management commands (`serve`).
+    "core",
     "jobs",
     "runs",
     "approvals",
     "external",
+    "console",
 ]
 # The demo (the `refund` workflow, its fake external systems and scripted model): development and tests only.
 DEMO_ENABLED = env_bool("DEMO_ENABLED", DEVELOPMENT)
@@ -284,7 +287,7 @@ READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
 # /metrics: a scraper sends "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback clients may scrape.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
 # The audit log: with a key, each entry's hash is an HMAC, which someone who can write to the database but does
-# not have this key cannot recompute (console.models.AuditEntry). Keep it out of the database and its backups.
+# not have this key cannot recompute (core.models.AuditEntry). Keep it out of the database and its backups.
 AUDIT_HMAC_KEY = env_str("AUDIT_HMAC_KEY")
 if 0 < len(AUDIT_HMAC_KEY) < 32:
     raise ImproperlyConfigured("AUDIT_HMAC_KEY must be at least 32 characters (e.g. `openssl rand -hex 32`)")

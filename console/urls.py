@@ -2,11 +2,12 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
+from django.views.generic import RedirectView
 
 from approvals import inbox
 from approvals import views as approval_views
-from console import audit, breakers, channels, dashboard, passwords, views
+from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from console.env import env_bool
 from runs import views as run_views
@@ -25,7 +26,7 @@ def _login_not_required(patterns):
 api_patterns, api_app_name, api_namespace = api.urls
 
 urlpatterns = [
-    path("", inbox.inbox, name="home"),
+    path("", views.home, name="home"),
     path("approvals/<int:pk>/", approval_views.card, name="card"),
     path("approvals/<int:pk>/decide", approval_views.decide, name="decide"),
     path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
@@ -36,7 +37,7 @@ urlpatterns = [
     path("readyz", views.readyz, name="readyz"),
     path("metrics", dashboard.metrics, name="metrics"),
     path("dashboard/", dashboard.dashboard, name="dashboard"),
-    path("dashboard/breakers/", breakers.force_breaker, name="breaker-force"),
+    path("dashboard/breakers/", dashboard.force_breaker, name="breaker-force"),
     path("channels/", channels.channel_list, name="channels"),
     path("channels/kill-switch/", channels.global_kill_switch, name="global-kill-switch"),
     path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),
@@ -44,6 +45,12 @@ urlpatterns = [
     path("audit/export.csv", audit.audit_export, name="audit_export"),
     path("accounts/password_change/", passwords.password_change, name="password_change"),  # audited
     path("accounts/", include("django.contrib.auth.urls")),
+    # Channels, API tokens, the audit log and the global switch were the console app's models until issue 18 moved
+    # them to core: their old admin addresses (bookmarks, runbooks) lead to the new ones.
+    re_path(
+        r"^admin/console/(?P<rest>(?:apitoken|auditentry|channel|globalkillswitch)/.*)$",
+        RedirectView.as_view(url="/admin/core/%(rest)s", query_string=True),
+    ),
     path("admin/", admin.site.urls),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),
 ]

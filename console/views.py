@@ -10,12 +10,20 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
+from django.views.decorators.vary import vary_on_headers
 from procrastinate.contrib.django.models import ProcrastinateWorker
 
-from console.models import Role
+from approvals import inbox
+from core.models import Role
 
 
+@require_GET
+@vary_on_headers("HX-Request", "HX-Target")
 def home(request):
+    """`/`: the reviewer's inbox (approvals.inbox) for whoever may approve a channel; for everyone else the empty
+    states of their roles."""
+    if channels := inbox.approvable_channels(request.user):
+        return inbox.render_inbox(request, channels)
     groups = set(request.user.groups.values_list("name", flat=True))
     roles = [role for role in Role if role.value in groups]
     if request.user.is_superuser and Role.ADMIN not in roles:

@@ -8,3 +8,11 @@ class DemoConfig(AppConfig):
 
     name = "demo"
     verbose_name = "Demo workflow and fake external systems"
+
+    def ready(self):
+        from core import monitoring
+        from demo import sandbox
+
+        # The duplicates its fake systems received: the dashboard's "Duplicate outbound" alert and
+        # hitl_sandbox_duplicate_side_effects on /metrics (0 where the demo is not installed).
+        monitoring.count_received_duplicates("demo sandbox", lambda: sandbox.stats()["duplicates"])

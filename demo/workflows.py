@@ -17,9 +17,9 @@ from typing import Annotated
 from django.conf import settings
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from runs.agent import tool
 from runs.currencies import ISO_4217, check_currency
 from runs.gates import ApprovalRequest
+from runs.tools import tool
 from runs.webhooks import Source, register_source
 from runs.workflow import Display, Fatal, Workflow, register
 

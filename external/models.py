@@ -29,7 +29,7 @@ class ActionRequest(models.Model):
     request_hash = models.CharField(max_length=64, help_text="What was asked: the same key must ask the same.")
     run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="action_requests")
     step_seq = models.PositiveIntegerField()
-    channel = models.ForeignKey("console.Channel", on_delete=models.PROTECT, related_name="+")
+    channel = models.ForeignKey("core.Channel", on_delete=models.PROTECT, related_name="+")
     action = models.CharField(max_length=100)
     arguments = models.JSONField(encoder=DjangoJSONEncoder, help_text="What the agent asked to run.")
     schema = models.JSONField(null=True, blank=True, help_text="JSON Schema of the arguments: edits must fit it.")

@@ -23,11 +23,11 @@ from django.utils import timezone
 from approvals import policy
 from approvals.models import Approval, Notification, OnExpiry
 from approvals.tasks import send_notification
-from console.models import ActorType, AuditEntry, Channel
+from core.models import ActorType, AuditEntry, Channel
 from external.models import ActionRequest, ApprovalMode
-from runs.gates import Kind, canonical_hash
+from runs.gates import ANY_LEAF, Display, GateSpec, Kind, canonical_hash
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, ShadowEffect, Step
-from runs.workflow import ANY_LEAF, Display, GateSpec, shadow_response
+from runs.steps import shadow_response
 
 MIN_EXPIRES_IN, MAX_EXPIRES_IN = 60, 7 * 24 * 3600
 
@@ -159,9 +159,9 @@ def _channel_for(user, ask: Ask) -> Channel:
     channel = Channel.objects.filter(name=ask.channel).first()
     if channel is None:
         raise NotFound(f"No channel {ask.channel!r}.")
-    if not user.has_perm("console.request_channel", channel):
+    if not user.has_perm("core.request_channel", channel):
         raise Forbidden(f"This token may not ask for approvals on {channel.name} (no request_channel there).")
-    if ask.approval == ApprovalMode.NEVER and not user.has_perm("console.act_unreviewed", channel):
+    if ask.approval == ApprovalMode.NEVER and not user.has_perm("core.act_unreviewed", channel):
         raise Forbidden(
             f"This token may not act on {channel.name} without a person's approval (no act_unreviewed there)."
         )

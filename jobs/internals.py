@@ -133,10 +133,13 @@ OUR_WORKER_ATTRIBUTES = ("_outage", "_stop_requested_at", "_reconcile_due", "_da
 
 # SQL (checked once when a worker starts): name -> ("(identity arguments) -> result", where).
 SQL_FUNCTIONS = {
-    "procrastinate_defer_jobs_v1": ("(jobs procrastinate_job_to_defer_v1[]) -> bigint[]", "runs/outbox.py"),
+    "procrastinate_defer_jobs_v1": (
+        "(jobs procrastinate_job_to_defer_v1[]) -> bigint[]",
+        "runs/sql/queries.sql: insert_run_with_first_job (runs/submission.py)",
+    ),
     "procrastinate_finish_job_v1": (
         "(job_id bigint, end_status procrastinate_job_status, delete_job boolean) -> void",
-        "runs/recovery.py",
+        "runs/sql/queries.sql: finish_dead_job (runs/recovery.py)",
     ),
 }
 # Composite types we build rows of positionally: every attribute, in order.
@@ -144,16 +147,16 @@ SQL_TYPES = {
     "procrastinate_job_to_defer_v1": (
         "queue_name character varying, task_name character varying, priority integer, lock text, "
         "queueing_lock text, args jsonb, scheduled_at timestamp with time zone",
-        "runs/outbox.py: ROW(...)::procrastinate_job_to_defer_v1",
+        "runs/sql/queries.sql: insert_run_with_first_job, ROW(...)::procrastinate_job_to_defer_v1",
     ),
 }
 # Enum labels we write or compare with (the enum may have more).
 SQL_ENUMS = {
     "procrastinate_job_status": (
         {"todo", "doing", "aborted"},
-        "runs/recovery.py, jobs/worker.py, console/monitoring.py",
+        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, jobs/monitoring.py",
     ),
-    "procrastinate_job_event_type": ({"deferred"}, "console/monitoring.py"),
+    "procrastinate_job_event_type": ({"deferred"}, "jobs/monitoring.py"),
 }
 # Columns our own SQL reads or writes (the tables may have more).
 SQL_COLUMNS = {
@@ -167,12 +170,12 @@ SQL_COLUMNS = {
             "scheduled_at": "timestamp with time zone",
             "worker_id": "bigint",
         },
-        "runs/recovery.py, jobs/worker.py, console/monitoring.py",
+        "runs/recovery.py, runs/sql/queries.sql, jobs/worker.py, jobs/monitoring.py",
     ),
     "procrastinate_workers": ({"id": "bigint"}, "jobs/worker.py"),
     "procrastinate_events": (
         {"job_id": "bigint", "type": "procrastinate_job_event_type", "at": "timestamp with time zone"},
-        "console/monitoring.py",
+        "jobs/monitoring.py",
     ),
 }
 

@@ -60,7 +60,7 @@ class ReceiptInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
 
 
 class ShadowEffectInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):
-    """Effects that shadow mode recorded instead of sending (runs.workflow.Context.effect)."""
+    """Effects that shadow mode recorded instead of sending (runs.steps.Context.effect)."""
 
     model = ShadowEffect
     fields = ["step_seq", "step", "channel", "key", "preview", "created_at"]

@@ -9,10 +9,12 @@ from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from console.api_errors import ERRORS
-from console.models import Role
-from runs.models import IdempotencyConflict, Run
-from runs.workflow import InvalidInput, UnknownWorkflow
+from core.api_errors import ERRORS
+from core.models import Role
+from runs import submission
+from runs import workflow as workflows
+from runs.errors import IdempotencyConflict, InvalidInput, UnknownWorkflow
+from runs.models import Run
 
 router = Router(tags=["runs"])
 
@@ -24,9 +26,7 @@ COST_LIMIT_PATTERN = r"^[0-9]{1,6}(\.[0-9]{1,6})?$"
 
 def _declare_workflows(schema: dict) -> None:
     """RunIn's JSON Schema: `workflow` is one of the deployed workflows, and `input` fits that workflow's input
-    schema (Run.submit refuses anything else with a 422)."""
-    from runs import workflow as workflows
-
+    schema (runs.submission.submit refuses anything else with a 422)."""
     schema["properties"]["workflow"]["enum"] = sorted(workflows.names())
     schema["allOf"] = [
         {"if": {"properties": {"workflow": {"const": name}}}, "then": {"properties": {"input": input_schema}}}
@@ -106,8 +106,6 @@ def _get_run_for_user(request, run_id: uuid.UUID) -> Run:
 
 
 def run_out(run: Run) -> dict:
-    from runs import workflow as workflows
-
     steps = list(run.steps.order_by("seq"))
     current = None
     if not run.is_finished:
@@ -150,8 +148,6 @@ def run_out(run: Run) -> dict:
 def _workflow_inputs() -> dict:
     """Each deployed workflow's input schema (JSON Schema), for the OpenAPI document: an `input` that does not
     fit its workflow's is a 422 naming the fields."""
-    from runs import workflow as workflows
-
     schemas = {}
     for name in workflows.names():
         definition = workflows.get(name)
@@ -193,7 +189,7 @@ def create_run(request, body: RunIn):
     if token is not None and not token.allows_tenant(body.tenant):
         raise HttpError(403, f"This token may not start runs for tenant {body.tenant!r}.")
     try:
-        run, created = Run.submit(
+        run, created = submission.submit(
             workflow=body.workflow,
             input=body.input,
             idempotency_key=body.idempotency_key,

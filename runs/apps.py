@@ -8,7 +8,8 @@ class RunsConfig(AppConfig):
     name = "runs"
 
     def ready(self):
-        from console.models import kill_switch_released
+        # Here, not at the top: Django reads apps.py before it loads the models.
+        from core.models import kill_switch_released
         from runs.models import Run
 
         for module in settings.WORKFLOW_MODULES:  # each registers its workflows on import

@@ -20,7 +20,7 @@ so it counts as a success. Anything else says nothing about the system and is no
 
 The state is shared by every worker in PostgreSQL; each read or update is a short transaction of its own, and
 no lock is ever held during a call. Effects also ask `check(channel)` before their receipt is written
-(runs.workflow.Context.effect), so a run that waits on a breaker leaves no receipt behind.
+(runs.steps.Context.effect), so a run that waits on a breaker leaves no receipt behind.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from core.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
+from runs.errors import Fatal, Retryable, Wait
 from runs.models import Breaker
-from runs.workflow import Fatal, Retryable, Wait
 
 log = structlog.get_logger("runs.breakers")
 
@@ -220,8 +221,6 @@ def known_systems() -> list[str]:
 def force(system: str, *, open: bool, by, reason: str) -> bool:
     """Hold the breaker of `system` open (no probe until someone closes it), or close it. Audited. True when it
     changed; raises ReasonRequired for a blank reason, UnknownSystem for a system without a breaker."""
-    from console.models import KILL_SWITCH_REASON_MAX, AuditEntry, ReasonRequired
-
     reason = (reason or "").strip()
     if not reason:
         raise ReasonRequired("a reason is required")

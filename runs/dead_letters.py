@@ -10,7 +10,7 @@ from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.utils import timezone
 
-from console.models import AuditEntry, Role
+from core.models import AuditEntry, Role
 from jobs.models import DeadLetter
 from runs.models import Run, Step
 

@@ -3,7 +3,7 @@
 One `advance_run` job per run at a time (runs.tasks) calls `advance()`. Each step is checkpointed in its own
 transaction (Step row + run cursor + totals); a done step is replayed from the database, never re-executed.
 Between steps the engine checks cancellation, worker shutdown and the cost limit; kill switches are checked
-where effects start (runs.workflow._open_receipt). Errors are classified: Fatal goes to the dead-letter queue
+where effects start (runs.steps._open_receipt). Errors are classified: Fatal goes to the dead-letter queue
 at once, anything else is retried by the job (exponential backoff with full jitter) until attempts run out.
 """
 
@@ -27,14 +27,17 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
 from runs import gates, ownership, ratelimit
 from runs import workflow as workflows
+from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
 from runs.gates import ApprovalRequest, canonical_hash
-from runs.models import OwnershipLost, Run, Step
-from runs.workflow import Ambiguous, Context, Fatal, Park, StepDef, Stop, UnknownWorkflow, Wait, Workflow
+from runs.models import Run, Step
+from runs.sql import queries
+from runs.steps import Context, StepDef, check_decided_edit
+from runs.workflow import Workflow
 
 log = structlog.get_logger("runs.engine")
 
@@ -155,9 +158,7 @@ def _checkpoints(run: Run) -> tuple[dict, dict]:
     rows = getattr(run, "step_rows", None)
     if rows is None:  # a run that was not claimed by this job's Run.claim
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s ORDER BY seq", [run.pk]
-            )
+            cursor.execute(queries["steps_of_run"], [run.pk])
             rows = cursor.fetchall()
     run.step_rows = None  # read once
     for name, seq, status, output, input_hash in rows:
@@ -236,7 +237,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         # gate's code would now decide otherwise (a new auto-approve threshold after a deploy). An edit must
         # still fit the gate's declaration (Fatal otherwise: nothing after it runs).
         if decided is not None:
-            workflows.check_decided_edit(step_def, decided.proposed, decided)
+            check_decided_edit(step_def, decided.proposed, decided)
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
     except Park as park:
         _park(run, seq, park, record)

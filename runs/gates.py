@@ -1,17 +1,22 @@
 """Where the engine hands a request for a person. The engine knows nothing of cards: the approvals app
-registers a backend at start-up (`approvals.apps`), and the engine only calls this interface."""
+registers a backend at start-up (`approvals.apps`), and the engine only calls this interface.
+
+Here too is what both sides read of a gate: the request and its decision, and a gate's declaration (GateSpec:
+what a person may change in a proposal, and the card's display hints), whose one validator of an edit serves the
+card form, the API, bulk decisions (approvals.edits) and the engine. A leaf: it imports nothing of ours (the
+engine's models call the backend, so the backend's `run` is typed as a model, not as runs.models.Run)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from django.db import models
-
-if TYPE_CHECKING:
-    from runs.models import Run
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
 
 class Kind(models.TextChoices):
@@ -57,7 +62,7 @@ class Decision:
     reason: str = ""
     by: str = ""
     # What the card proposed: the engine checks an edit against it again before the step acts on it
-    # (runs.workflow.check_decided_edit). Not part of the step's output.
+    # (runs.steps.check_decided_edit). Not part of the step's output.
     proposed: dict | None = None
 
     @property
@@ -70,23 +75,145 @@ class Decision:
         return output
 
 
+@dataclass(frozen=True)
+class Display:
+    """How a gate's card shows its proposal: paths into it (dotted) for the headline and the amount column."""
+
+    headline: str | None = None
+    amount_minor: str | None = None  # an amount in minor units (cents)
+    currency: str | None = None
+
+    def values(self, proposed: Any) -> dict:
+        return {
+            "headline": str(leaf(proposed, self.headline) or "")[:300],
+            "amount_minor": _int_or_none(leaf(proposed, self.amount_minor)),
+            "currency": str(leaf(proposed, self.currency) or "")[:3],
+        }
+
+
+ANY_LEAF = ("*",)  # GateSpec.editable: a person may change any leaf (keeping the proposal's schema)
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """What a person may do with a gate's proposal: its schema, the leaves they may edit (dotted paths), a check
+    of an edit against the proposal (bounds such as "no more than proposed"), and display hints. One validator,
+    `edit_errors`, serves the card form, the API and bulk decisions (approvals.models.Approval.decide)."""
+
+    proposal: type[BaseModel] | None = None
+    editable: tuple[str, ...] = ()
+    check_edit: Callable[[dict, dict], list[dict]] | None = None
+    display: Display = field(default_factory=Display)
+
+    def accepts_edits(self) -> bool:
+        """Whether a person may edit the proposal at all (the card offers an edit)."""
+        return True
+
+    def edit_errors(self, proposed: dict, edited: Any) -> list[dict]:
+        if not isinstance(edited, dict):
+            return [{"loc": "payload", "msg": "must be an object"}]
+        if self.proposal is None and not self.editable:  # declares nothing: any value, the proposal's shape
+            errors = shape_errors(proposed, edited)
+        elif self.editable == ANY_LEAF:  # any value, but no leaf the proposal does not have
+            errors = [
+                {"loc": p, "msg": "is not part of the proposal"}
+                for p in sorted(set(leaves(edited)) - set(leaves(proposed)))
+            ]
+        else:
+            errors = [
+                {"loc": path, "msg": "may not be changed"}
+                for path in sorted(set(leaves(proposed)) | set(leaves(edited)))
+                if path not in self.editable and leaf(proposed, path, _MISSING) != leaf(edited, path, _MISSING)
+            ]
+        if self.proposal is not None:
+            errors += schema_errors(self.proposal, edited)
+        if not errors and self.check_edit is not None:
+            errors += self.check_edit(proposed, edited)
+        return errors
+
+
+_MISSING = object()
+
+
+def schema_errors(schema: type[BaseModel], value: Any, prefix: str = "") -> list[dict]:
+    """The field errors of `value` against a pydantic model, each {loc: "a.b", msg}; [] when it is valid."""
+    try:
+        schema.model_validate(value)
+    except PydanticValidationError as exc:
+        return [
+            {"loc": ".".join(str(part) for part in (prefix, *error["loc"]) if part != ""), "msg": error["msg"]}
+            for error in exc.errors(include_url=False, include_context=False, include_input=False)
+        ]
+    return []
+
+
+def shape_errors(proposed: Any, edited: Any, path: str = "") -> list[dict]:
+    """Where `edited` does not keep the shape of `proposed`: a missing or added key, or a value of another type."""
+    if isinstance(proposed, dict):
+        if not isinstance(edited, dict):
+            return [{"loc": path or "payload", "msg": "must be an object"}]
+        errors = []
+        for key in edited.keys() - proposed.keys():
+            errors.append({"loc": f"{path}.{key}" if path else str(key), "msg": "is not part of the proposal"})
+        for key, value in proposed.items():
+            child = f"{path}.{key}" if path else str(key)
+            if key not in edited:
+                errors.append({"loc": child, "msg": "is required"})
+            else:
+                errors += shape_errors(value, edited[key], child)
+        return errors
+    if proposed is None:
+        return []
+    expected = type(proposed)
+    if expected is float and type(edited) is int:
+        return []  # 10 for 10.0 is the same number
+    if type(edited) is not expected:
+        names = {bool: "true or false", int: "a whole number", float: "a number", str: "text", list: "a list"}
+        return [{"loc": path or "payload", "msg": f"must be {names.get(expected, expected.__name__)}"}]
+    return []
+
+
+def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a JSON object by dotted path (a non-empty object is not a leaf; lists are)."""
+    if not isinstance(value, dict) or (not value and prefix):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def leaf(value: Any, path: str | None, default: Any = None) -> Any:
+    if not path:
+        return default
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63 else None
+
+
 class GateBackend(Protocol):
-    def open(self, run: Run, seq: int, request: ApprovalRequest) -> None:
+    def open(self, run: models.Model, seq: int, request: ApprovalRequest) -> None:
         """Open a card for `request` (called inside the transaction that parks the run)."""
 
-    def decision(self, run: Run, seq: int, request: ApprovalRequest) -> Decision | None:
+    def decision(self, run: models.Model, seq: int, request: ApprovalRequest) -> Decision | None:
         """The decision taken on the card for exactly this request, if any."""
 
-    def decided(self, run: Run, seq: int) -> Decision | None:
+    def decided(self, run: models.Model, seq: int) -> Decision | None:
         """The decision taken on the gate at `seq` (its latest decided action card), whatever it asked: a
         decided gate is replayed from it, never asked again."""
 
-    def shadow_of(self, run: Run, seq: int, channel: str) -> bool | None:
+    def shadow_of(self, run: models.Model, seq: int, channel: str) -> bool | None:
         """Whether the person who authorized an effect at `seq` on `channel` decided a shadow card (they did it by
         hand): the latest decided action card of the run on that channel at `seq` or before; None when no card
         authorized it. Shadow mode is decided once, when that card opened, and the effect follows it."""
 
-    def close_pending(self, run: Run, status: str) -> None:
+    def close_pending(self, run: models.Model, status: str) -> None:
         """Close the run's pending cards (cancelled, or the run failed)."""
 
 

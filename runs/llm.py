@@ -18,8 +18,9 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from runs import breakers
+from runs.errors import Fatal, Retryable
 from runs.models import Run
-from runs.workflow import Fatal, Retryable, Usage
+from runs.steps import Usage
 
 
 def model_for_run(run: Run, step: str):

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import uuid
@@ -9,48 +8,26 @@ from decimal import ROUND_HALF_UP, Decimal
 import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DatabaseError, IntegrityError, connection, models, transaction
+from django.db import DatabaseError, connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
+from guardian.shortcuts import get_objects_for_user
+from procrastinate.contrib.django import app
+from procrastinate.exceptions import AlreadyEnqueued
+from procrastinate.jobs import JobDeferrer
 
-from runs import ownership
+from core.models import AuditEntry, Channel, Role
+from runs import gates, ownership
+from runs.errors import OwnershipLost, TransitionRefused
+from runs.sql import queries
+from runs.transitions import FINISHED, PARKED, TRANSITIONS, RunStatus
 
 
 def new_trace_id() -> str:
     return uuid.uuid4().hex
 
 
-class IdempotencyConflict(Exception):
-    pass
-
-
-class TransitionRefused(Exception):
-    """A run's state change whose compare-and-swap changed no row: the run is no longer in a state it may
-    leave that way, or the caller no longer owns it. The caller must stop acting for the run."""
-
-
-class OwnershipLost(TransitionRefused):
-    """The job no longer owns the run: another job took it over, or it was finished or cancelled meanwhile."""
-
-
-class RunStatus(models.TextChoices):
-    QUEUED = "queued"
-    RUNNING = "running"
-    WAITING_HUMAN = "waiting_human"
-    PAUSED = "paused"  # parked by a kill switch or the cost limit
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # in the dead-letter queue
-    CANCELLED = "cancelled"
-    # Driven by an agent outside the console, which asks for approvals over the API (external.models): the
-    # engine never takes it; it ends only when it is cancelled.
-    EXTERNAL = "external"
-
-
-# The workflow name of an external agent's run: its timeline holds the approval requests it made.
-EXTERNAL_WORKFLOW = "external"
-
-
-_FINISHED = [RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED]
+_FINISHED = list(FINISHED)
 
 
 class _Probe(Exists):
@@ -63,47 +40,10 @@ _COST_QUANTUM = Decimal("0.000001")
 
 _CANCELLED = {"outcome": "cancelled"}  # a cancelled run's result
 
-# Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
-# a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert, its
-# tokens and cost added to (every attempt's; the run's totals were counted as the model answered: ModelUsage).
-_CHECKPOINT_SQL = """
-WITH moved AS (
-    UPDATE runs_run
-    SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s{finish}
-    WHERE id = %(run)s AND status = 'running' AND owner = %(owner)s AND "cursor" = %(seq)s AND {held}
-    RETURNING id, cancel_requested, tenant
-), step AS (
-    INSERT INTO runs_step AS s (
-        run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
-        tokens_in, tokens_out, cost, latency_ms, prompt_version, tools_version, started_at, ended_at
-    )
-    SELECT moved.id, %(seq)s::integer, %(name)s::varchar, %(kind)s::varchar, %(input)s::jsonb,
-        %(input_hash)s::varchar, %(output)s::jsonb, 'done', %(attempt)s::integer, '', %(tokens_in)s::integer,
-        %(tokens_out)s::integer, %(cost)s::numeric, %(latency_ms)s::double precision, %(prompt_version)s::varchar,
-        %(tools_version)s::varchar, %(started_at)s::timestamptz, %(now)s::timestamptz
-    FROM moved
-    ON CONFLICT (run_id, seq) DO UPDATE SET
-        status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
-        tokens_in = s.tokens_in + EXCLUDED.tokens_in, tokens_out = s.tokens_out + EXCLUDED.tokens_out,
-        cost = s.cost + EXCLUDED.cost,
-        latency_ms = EXCLUDED.latency_ms, prompt_version = EXCLUDED.prompt_version,
-        tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
-    RETURNING s.output
-)
-SELECT moved.cancel_requested, step.output{lock} FROM moved, step
-"""
-# The last step's checkpoint also ends the run (Run.checkpoint(finish=True)): succeeded with its result, or
-# cancelled when a cancel was committed while the step ran (what the engine's next turn would have done), the
-# owner cleared; then, once the row is updated, its tenant's transaction lock (the order of Run.finish).
-_CHECKPOINT_FINISH_SQL = _CHECKPOINT_SQL.format(
-    finish=""",
-        status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'succeeded' END, owner = '',
-        result = CASE WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
-        finished_at = %(now)s""",
-    lock=", pg_advisory_xact_lock(hashtext('tenant:' || moved.tenant))",
-    held=ownership.HELD_SQL,
-)
-_CHECKPOINT_SQL = _CHECKPOINT_SQL.format(finish="", lock="", held=ownership.HELD_SQL)
+
+# The workflow name of an external agent's run (status `external`): its timeline holds the approval requests it
+# made (external.models).
+EXTERNAL_WORKFLOW = "external"
 
 
 class Run(models.Model):
@@ -111,8 +51,8 @@ class Run(models.Model):
 
     Status = RunStatus
 
-    FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
-    PARKED = (Status.WAITING_HUMAN, Status.PAUSED)
+    FINISHED = FINISHED
+    PARKED = PARKED
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     workflow = models.CharField(max_length=100)
@@ -211,102 +151,50 @@ class Run(models.Model):
     def visible_to(cls, user):
         """The runs `user` may see: all of them for superusers, ops and admins; for others the runs they started
         and the runs with a card on a channel they may approve."""
-        from guardian.shortcuts import get_objects_for_user
-
-        from console.models import Channel, Role
-
         if not user.is_authenticated:
             return cls.objects.none()
         if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return cls.objects.all()
-        from approvals.models import Approval
-
-        channels = get_objects_for_user(user, "console.approve_channel", klass=Channel, accept_global_perms=False)
+        channels = get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
+        # The cards (approvals.models.Approval) through their relation to the run: the runs app does not import
+        # the approvals app, which builds on it.
+        cards = cls._meta.get_field("approvals").related_model.objects
         # An index probe on each run's cards, newest run first, so a page stops after its rows: not `pk IN
         # (every card of those channels)`, which PostgreSQL hashes before the first row (~150 ms at 100,000
         # cards; it does the same to a plain EXISTS, hence _Probe).
-        with_a_card = _Probe(
-            Approval.objects.filter(run=OuterRef("pk"), channel__in=list(channels.values_list("pk", flat=True)))
-        )
+        with_a_card = _Probe(cards.filter(run=OuterRef("pk"), channel__in=list(channels.values_list("pk", flat=True))))
         return cls.objects.filter(Q(created_by=user) | with_a_card)
 
     def is_visible_to(self, user) -> bool:
-        from console.models import Role
-
         if not user.is_authenticated:
             return False
         if user.is_superuser or self.created_by_id == user.pk:
             return True
         if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
             return True
-        return any(user.has_perm("console.approve_channel", card.channel) for card in self.approvals.all())
+        return any(user.has_perm("core.approve_channel", card.channel) for card in self.approvals.all())
 
-    @classmethod
-    def submit(
-        cls,
-        *,
-        workflow: str,
-        input: dict,
-        created_by=None,
-        idempotency_key: str | None = None,
-        tenant: str = "default",
-        priority: int = 0,
-        cost_limit=None,
-    ) -> tuple[Run, bool]:
-        """Create a run and queue its first job in one transaction; no agent work happens here.
-
-        The same idempotency key gives back the same run (created=False); the same key with a different
-        request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput."""
-        from runs import workflow as workflows
-
-        definition = workflows.get(workflow)  # raises UnknownWorkflow
-        definition.validate_input(input)  # raises InvalidInput: nothing is written
-        from runs.outbox import insert_with_first_job
-
-        run = cls(
-            workflow=definition.name,
-            workflow_version=definition.version,
-            input=input,
-            tenant=tenant,
-            priority=priority,
-            idempotency_key=idempotency_key,
-            created_by=created_by,
-            cost_limit=cost_limit,
-            max_attempts=settings.RUN_MAX_ATTEMPTS,
+    def advance_job(self, delay: float | None = None) -> JobDeferrer:
+        """This run's `advance_run` job (runs.tasks), configured by the task's name (a model does not import its
+        tasks): at most one per run waits in the queue (queueing lock) and one runs at a time (lock)."""
+        lock = f"run:{self.pk}"
+        return app.configure_task(
+            "advance_run",
+            allow_unknown=False,  # not a job on procrastinate's default queue, which no worker of ours reads
+            lock=lock,
+            queueing_lock=lock,
+            priority=self.priority,
+            schedule_in={"seconds": delay} if delay else None,
+            task_kwargs={"run_id": str(self.pk)},
         )
-        try:
-            # The run and its job in one statement (runs/outbox.py): its own transaction in autocommit; inside a
-            # caller's, a savepoint, so that a duplicate key does not abort the caller's transaction.
-            with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
-                insert_with_first_job(run)
-            return run, True
-        except IntegrityError:
-            if idempotency_key is None:
-                raise
-        existing = cls.objects.get(idempotency_key=idempotency_key, created_by=created_by)
-        if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
-            raise IdempotencyConflict(
-                f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
-            )
-        return existing, False
 
     def enqueue(self, delay: float | None = None) -> bool:
-        """Defer `advance_run` for this run, as part of the caller's transaction (the outbox). At most one job
-        per run waits in the queue (queueing lock) and one runs at a time (lock). False when one already waited."""
-        from procrastinate.exceptions import AlreadyEnqueued
-
-        from runs.tasks import advance_run
-
+        """Defer the run's job, as part of the caller's transaction (the outbox). False when one already
+        waited."""
         assert connection.in_atomic_block, "enqueue() must run inside the transaction that changes the run"
-        lock = f"run:{self.pk}"
         try:
             with transaction.atomic():  # a savepoint: AlreadyEnqueued must not abort the caller's transaction
-                advance_run.configure(
-                    lock=lock,
-                    queueing_lock=lock,
-                    priority=self.priority,
-                    schedule_in={"seconds": delay} if delay else None,
-                ).defer(run_id=str(self.pk))
+                self.advance_job(delay).defer()
         except AlreadyEnqueued:
             return False  # a job for this run is already waiting: it will see the new state
         return True
@@ -318,7 +206,7 @@ class Run(models.Model):
     @classmethod
     def resume_paused_by(cls, switch: str, **_) -> int:
         """Queue every run the kill switch `switch` paused, each with its job deferred in the caller's
-        transaction (the release's: console.models.kill_switch_released)."""
+        transaction (the release's: core.models.kill_switch_released)."""
         assert connection.in_atomic_block
         count = 0
         for run in cls.paused_by(switch).select_for_update():
@@ -327,27 +215,37 @@ class Run(models.Model):
         return count
 
     # The state machine. Every change of `status` goes through one of these methods, each a compare-and-swap
-    # from the states it may leave (and, for the owner's transitions, the owner token), raising
-    # TransitionRefused when no row changed. Owner transitions run under the run's advisory lock.
+    # from the states its transition may leave (runs.transitions.TRANSITIONS; and, for the owner's transitions,
+    # the owner token), raising TransitionRefused when no row changed. Owner transitions run under the run's
+    # advisory lock.
 
     def _swap(
-        self, leaving, *, by_owner: str | None = None, locked: bool = False, where: dict | None = None, **changes
+        self,
+        transition: str,
+        *,
+        by_owner: str | None = None,
+        locked: bool = False,
+        where: dict | None = None,
+        **changes,
     ) -> None:
-        """`by_owner`: only while that job owns the run; `locked` (implied by `by_owner`): only from the session
-        that holds the run's lock (runs.ownership), raising OwnershipLost otherwise."""
+        """Take `transition`: from one of its source states to its target, with `changes`. `by_owner`: only while
+        that job owns the run; `locked` (implied by `by_owner`): only from the session that holds the run's lock
+        (runs.ownership), raising OwnershipLost otherwise."""
+        leaving, target = TRANSITIONS[transition]
         rows = Run.objects.filter(pk=self.pk, status__in=leaving, **(where or {}))
         if by_owner is not None:
             rows = rows.filter(owner=by_owner)
         if by_owner is not None or locked:
             rows = rows.filter(ownership.held(self.pk))
+        changes["status"] = target
         changes["updated_at"] = timezone.now()
         if rows.update(**changes) != 1:
             error = OwnershipLost if by_owner is not None or locked else TransitionRefused
-            raise error(f"run {self.pk}: cannot go to {changes.get('status', 'its next step')} from its current state")
+            raise error(f"run {self.pk}: cannot {transition} (to {target}) from its current state")
         for name, value in changes.items():
             if not hasattr(value, "resolve_expression"):
                 setattr(self, name, value)
-        if Run.Status.RUNNING in leaving and changes.get("status", Run.Status.RUNNING) != Run.Status.RUNNING:
+        if Run.Status.RUNNING in leaving and target != Run.Status.RUNNING:
             Run.wake_waiting_for_slot(self.tenant)  # a slot of its tenant is free
 
     @classmethod
@@ -364,16 +262,14 @@ class Run(models.Model):
                 return None, False
             if run.status == cls.Status.QUEUED:
                 if run.cancel_requested:
-                    run._swap([cls.Status.QUEUED], **run._finished(cls.Status.CANCELLED, {"outcome": "cancelled"}))
+                    run._swap("cancel_queued", **run._finished({"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
                 # No free slot of its tenant, or an older run of it waits for one.
-                run._swap([cls.Status.QUEUED], waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
+                run._swap("wait_for_slot", waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
                 return None, False
             # The execution its previous owner was in when its session ended counts as an attempt of the step.
-            run._swap(
-                [cls.Status.RUNNING], locked=True, status=cls.Status.RUNNING, owner=owner, attempt=run.attempt + 1
-            )
+            run._swap("take_over", locked=True, owner=owner, attempt=run.attempt + 1)
             return run, True
 
     def owned(self) -> bool:
@@ -384,7 +280,7 @@ class Run(models.Model):
         the locked row has it: a cancel committed before this is seen, a later one waits for the write."""
         assert connection.in_atomic_block
         with connection.cursor() as cursor:
-            cursor.execute(_OWNED_SQL, {"id": self.pk, "owner": self.owner, **ownership.lock_params(self.pk)})
+            cursor.execute(queries["owned"], {"id": self.pk, "owner": self.owner, **ownership.lock_params(self.pk)})
             row = cursor.fetchone()
         if row is None:
             raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner} in this database session")
@@ -441,9 +337,9 @@ class Run(models.Model):
             # lock), in the same query string when the binding is client-side (Run._row_for_update).
             together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
             cursor.execute(
-                (_CHECKPOINT_FINISH_SQL + ";" + _WAKE_SQL if together else _CHECKPOINT_FINISH_SQL)
+                (queries["checkpoint_finish"] + ";" + queries["wake"] if together else queries["checkpoint_finish"])
                 if finish
-                else _CHECKPOINT_SQL,
+                else queries["checkpoint"],
                 {
                     **finished,
                     **ownership.lock_params(self.pk),
@@ -476,7 +372,7 @@ class Run(models.Model):
         self.cancel_requested, stored = row[:2]
         self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
         if finish:
-            status = Run.Status.CANCELLED if self.cancel_requested else Run.Status.SUCCEEDED
+            status = TRANSITIONS["stop" if self.cancel_requested else "succeed"].target
             result = dict(_CANCELLED) if self.cancel_requested else result
             self.status, self.owner, self.result, self.finished_at = status, "", result, now
             Run.wake_waiting_for_slot(self.tenant, locked=True, waiting=waiting)
@@ -493,9 +389,8 @@ class Run(models.Model):
             self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
             return False
         self._swap(
-            [Run.Status.RUNNING],
+            "pause" if paused else "park",
             by_owner=self.owner,
-            status=Run.Status.PAUSED if paused else Run.Status.WAITING_HUMAN,
             owner="",
             pause_reason=reason,
             paused_switch=paused_switch,
@@ -503,26 +398,26 @@ class Run(models.Model):
         return True
 
     def finish(self, status: str, result) -> None:
-        """Succeeded, or cancelled, by its owner."""
-        assert status in (Run.Status.SUCCEEDED, Run.Status.CANCELLED)
+        """Succeeded, or cancelled, by its owner (the transitions `succeed` and `stop`)."""
+        transition = {Run.Status.SUCCEEDED: "succeed", Run.Status.CANCELLED: "stop"}[status]
         assert connection.in_atomic_block, "the wake-up of a waiting run belongs to the finish's transaction"
-        changes = self._finished(status, result)
+        changes = {"status": TRANSITIONS[transition].target, **self._finished(result)}
         with connection.cursor() as cursor:
             # The CAS and the tenant's lock in one statement (the lock is taken once the row is updated, the
             # order of Run._swap), then the wake-up, whose snapshot comes after the lock (Run.free_slots).
             cursor.execute(
-                _FINISH_SQL,
+                queries["finish"],
                 {
                     **ownership.lock_params(self.pk),
                     "id": self.pk,
                     "owner": self.owner,
-                    "status": status,
+                    "status": changes["status"],
                     "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
                     "now": changes["finished_at"],
                 },
             )
             if cursor.fetchone() is None:
-                raise OwnershipLost(f"run {self.pk}: cannot go to {status} from its current state")
+                raise OwnershipLost(f"run {self.pk}: cannot {transition} (to {status}) from its current state")
         for name, value in changes.items():
             setattr(self, name, value)
         self.updated_at = changes["finished_at"]
@@ -532,32 +427,28 @@ class Run(models.Model):
 
     def fail(self, error: str) -> None:
         """Failed for good (the caller writes its dead letter in the same transaction)."""
-        self._swap([Run.Status.RUNNING], by_owner=self.owner, **self._finished(Run.Status.FAILED, None), error=error)
+        self._swap("fail", by_owner=self.owner, **self._finished(None), error=error)
         self._close_cards("cancelled")
 
     def retry_later(self, error: str, attempt: int) -> None:
         """The step failed and will be retried by the same job (its retry strategy schedules it)."""
-        self._swap(
-            [Run.Status.RUNNING], by_owner=self.owner, status=Run.Status.QUEUED, owner="", error=error, attempt=attempt
-        )
+        self._swap("retry_later", by_owner=self.owner, owner="", error=error, attempt=attempt)
 
     def release(self, delay: float | None = None) -> None:
         """The owner gives the run back to the queue with a new job (its worker is stopping, or the kill
         switch that stopped an effect was released before the run could park)."""
-        self._swap([Run.Status.RUNNING], by_owner=self.owner, status=Run.Status.QUEUED, owner="")
+        self._swap("release", by_owner=self.owner, owner="")
         self.enqueue(delay)
 
     def resume(self) -> None:
         """A parked run (a decision came, or its kill switch was released) goes back to the queue with its job,
         in the caller's transaction."""
-        self._swap(Run.PARKED, status=Run.Status.QUEUED, pause_reason="", paused_switch="")
+        self._swap("resume", pause_reason="", paused_switch="")
         self.enqueue()
 
     def requeue_failed(self) -> None:
         """The dead-letter queue gives a failed run a fresh attempt budget, from its last checkpoint."""
-        self._swap(
-            [Run.Status.FAILED], status=Run.Status.QUEUED, finished_at=None, error="", attempt=0, cancel_requested=False
-        )
+        self._swap("requeue_failed", finished_at=None, error="", attempt=0, cancel_requested=False)
         self.enqueue()
 
     def recover(self, owner: str) -> None:
@@ -565,14 +456,12 @@ class Run(models.Model):
         with a job, unless it moved meanwhile. Called under the run's advisory lock."""
         # The execution its owner was in counts as an attempt of the step (a step that kills its worker every
         # time ends in the dead-letter queue, not in a loop).
-        self._swap([Run.Status.RUNNING], by_owner=owner, status=Run.Status.QUEUED, owner="", attempt=F("attempt") + 1)
+        self._swap("recover", by_owner=owner, owner="", attempt=F("attempt") + 1)
         self.enqueue()
 
     def cancel(self, by=None) -> Run:
         """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
-        from console.models import AuditEntry
-
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
@@ -589,21 +478,15 @@ class Run(models.Model):
             Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
-                run._swap(
-                    [self.Status.QUEUED, *self.PARKED, self.Status.EXTERNAL],
-                    **run._finished(self.Status.CANCELLED, {"outcome": "cancelled"}),
-                    waiting_for_slot_since=None,
-                )
+                run._swap("cancel", **run._finished({"outcome": "cancelled"}), waiting_for_slot_since=None)
                 run._close_cards("cancelled")
             return run
 
     @staticmethod
-    def _finished(status: str, result) -> dict:
-        return {"status": status, "owner": "", "result": result, "finished_at": timezone.now()}
+    def _finished(result) -> dict:
+        return {"owner": "", "result": result, "finished_at": timezone.now()}
 
     def _close_cards(self, status: str) -> None:
-        from runs import gates
-
         gates.backend().close_pending(self, status)
 
     @classmethod
@@ -611,9 +494,9 @@ class Run(models.Model):
         """The run's row locked FOR UPDATE, then its tenant's transaction lock (the order of Run._swap's wake-up),
         in one precompiled statement (the claim's: no ORM compile), which also says whether this session holds
         the run's lock (OwnershipLost if not: the claim is made under it, runs.ownership). Then the start of a
-        queued run under `owner` (`_START_SQL`: a free slot of its tenant and no older run of it waiting for one),
+        queued run under `owner` (`queries["start"]`: a free slot of its tenant and no older run of it waiting for one),
         a statement of its own, whose snapshot comes after the tenant's lock (Run.free_slots); then the run's step
-        rows (`_STEP_ROWS_SQL`, in a snapshot after the row lock), kept as `step_rows`. All in one round trip
+        rows (`queries["step_rows"]`, in a snapshot after the row lock), kept as `step_rows`. All in one round trip
         (Django's client-side binding cursor runs them as one query string; with server-side binding, one after
         the other). Returns (run, started)."""
         fields = _run_fields()
@@ -626,7 +509,7 @@ class Run(models.Model):
         }
         with connection.cursor() as cursor:
             together = isinstance(cursor.cursor, psycopg.ClientCursor)
-            sql = _claim_select_sql() + (";" + _START_SQL + ";" + _STEP_ROWS_SQL if together else "")
+            sql = _claim_select_sql() + (";" + queries["start"] + ";" + queries["step_rows"] if together else "")
             cursor.execute(sql, params)
             row = cursor.fetchone()
             if together:
@@ -646,13 +529,13 @@ class Run(models.Model):
             ]
             run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
             if not together:
-                startable = run.status == Run.Status.QUEUED and not run.cancel_requested
-                started = startable and cursor.execute(_START_SQL, params).rowcount == 1
-                cursor.execute(_STEP_ROWS_SQL, params)
+                startable = run.status in TRANSITIONS["start"].sources and not run.cancel_requested
+                started = startable and cursor.execute(queries["start"], params).rowcount == 1
+                cursor.execute(queries["step_rows"], params)
                 steps = cursor.fetchone()[0]
         run.step_rows = (json.loads(steps) if isinstance(steps, str | bytes) else steps) or []
         if started:
-            run.status, run.owner, run.waiting_for_slot_since = Run.Status.RUNNING, owner, None
+            run.status, run.owner, run.waiting_for_slot_since = TRANSITIONS["start"].target, owner, None
             run.updated_at = params["now"]
         return run, started
 
@@ -665,23 +548,23 @@ class Run(models.Model):
     @classmethod
     def free_slots(cls, tenant: str) -> int:
         """Slots of `tenant` no running run takes, read under the tenant's transaction lock, which serialises
-        claims (`_START_SQL`) with wake-ups (`wake_waiting_for_slot`): a run cannot start waiting just after
+        claims (`queries["start"]`) with wake-ups (`wake_waiting_for_slot`): a run cannot start waiting just after
         the wake-up that would have given it the slot."""
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+            cursor.execute(queries["lock_tenant"], [f"tenant:{tenant}"])
         return settings.TENANT_MAX_RUNNING - cls.objects.filter(tenant=tenant, status=cls.Status.RUNNING).count()
 
     @classmethod
     def wake_waiting_for_slot(cls, tenant: str, *, locked: bool = False, waiting: list | None = None) -> None:
         """A run of `tenant` left `running`: give the oldest runs waiting for a slot, one per free slot, their
         job (in the caller's transaction). `locked`: the caller already holds the tenant's lock (Run.finish).
-        `waiting`: the caller already counted them (`_WAKE_SQL`, after the lock: Run.checkpoint)."""
+        `waiting`: the caller already counted them (`queries["wake"]`, after the lock: Run.checkpoint)."""
         if waiting is None:
             with connection.cursor() as cursor:
                 if not locked:
-                    cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"tenant:{tenant}"])
+                    cursor.execute(queries["lock_tenant"], [f"tenant:{tenant}"])
                 # Free slots and the runs waiting for them, counted in one statement after the lock.
-                cursor.execute(_WAKE_SQL, {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
+                cursor.execute(queries["wake"], {"tenant": tenant, "max": settings.TENANT_MAX_RUNNING})
                 waiting = cursor.fetchall()
         for pk, priority in waiting:
             Run(pk=pk, priority=priority).enqueue()
@@ -698,63 +581,10 @@ def _run_fields() -> list:
 @functools.cache
 def _claim_select_sql() -> str:
     columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
-    # MATERIALIZED: the row is locked in the CTE before the outer query takes the tenant's lock.
-    return (
-        f"WITH r AS MATERIALIZED (SELECT {columns} FROM runs_run WHERE id = %(id)s FOR UPDATE)"
-        f" SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)), {ownership.HELD_SQL} FROM r"
-    )
+    return queries["claim"].format(columns=columns)
 
 
 _RUN_FIELDS = None
-
-# Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
-# the tenant has a free slot and no older run of it waits for one (oldest first, as Run.waiting_for_slot orders them).
-# Not when a cancel was requested (the claim ends the run cancelled instead). The tenant, priority and age are the
-# row's own, which the claim holds locked.
-_START_SQL = """
-UPDATE runs_run r SET status = 'running', owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
-WHERE r.id = %(id)s AND r.status = 'queued' AND NOT r.cancel_requested
-    AND (SELECT count(*) FROM runs_run WHERE tenant = r.tenant AND status = 'running') < %(max)s
-    AND NOT EXISTS (
-        SELECT 1 FROM runs_run w
-        WHERE w.tenant = r.tenant AND w.status = 'queued' AND w.waiting_for_slot_since IS NOT NULL
-            AND w.id <> r.id
-            AND (w.priority > r.priority OR (w.priority = r.priority AND w.created_at < r.created_at))
-    )
-"""
-
-# Run.claim's read of the run's step rows ([name, seq, status, output, input_hash] by seq: what the engine
-# replays), a statement of its own after the row lock, so that its snapshot includes every checkpoint committed
-# before the claim got the row (the row lock's wait re-reads the run's row, not the statement's other reads).
-_STEP_ROWS_SQL = """
-SELECT json_agg(json_build_array(s.name, s.seq, s.status, s.output, s.input_hash) ORDER BY s.seq)
-FROM runs_step s WHERE s.run_id = %(id)s
-"""
-
-# Run.owned: the owner's row lock, from the session that holds the run's lock.
-_OWNED_SQL = f"""
-SELECT cancel_requested FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {ownership.HELD_SQL}
-FOR NO KEY UPDATE
-"""
-
-# Run.finish: the owner's CAS, then (once the row is updated) the tenant's lock, as Run._swap orders them.
-_FINISH_SQL = f"""
-WITH done AS (
-    UPDATE runs_run
-    SET status = %(status)s, owner = '', result = %(result)s::jsonb, finished_at = %(now)s, updated_at = %(now)s
-    WHERE id = %(id)s AND status = 'running' AND owner = %(owner)s AND {ownership.HELD_SQL}
-    RETURNING tenant
-)
-SELECT pg_advisory_xact_lock(hashtext('tenant:' || tenant)) FROM done
-"""
-
-# Run.wake_waiting_for_slot: the oldest runs waiting for a slot of the tenant, one per free slot.
-_WAKE_SQL = """
-SELECT id, priority FROM runs_run
-WHERE tenant = %(tenant)s AND status = 'queued' AND waiting_for_slot_since IS NOT NULL
-ORDER BY priority DESC, created_at
-LIMIT GREATEST(%(max)s - (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)s AND status = 'running'), 0)
-"""
 
 
 class StepKind(models.TextChoices):
@@ -813,20 +643,6 @@ class Step(models.Model):
         return f"{self.run_id}#{self.seq} {self.name}"
 
 
-# ModelUsage.record's one statement: the call's row, and the run's totals, which every attempt counts toward.
-_USAGE_SQL = """
-WITH spent AS (
-    INSERT INTO runs_modelusage (run_id, tenant, step, at, tokens_in, tokens_out, cost)
-    VALUES (%(run)s, %(tenant)s, %(step)s, %(at)s, %(tokens_in)s, %(tokens_out)s, %(cost)s)
-    RETURNING run_id
-)
-UPDATE runs_run r
-SET tokens_in = r.tokens_in + %(tokens_in)s, tokens_out = r.tokens_out + %(tokens_out)s, cost = r.cost + %(cost)s
-FROM spent WHERE r.id = spent.run_id
-RETURNING r.tokens_in, r.tokens_out, r.cost
-"""
-
-
 class ModelUsage(models.Model):
     """What one model call used, written as it answers, whatever happens to its step after (it fails, its job
     loses the run, its worker dies before the checkpoint): every attempt counts toward the run's cost limit (the
@@ -864,7 +680,7 @@ class ModelUsage(models.Model):
         for last_try in (False, True):
             try:
                 with connection.cursor() as cursor:
-                    cursor.execute(_USAGE_SQL, params)
+                    cursor.execute(queries["record_usage"], params)
                     row = cursor.fetchone()
                 break
             except DatabaseError:
@@ -984,7 +800,7 @@ class WebhookDelivery(models.Model):
 
 
 class ShadowEffect(models.Model):
-    """A side effect that shadow mode kept from its external system (runs.workflow.Context.effect): what the
+    """A side effect that shadow mode kept from its external system (runs.steps.Context.effect): what the
     agent would have done, for the person who does it by hand and for the team deciding when to go live.
 
     Written in the transaction that inserts the effect's receipt, so that it also says how that receipt's first

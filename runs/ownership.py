@@ -23,6 +23,8 @@ from django.db import DatabaseError, connection
 from django.db.models import BooleanField
 from django.db.models.expressions import RawSQL
 
+from runs.sql import queries
+
 # The lock is the two-key form (objsubid 2 in pg_locks) on the first 64 bits of the run's UUID, as two signed
 # 32-bit keys: two runs share a lock only if their ids agree on 64 random bits. The tenants' transaction locks
 # use the one-key form (objsubid 1), which never meets it; the kill switches' two-key locks have a fixed first key.
@@ -39,16 +41,9 @@ def _signed(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-# A condition (SQL) true only in the session that holds the lock of the run %(lock_hi)s/%(lock_lo)s: pg_locks
-# shows a two-key advisory lock as classid (first key) and objid (second key), unsigned (oid). `lock_params`
-# gives the parameters. It reads the lock table, not the run: what PostgreSQL releases with the session.
-_HELD = """EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid()
-        AND classid = {hi}::bigint::oid AND objid = {lo}::bigint::oid
-        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)"""
-HELD_SQL = _HELD.format(hi="%(lock_hi)s", lo="%(lock_lo)s")
+# A condition (SQL) true only in the session that holds the lock of the run %(lock_hi)s/%(lock_lo)s
+# (runs/sql/queries.sql: run_lock_held); `lock_params` gives the parameters.
+HELD_SQL = queries["run_lock_held"]
 
 
 def lock_params(run_id) -> dict[str, int]:
@@ -60,7 +55,9 @@ def lock_params(run_id) -> dict[str, int]:
 def held(run_id) -> RawSQL:
     """HELD_SQL as a condition for a queryset's filter()."""
     params = lock_params(run_id)
-    return RawSQL(_HELD.format(hi="%s", lo="%s"), [params["lock_hi"], params["lock_lo"]], output_field=BooleanField())
+    return RawSQL(
+        queries["run_lock_held_positional"], [params["lock_hi"], params["lock_lo"]], output_field=BooleanField()
+    )
 
 
 def new_token(worker: str | None, job_id: int | None) -> str:
@@ -74,7 +71,7 @@ def hold(run_id) -> Iterator[bool]:
     """Try to take the run's lock on this thread's connection; yields whether it was taken. Held until the
     block ends; if the unlock cannot be sent, the connection is closed, which ends the session and the lock."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", key(run_id))
+        cursor.execute(queries["try_lock_run"], key(run_id))
         taken = cursor.fetchone()[0]
     try:
         yield taken
@@ -91,7 +88,7 @@ def _unlock(run_id) -> None:
         with connection.cursor() as cursor:
             # False (and a warning in the server's log) when this session no longer holds it: the session the
             # lock was taken on ended during the job, and Django opened a new one.
-            cursor.execute("SELECT pg_advisory_unlock(%s, %s)", key(run_id))
+            cursor.execute(queries["unlock_run"], key(run_id))
     except DatabaseError:
         if not connection.in_atomic_block:
             connection.close()  # the session ends, and its locks with it

@@ -22,8 +22,9 @@ from django.db import connection
 from django.db.models import F
 from django.utils import timezone
 
+from runs.errors import Wait
 from runs.models import ModelUsage, Run, TenantThrottle
-from runs.workflow import Wait
+from runs.sql import queries
 
 log = structlog.get_logger("runs.ratelimit")
 
@@ -80,17 +81,7 @@ def wait_for_tokens(run: Run) -> None:
 def _note(tenant: str, now: datetime, until: datetime, used: int, limit: int) -> None:
     """Who is throttled, for the dashboard: one row per tenant, upserted in one statement."""
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            INSERT INTO {TenantThrottle._meta.db_table} (tenant, waiting_until, used, "limit", waits, last_wait_at)
-            VALUES (%s, %s, %s, %s, 1, %s)
-            ON CONFLICT (tenant) DO UPDATE SET
-                waiting_until = GREATEST(EXCLUDED.waiting_until, {TenantThrottle._meta.db_table}.waiting_until),
-                used = EXCLUDED.used, "limit" = EXCLUDED."limit", last_wait_at = EXCLUDED.last_wait_at,
-                waits = {TenantThrottle._meta.db_table}.waits + 1
-            """,
-            [tenant, until, used, limit, now],
-        )
+        cursor.execute(queries["note_throttled"], [tenant, until, used, limit, now])
 
 
 @dataclass

@@ -27,7 +27,9 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from runs import engine, ownership
-from runs.models import Run, TransitionRefused
+from runs.errors import TransitionRefused
+from runs.models import Run
+from runs.sql import queries
 
 log = structlog.get_logger("runs.recovery")
 
@@ -41,23 +43,6 @@ def _job_of(run_ref, status: str):
     column = "queueing_lock" if status == "todo" else "lock"
     lock = Concat(Value("run:"), Cast(run_ref, output_field=CharField()))
     return ProcrastinateJob.objects.filter(**{column: lock}, status=status).values("pk")
-
-
-# Running runs whose lock no session holds (runs.ownership: the two-key form on the first 64 bits of the id,
-# which pg_locks shows unsigned as classid and objid), oldest first, a batch after (created_at, id).
-_OWNERLESS_SQL = """
-SELECT r.id, r.owner, r.created_at FROM runs_run r
-WHERE r.status = 'running' AND (r.created_at, r.id) > (%(after_at)s, %(after_id)s)
-    AND NOT EXISTS (
-        SELECT 1 FROM pg_locks l
-        WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.classid::bigint = ('x' || lpad(substr(replace(r.id::text, '-', ''), 1, 8), 16, '0'))::bit(64)::bigint
-            AND l.objid::bigint = ('x' || lpad(substr(replace(r.id::text, '-', ''), 9, 8), 16, '0'))::bit(64)::bigint
-    )
-ORDER BY r.created_at, r.id
-LIMIT %(limit)s
-"""
 
 
 def sweep(limit: int = 200) -> dict[str, int]:
@@ -89,7 +74,7 @@ def _ownerless_running_runs(batch: int) -> Iterator[tuple]:
     after = {"after_at": datetime.min.replace(tzinfo=UTC), "after_id": uuid.UUID(int=0)}
     while True:
         with connection.cursor() as cursor:
-            cursor.execute(_OWNERLESS_SQL, {**after, "limit": batch})
+            cursor.execute(queries["ownerless_running"], {**after, "limit": batch})
             rows = cursor.fetchall()
         for run_id, owner, _ in rows:
             yield run_id, owner
@@ -107,18 +92,9 @@ def _recover_ownerless(run_id, owner: str) -> bool:
             if run is None:
                 return False
             with connection.cursor() as cursor:
-                # The dead job (at most one: procrastinate's unique index on the lock of `doing` jobs) is finished by
-                # procrastinate's own procedure, as a worker finishes a job (status, attempts, abort flag), in this
-                # transaction. Guarded by its status: the stalled-job sweep may have requeued or finished it
-                # meanwhile, and the procedure would finish a `todo` job too; so the row is locked first (a row
-                # another transaction changed is read again), and is still `doing` when the procedure runs.
-                # Aborted, not failed: its worker's session ended, the job did not fail.
-                cursor.execute(
-                    "WITH dead AS MATERIALIZED ("
-                    " SELECT id FROM procrastinate_jobs WHERE lock = %s AND status = 'doing' FOR NO KEY UPDATE"
-                    ") SELECT procrastinate_finish_job_v1(id, 'aborted', false) FROM dead",
-                    [f"run:{run_id}"],
-                )
+                # The dead job is finished by procrastinate's own procedure, as a worker finishes a job, in this
+                # transaction, if it is still `doing` (queries.sql says why).
+                cursor.execute(queries["finish_dead_job"], [f"run:{run_id}"])
             try:
                 run.recover(owner)  # a compare-and-swap on (running, that owner): it may have moved meanwhile
             except TransitionRefused:

@@ -16,6 +16,7 @@ from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
+from approvals.models import Decision, Notification
 from runs import workflow as workflows
 from runs.api import can_operate_run
 from runs.models import Run, Step
@@ -88,8 +89,6 @@ def run_detail(request, pk):
     for step in steps:
         step.input_json, step.output_json = _pretty(step.input), _pretty(step.output)
     # The runs app's models know nothing of cards; this page, on top of both apps, shows them.
-    from approvals.models import Decision, Notification
-
     cards = run.approvals.select_related("channel", "assigned_group").prefetch_related(
         Prefetch("decisions", queryset=Decision.objects.select_related("actor").order_by("created_at")),
         Prefetch("notifications", queryset=Notification.objects.select_related("group").order_by("created_at")),

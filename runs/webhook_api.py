@@ -7,7 +7,7 @@ import uuid
 
 from ninja import Router, Schema, Status
 
-from console.api_errors import ERRORS
+from core.api_errors import ERRORS
 from runs import webhooks
 
 router = Router(tags=["webhooks"])

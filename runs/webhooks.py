@@ -7,7 +7,7 @@ or a plain string, comma-separated: more than one is active during a rotation). 
 order, each failure answered without a run:
 
 1. the source is registered and has a secret, else 404;
-2. the Standard Webhooks signature (console.webhook_signing): `webhook-timestamp` (unix seconds) is within
+2. the Standard Webhooks signature (core.webhook_signing): `webhook-timestamp` (unix seconds) is within
    WEBHOOK_TOLERANCE_SECONDS of our clock either way, and `webhook-signature` holds a `v1,<base64 HMAC-SHA256
    of "<webhook-id>.<timestamp>.<raw body>">` by one of its secrets, compared in constant time over the raw
    bytes, else 401 (nothing is recorded: the sender is unknown). The id is under the signature, so a captured
@@ -33,9 +33,10 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from console import safe_input, webhook_signing
-from runs.models import Run, WebhookDelivery
-from runs.workflow import InvalidInput
+from core import safe_input, webhook_signing
+from runs import submission
+from runs.errors import InvalidInput
+from runs.models import WebhookDelivery
 
 log = structlog.get_logger("runs.webhooks")
 
@@ -155,7 +156,7 @@ def ingest(source: Source, delivery_id: str, input: dict) -> tuple[WebhookDelive
             if delivery.status == WebhookDelivery.Status.ACCEPTED:
                 return delivery, False
             # Refused earlier (its body, or the schema then): this copy is processed as new, on the same row.
-        run, _ = Run.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
+        run, _ = submission.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
         delivery.status = WebhookDelivery.Status.ACCEPTED
         delivery.run = run
         delivery.error = ""

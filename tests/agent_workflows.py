@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 
 from demo.models import SandboxCall
 from runs import breakers
-from runs.agent import tool
 from runs.llm import Model
+from runs.tools import tool
 from runs.workflow import Display, Fatal, Workflow, register
 
 

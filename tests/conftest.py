@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from guardian.shortcuts import assign_perm
 
-from console.models import Channel, Role
+from core.models import Channel, Role
 from tests.openai_stub import openai_stub  # noqa: F401 - a fixture
 from tests.worker import database_url, start_worker  # noqa: F401 - start_worker is a fixture
 
@@ -77,7 +77,7 @@ def approves_every_channel(user: User) -> User:
     """`user` may decide the cards of every channel there is now (`approve_channel` on each, a guardian object
     permission: Approval.decide checks it, as the card page and the API do)."""
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", user, channel)
+        assign_perm("core.approve_channel", user, channel)
     return user
 
 

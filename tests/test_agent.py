@@ -8,8 +8,9 @@ import pytest
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.models import Approval, InvalidDecision
-from console.models import Channel
+from core.models import Channel
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
@@ -28,7 +29,7 @@ def bob(bob, agent):
 
 
 def submit(*turns, message="my order never came") -> Run:
-    return Run.submit(workflow="test_agent", input={"message": message, "script": list(turns)})[0]
+    return submission.submit(workflow="test_agent", input={"message": message, "script": list(turns)})[0]
 
 
 def calls(run: Run, system: str) -> int:

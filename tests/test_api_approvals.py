@@ -16,7 +16,7 @@ from django.test import Client
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console.models import ApiToken, Channel
+from core.models import ApiToken, Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run
@@ -34,7 +34,7 @@ def second_reviewer(demo):
     """Another reviewer of every demo channel, to race or follow the demo's `reviewer`."""
     user = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", user, channel)
+        assign_perm("core.approve_channel", user, channel)
     return user
 
 

@@ -20,8 +20,9 @@ from django.test.utils import CaptureQueriesContext
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals.models import Approval
-from console.models import ApiToken
+from core.models import ApiToken
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run, Step
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -307,7 +308,7 @@ def test_it_creates_one_run_when_requests_race_in_separate_transactions(transact
 
 def test_post_runs_costs_two_queries_in_autocommit(transactional_db):
     """The enqueue path's round trips (issue 11): the token's lookup, then the run's INSERT and its job's defer as
-    one statement in autocommit (runs/outbox.py): no BEGIN, savepoint or COMMIT of its own. Fails if it grows."""
+    one statement in autocommit (runs/submission.py): no BEGIN, savepoint or COMMIT of its own. Fails if it grows."""
     call_command("demo_setup", verbosity=0)
     headers = bearer(User.objects.get(username="agent"))
     client = Client()
@@ -325,9 +326,9 @@ def test_post_runs_costs_two_queries_in_autocommit(transactional_db):
 
 
 def test_submit_defers_the_job_that_enqueue_defers(db, new_jobs):
-    """runs/outbox.py writes the job itself: the same task, queue, locks, priority and arguments as Run.enqueue
+    """runs/submission.py writes the job itself: the same task, queue, locks, priority and arguments as Run.enqueue
     (procrastinate's .defer()) would."""
-    run, created = Run.submit(workflow="refund", input=REFUND, priority=5)
+    run, created = submission.submit(workflow="refund", input=REFUND, priority=5)
     assert created
     ours = new_jobs().get()
     with connection.cursor() as cursor:  # out of the queue, so that its queueing lock is free again
@@ -354,8 +355,8 @@ def test_a_repeated_key_inside_a_callers_transaction_keeps_it_usable(db, demo, n
     the first run, writes no second job, and the caller's transaction goes on."""
     agent = demo["agent"]
     with transaction.atomic():
-        first, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
-        again, created_again = Run.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
+        first, created = submission.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
+        again, created_again = submission.submit(workflow="refund", input=REFUND, idempotency_key="k", created_by=agent)
         assert (created, created_again, again.pk) == (True, False, first.pk)
         assert Run.objects.count() == 1  # the transaction is not aborted
     assert new_jobs().count() == 1

@@ -7,7 +7,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from console.models import ApiToken
+from core.models import ApiToken
 
 
 def _issue(username: str) -> str:
@@ -79,7 +79,7 @@ def test_unknown_api_paths_answer_404(client, db):
 
 
 def test_find_gives_what_the_orm_gives_in_one_query(bob, django_assert_num_queries):
-    """ApiToken.find runs the queryset's SQL compiled once per process (console.models._token_query): the token
+    """ApiToken.find runs the queryset's SQL compiled once per process (core.models._token_query): the token
     and its user as the ORM would load them, in one query, with no second one for the user."""
     _, raw = ApiToken.issue(bob, tenants=["acme", "default"])
     ApiToken.find(raw)  # notes its use (one UPDATE, at most once a minute)

@@ -7,7 +7,7 @@ from django.contrib.auth.models import Group, Permission
 from django.core.management import call_command
 from guardian.shortcuts import assign_perm, get_group_perms, get_user_perms
 
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def _form(channel: Channel, **changes) -> dict:
 
 
 def test_creating_a_channel_is_audited(admin_client):
-    response = admin_client.post("/admin/console/channel/add/", _form(Channel(name="crm"), description="CRM"))
+    response = admin_client.post("/admin/core/channel/add/", _form(Channel(name="crm"), description="CRM"))
     assert response.status_code == 302
     entry = AuditEntry.objects.get(action="channel.create")
     assert (entry.actor, entry.actor_type, entry.target, entry.channel) == ("alice", "human", "channel:crm", "crm")
@@ -39,7 +39,7 @@ def test_creating_a_channel_is_audited(admin_client):
 def test_changing_a_channel_is_audited_with_the_changed_fields(admin_client, payments):
     ops = Group.objects.create(name="payments-oncall")
     response = admin_client.post(
-        f"/admin/console/channel/{payments.pk}/change/",
+        f"/admin/core/channel/{payments.pk}/change/",
         _form(payments, required_approvals=2, sla="02:00:00", escalation_group=ops.pk),
     )
     assert response.status_code == 302
@@ -54,12 +54,12 @@ def test_changing_a_channel_is_audited_with_the_changed_fields(admin_client, pay
 
 
 def test_saving_a_channel_unchanged_writes_nothing(admin_client, payments):
-    admin_client.post(f"/admin/console/channel/{payments.pk}/change/", _form(payments))
+    admin_client.post(f"/admin/core/channel/{payments.pk}/change/", _form(payments))
     assert not AuditEntry.objects.exists()
 
 
 def test_deleting_a_channel_is_audited(admin_client, payments):
-    response = admin_client.post(f"/admin/console/channel/{payments.pk}/delete/", {"post": "yes"})
+    response = admin_client.post(f"/admin/core/channel/{payments.pk}/delete/", {"post": "yes"})
     assert response.status_code == 302 and not Channel.objects.exists()
     entry = AuditEntry.objects.get(action="channel.delete")
     assert (entry.actor, entry.target, entry.data["deleted"]["name"]) == ("alice", "channel:payments", "payments")
@@ -68,7 +68,7 @@ def test_deleting_a_channel_is_audited(admin_client, payments):
 def test_deleting_channels_from_the_list_is_audited(admin_client, payments):
     email = Channel.objects.create(name="email")
     response = admin_client.post(
-        "/admin/console/channel/",
+        "/admin/core/channel/",
         {"action": "delete_selected", "_selected_action": [payments.pk, email.pk], "post": "yes"},
     )
     assert response.status_code == 302 and not Channel.objects.exists()
@@ -79,7 +79,7 @@ def test_deleting_channels_from_the_list_is_audited(admin_client, payments):
 
 
 def test_granting_and_revoking_a_users_channel_permissions_is_audited(admin_client, payments, bob):
-    url = f"/admin/console/channel/{payments.pk}/permissions/user-manage/{bob.pk}/"
+    url = f"/admin/core/channel/{payments.pk}/permissions/user-manage/{bob.pk}/"
     response = admin_client.post(url, {"permissions": ["approve_channel", "operate_channel"]})
     assert response.status_code == 302
     assert set(get_user_perms(bob, payments)) == {"approve_channel", "operate_channel"}
@@ -97,7 +97,7 @@ def test_granting_and_revoking_a_users_channel_permissions_is_audited(admin_clie
 
 def test_granting_and_revoking_a_groups_channel_permissions_is_audited(admin_client, payments):
     reviewers = Group.objects.create(name="payments-reviewers")
-    url = f"/admin/console/channel/{payments.pk}/permissions/group-manage/{reviewers.pk}/"
+    url = f"/admin/core/channel/{payments.pk}/permissions/group-manage/{reviewers.pk}/"
     admin_client.post(url, {"permissions": ["approve_channel"]})
     admin_client.post(url, {"csrfmiddlewaretoken": "x"})  # nothing selected (a browser sends its CSRF token)
     assert not get_group_perms(reviewers, payments).exists()
@@ -110,7 +110,7 @@ def test_granting_and_revoking_a_groups_channel_permissions_is_audited(admin_cli
 
 def test_saving_unchanged_permissions_writes_nothing(admin_client, payments, bob):
     assign_perm("approve_channel", bob, payments)
-    url = f"/admin/console/channel/{payments.pk}/permissions/user-manage/{bob.pk}/"
+    url = f"/admin/core/channel/{payments.pk}/permissions/user-manage/{bob.pk}/"
     assert admin_client.post(url, {"permissions": ["approve_channel"]}).status_code == 302
     assert not AuditEntry.objects.exists()
 
@@ -120,14 +120,14 @@ def test_the_audit_log_is_read_only_in_admin(admin_client, bob):
 
     with transaction.atomic():
         entry = AuditEntry.record("test.action", actor=bob, data={"comment": "hello"})
-    assert admin_client.get("/admin/console/auditentry/").status_code == 200
-    detail = admin_client.get(f"/admin/console/auditentry/{entry.pk}/change/")
+    assert admin_client.get("/admin/core/auditentry/").status_code == 200
+    detail = admin_client.get(f"/admin/core/auditentry/{entry.pk}/change/")
     assert detail.status_code == 200
     assert entry.hash in detail.content.decode() and 'name="_save"' not in detail.content.decode()
-    assert admin_client.get("/admin/console/auditentry/add/").status_code == 403
-    assert admin_client.get(f"/admin/console/auditentry/{entry.pk}/delete/").status_code == 403
+    assert admin_client.get("/admin/core/auditentry/add/").status_code == 403
+    assert admin_client.get(f"/admin/core/auditentry/{entry.pk}/delete/").status_code == 403
     response = admin_client.post(
-        "/admin/console/auditentry/", {"action": "delete_selected", "_selected_action": [entry.pk], "post": "yes"}
+        "/admin/core/auditentry/", {"action": "delete_selected", "_selected_action": [entry.pk], "post": "yes"}
     )
     assert AuditEntry.objects.filter(pk=entry.pk).exists()
     assert response.status_code in (200, 302)
@@ -168,7 +168,7 @@ def test_giving_a_user_a_role_and_superuser_is_audited(admin_client, dave):
     assert entry.data["changed"] == {
         "is_superuser": {"before": False, "after": True},
         "groups": {"added": ["admin"], "removed": []},
-        "permissions": {"added": ["console.view_auditentry"], "removed": []},
+        "permissions": {"added": ["core.view_auditentry"], "removed": []},
     }
 
 
@@ -210,7 +210,7 @@ def test_creating_and_deleting_users_and_groups_is_audited(admin_client, carol):
         ("group.create", {"group": "auditors", "changed": {}}),
         (
             "group.permissions.change",
-            {"group": "auditors", "changed": {"permissions": {"added": ["console.view_auditentry"], "removed": []}}},
+            {"group": "auditors", "changed": {"permissions": {"added": ["core.view_auditentry"], "removed": []}}},
         ),
         ("group.delete", {"group": "auditors", "members": []}),
     ]
@@ -231,3 +231,12 @@ def test_editing_a_channel_does_not_undo_a_kill_switch_flipped_meanwhile(rf, ali
     payments.refresh_from_db()
     assert payments.description == "Refunds"
     assert payments.kill_switch_engaged and payments.kill_switch_reason == "refunds look wrong"
+
+
+def test_the_old_admin_addresses_of_the_moved_models_lead_to_the_new_ones(admin_client, payments):
+    """Channels, tokens, the audit log and the global switch moved from the console app to core (issue 18)."""
+    response = admin_client.get(f"/admin/console/channel/{payments.pk}/change/?_changelist_filters=q%3Dpay")
+    assert response.status_code == 302
+    assert response["Location"] == f"/admin/core/channel/{payments.pk}/change/?_changelist_filters=q%3Dpay"
+    assert admin_client.get("/admin/console/auditentry/", follow=True).status_code == 200
+    assert admin_client.get("/admin/console/nothing/").status_code == 404

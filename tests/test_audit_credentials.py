@@ -9,7 +9,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from console.models import ApiToken, AuditEntry
+from core.models import ApiToken, AuditEntry
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_issuing_a_token_names_who_issued_it(alice, bob):
 def test_revoking_tokens_in_admin_is_audited_once(admin_client, bob, carol):
     (bobs, bob_raw), (carols, _) = ApiToken.issue(bob), ApiToken.issue(carol)
     selection = {"action": "revoke", "_selected_action": [bobs.pk, carols.pk]}
-    response = admin_client.post("/admin/console/apitoken/", selection)
+    response = admin_client.post("/admin/core/apitoken/", selection)
     assert response.status_code == 302
     assert not ApiToken.objects.filter(revoked_at__isnull=True).exists()
     entries = AuditEntry.objects.filter(action="api_token.revoke").order_by("target")
@@ -63,7 +63,7 @@ def test_revoking_tokens_in_admin_is_audited_once(admin_client, bob, carol):
         ("alice", "user:bob", (bobs.pk, bobs.prefix)),
         ("alice", "user:carol", (carols.pk, carols.prefix)),
     ]
-    admin_client.post("/admin/console/apitoken/", selection)  # already revoked: nothing more to record
+    admin_client.post("/admin/core/apitoken/", selection)  # already revoked: nothing more to record
     assert AuditEntry.objects.filter(action="api_token.revoke").count() == 2
     assert admin_client.get("/api/me", headers={"Authorization": f"Bearer {bob_raw}"}).status_code == 401
 
@@ -78,7 +78,7 @@ def test_revoke_returns_whether_it_changed_anything(alice, bob):
 def test_a_token_cannot_be_edited_or_unrevoked_in_admin(admin_client, alice, bob):
     token, _ = ApiToken.issue(bob)
     token.revoke(alice)
-    url = f"/admin/console/apitoken/{token.pk}/change/"
+    url = f"/admin/core/apitoken/{token.pk}/change/"
     page = admin_client.get(url)
     assert page.status_code == 200 and 'name="_save"' not in page.content.decode()
     assert admin_client.post(url, {"revoked_at_0": "", "revoked_at_1": ""}).status_code == 403
@@ -87,7 +87,7 @@ def test_a_token_cannot_be_edited_or_unrevoked_in_admin(admin_client, alice, bob
 
 def test_deleting_a_token_in_admin_is_audited(admin_client, bob):
     token, _ = ApiToken.issue(bob)
-    response = admin_client.post(f"/admin/console/apitoken/{token.pk}/delete/", {"post": "yes"})
+    response = admin_client.post(f"/admin/core/apitoken/{token.pk}/delete/", {"post": "yes"})
     assert response.status_code == 302 and not ApiToken.objects.exists()
     entry = AuditEntry.objects.get(action="api_token.delete")
     assert (entry.actor, entry.target, _token_id_and_prefix(entry)) == ("alice", "user:bob", (token.pk, token.prefix))

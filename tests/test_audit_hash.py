@@ -20,7 +20,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command, execute_from_command_line
 from django.db import DatabaseError, connection, transaction
 
-from console.models import AuditEntry, audit_key_id
+from core.models import AuditEntry, audit_key_id
 
 KEY = "k" * 40
 OTHER_KEY = "o" * 40

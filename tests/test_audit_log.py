@@ -4,7 +4,8 @@ import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 from django.db import DatabaseError, connection, transaction
 
-from console.models import AuditEntry
+from core.models import AuditEntry
+from runs import submission
 from tests.conftest import approves_every_channel
 
 
@@ -90,12 +91,11 @@ def test_audit_verify_exits_non_zero(db):
 
 def test_every_decision_is_audited_with_the_person_as_actor(db, bob):
     from approvals.models import Approval
-    from runs.models import Run
     from tests.engine_helpers import REFUND, drive
 
     call_command("demo_setup", verbosity=0)
     approves_every_channel(bob)
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     card.decide(bob, "reject", comment="wrong customer", reason="wrong_recipient")
     entry = AuditEntry.objects.get(action="approval.reject")
@@ -105,13 +105,12 @@ def test_every_decision_is_audited_with_the_person_as_actor(db, bob):
 
 
 def test_cancel_and_dead_letters_are_audited(db, carol):
-    from runs.models import Run
     from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
     call_command("demo_setup", verbosity=0)
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     run.cancel(by=carol)
-    failed = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["fatal"]}})[0])
+    failed = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["fatal"]}})[0])
     cancel, dead = AuditEntry.objects.get(action="run.cancel"), AuditEntry.objects.get(action="run.dead_letter")
     assert (cancel.actor, cancel.run_id) == ("carol", run.id)
     assert (dead.actor, dead.actor_type, dead.run_id) == ("engine", "system", failed.id)

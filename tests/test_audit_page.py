@@ -12,7 +12,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from console.audit import PAGE_SIZE, AuditFilter
-from console.models import AuditEntry, Role
+from core.models import AuditEntry, Role
 
 RUN = uuid.UUID("6f1c1d9e-0000-4000-8000-000000000001")
 OTHER_RUN = uuid.UUID("6f1c1d9e-0000-4000-8000-000000000002")

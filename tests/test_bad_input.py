@@ -15,9 +15,10 @@ from django.test import RequestFactory
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console import safe_input
 from console.middleware import SafeInputMiddleware
-from console.models import ApiToken, AuditEntry, Channel
+from core import safe_input
+from core.models import ApiToken, AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive
 
@@ -42,7 +43,7 @@ def agent(demo):
 
 @pytest.fixture
 def card(demo) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
+    run, _ = submission.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
     assert drive(run).status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
 
@@ -276,7 +277,7 @@ def test_a_nul_in_a_bulk_decision_is_400(client, demo, card):
 
 def test_a_nul_in_a_kill_switch_reason_is_400(client, demo):
     client.force_login(demo["ops"])
-    assign_perm("console.operate_channel", demo["ops"], Channel.objects.get(name="payments"))
+    assign_perm("core.operate_channel", demo["ops"], Channel.objects.get(name="payments"))
 
     response = client.post("/channels/payments/kill-switch/", {"engaged": "1", "reason": "x\x00"})
 
@@ -297,7 +298,7 @@ def test_a_data_error_in_the_api_is_400_json(client, agent, monkeypatch):
     def refuse(**kwargs):
         raise DataError("value too long for type character varying(100)\n")
 
-    monkeypatch.setattr(Run, "submit", refuse)
+    monkeypatch.setattr(submission, "submit", refuse)
 
     response = post_json(client, "/api/runs", runs_body(REFUND_JSON), agent)
 

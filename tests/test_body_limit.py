@@ -13,7 +13,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 
 from console.body_limit import BodyLimit
-from console.models import ApiToken
+from core.models import ApiToken
 from runs.models import Run
 from tests.engine_helpers import REFUND
 

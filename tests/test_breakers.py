@@ -10,10 +10,10 @@ from django.core.management import call_command
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console.models import ApiToken, AuditEntry
+from core.models import ApiToken, AuditEntry
 from demo import sandbox
 from demo.models import SandboxCall
-from runs import breakers
+from runs import breakers, submission
 from runs.models import Breaker, Receipt, Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import SMALL_REFUND, drive
@@ -35,7 +35,7 @@ def demo(db):
 
 
 def _submit(faults: dict | None = None) -> Run:
-    return Run.submit(workflow="refund", input={**SMALL_REFUND, **({"faults": faults} if faults else {})})[0]
+    return submission.submit(workflow="refund", input={**SMALL_REFUND, **({"faults": faults} if faults else {})})[0]
 
 
 def _calls(system: str, run: Run | None = None) -> int:

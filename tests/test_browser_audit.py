@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from django.db import transaction
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from tests.conftest import log_in, set_production_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]

@@ -14,6 +14,7 @@ from playwright.sync_api import expect
 from approvals.models import Approval, Decision
 from demo import sandbox
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
@@ -26,7 +27,7 @@ XSS_IMG = '"><img src=x onerror=alert(1)>'
 
 
 def park(input: dict = REFUND) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=input, created_by=User.objects.get(username="agent"))
+    run, _ = submission.submit(workflow="refund", input=input, created_by=User.objects.get(username="agent"))
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)

@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from jobs.models import DeadLetter
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in, set_production_password
 from tests.engine_helpers import SMALL_REFUND, drive
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 def test_an_admin_requeues_a_dead_letter_from_django_admin(console_server, page, alice):
     call_command("demo_setup", verbosity=0)
-    run = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})[0])
+    run = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})[0])
     letter = DeadLetter.objects.get(run_id=run.id)
     set_production_password(alice)
     log_in(page, console_server, "alice")

@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
-from console.models import ApiToken
+from core.models import ApiToken
 from external import requests
 from external.requests import Ask
 from tests.conftest import log_in

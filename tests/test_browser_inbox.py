@@ -7,7 +7,8 @@ from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from approvals.models import Approval, Decision
-from console.models import AuditEntry
+from core.models import AuditEntry
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def park(amount: int = 12_500) -> Approval:
-    run, _ = Run.submit(
+    run, _ = submission.submit(
         workflow="refund",
         input={**REFUND, "amount_cents": amount},
         created_by=User.objects.get(username="agent"),

@@ -7,7 +7,7 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 from playwright.sync_api import expect
 
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from tests.conftest import log_in, set_production_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 def test_ops_engages_and_releases_a_switch_with_a_reason(console_server, page, carol):
     call_command("demo_setup", verbosity=0)
     for channel in Channel.objects.all():
-        assign_perm("console.operate_channel", carol, channel)
+        assign_perm("core.operate_channel", carol, channel)
     set_production_password(carol)
     log_in(page, console_server, "carol")
 

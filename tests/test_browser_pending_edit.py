@@ -13,8 +13,9 @@ from guardian.shortcuts import assign_perm
 from playwright.sync_api import expect
 
 from approvals.models import Approval, Decision
-from console.models import Channel
+from core.models import Channel
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
@@ -29,12 +30,12 @@ def rita(reviewer):
     """The first of the two people; the demo's reviewer (logged in to the browser) is the second."""
     Channel.objects.filter(name="payments").update(required_approvals=2)
     user = User.objects.create_user("rita")
-    assign_perm("console.approve_channel", user, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", user, Channel.objects.get(name="payments"))
     return user
 
 
 def park(amount: int = REFUND["amount_cents"]) -> Approval:
-    run, _ = Run.submit(
+    run, _ = submission.submit(
         workflow="refund", input={**REFUND, "amount_cents": amount}, created_by=User.objects.get(username="agent")
     )
     run = drive(run)

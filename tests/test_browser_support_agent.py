@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 
 from approvals.models import Approval
 from demo import sandbox
+from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import drive
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 def test_support_agent_cards_are_in_the_inbox_and_the_card_shows_the_diff(console_server, page, reviewer, start_worker):
     call_command("demo_traffic", runs=3, seed=4, workflow="support_agent", verbosity=0)
-    run, _ = Run.submit(
+    run, _ = submission.submit(
         workflow="support_agent",
         input={"customer_id": "cus_2077", "message": "Order never arrived, I want my money back."},
         created_by=User.objects.get(username="agent"),

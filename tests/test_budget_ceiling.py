@@ -14,8 +14,9 @@ from django.core.management import call_command
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.inbox import decide_cards
 from approvals.models import Approval, InvalidDecision
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import SMALL_REFUND, drive
@@ -45,7 +46,7 @@ def bob(bob, agent):
 
 def over_budget_refund() -> Run:
     """A refund parked with a budget card after its first step (its limit is far below what a step costs)."""
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))[0])
     assert run.status == Run.Status.PAUSED
     return run
 
@@ -54,7 +55,7 @@ def over_turns_agent() -> Run:
     """An agent that wants seven turns, parked with a turn-limit card after its four (the stage's max_turns)."""
     lookups = [{"calls": [["lookup_customer", {"customer_id": f"c{i}"}]]} for i in range(6)]
     script = [*lookups, {"answer": "done"}]
-    run = drive(Run.submit(workflow="test_agent", input={"message": "where is it", "script": script})[0])
+    run = drive(submission.submit(workflow="test_agent", input={"message": "where is it", "script": script})[0])
     assert run.status == Run.Status.PAUSED
     return run
 

@@ -14,7 +14,8 @@ from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, RejectReason
 from approvals.views import sla
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -31,7 +32,7 @@ def channels(db):
 
 @pytest.fixture
 def bob_reviews_payments(bob, channels):
-    assign_perm("console.approve_channel", bob, channels["payments"])
+    assign_perm("core.approve_channel", bob, channels["payments"])
     return bob
 
 
@@ -39,7 +40,7 @@ def bob_reviews_payments(bob, channels):
 def erin(channels):
     """A reviewer of another channel (email) only."""
     user = User.objects.create_user("erin", password="password")
-    assign_perm("console.approve_channel", user, channels["email"])
+    assign_perm("core.approve_channel", user, channels["email"])
     return user
 
 
@@ -49,7 +50,7 @@ def agent(channels):
 
 
 def park(created_by=None, input: dict = REFUND) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=input, created_by=created_by)
+    run, _ = submission.submit(workflow="refund", input=input, created_by=created_by)
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)

@@ -11,9 +11,10 @@ from django.db import connection
 from django.utils import timezone
 
 from approvals.models import Approval
-from console import monitoring
+from console import alerts, charts, monitoring
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
@@ -77,7 +78,7 @@ def test_htmx_gets_the_figures_partial_only(client, demo, carol):
 
 def test_dead_letters_warn_then_alert_after_30_minutes(client, demo, carol):
     client.force_login(carol)
-    run = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["fatal"]}})[0])
+    run = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["fatal"]}})[0])
     assert _state(client.get(URL), "dead-letters") == "warn"
     DeadLetter.objects.filter(run_id=run.id).update(created_at=timezone.now() - timedelta(minutes=31))
     response = client.get(URL)
@@ -87,7 +88,7 @@ def test_dead_letters_warn_then_alert_after_30_minutes(client, demo, carol):
 
 def test_any_duplicate_outbound_alerts(client, demo, carol):
     client.force_login(carol)
-    drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert _state(client.get(URL), "duplicate-outbound") == "ok"
     email = SandboxCall.objects.get(system="email")
     SandboxCall.objects.create(system="email", operation=email.operation, idempotency_key=email.idempotency_key)
@@ -96,7 +97,7 @@ def test_any_duplicate_outbound_alerts(client, demo, carol):
 
 def test_approvals_backlog_over_sla_alerts(client, demo, carol):
     client.force_login(carol)
-    drive(Run.submit(workflow="refund", input=REFUND)[0])
+    drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert _state(client.get(URL), "approvals-backlog") == "ok"
     card = Approval.objects.get()
     sla = card.due_at - card.created_at
@@ -109,7 +110,7 @@ def test_approvals_backlog_over_sla_alerts(client, demo, carol):
 
 def test_runs_not_moving_alert_and_are_listed(client, demo, carol):
     client.force_login(carol)
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     Run.objects.filter(pk=run.pk).update(updated_at=timezone.now() - timedelta(minutes=5))
     response = client.get(URL)
     assert _state(response, "runs-not-moving") == "alert"
@@ -120,7 +121,7 @@ def test_runs_not_moving_alert_and_are_listed(client, demo, carol):
 def test_the_oldest_job_alerts_past_twice_the_queue_sla(client, demo, carol, settings):
     settings.QUEUE_SLA_SECONDS = 10
     client.force_login(carol)
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     assert _state(client.get(URL), "oldest-queued-job") == "ok"
 
     def waited(seconds: int) -> None:
@@ -140,27 +141,27 @@ def test_the_oldest_job_alerts_past_twice_the_queue_sla(client, demo, carol, set
 
 def test_tool_errors_warn_on_few_attempts_and_alert_on_many(client, demo, carol):
     client.force_login(carol)
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"lookup_customer": ["5xx"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"lookup_customer": ["5xx"]}})
     with pytest.raises(Exception, match="503"):
         drive(run)
     assert _state(client.get(URL), "tool-error-rate-10-min") == "warn"
     snap = monitoring.snapshot()
     (lookup,) = [t for t in snap.tool_errors if t.step == "lookup_customer"]
     lookup.attempts, lookup.failed = 40, 4
-    signal = {s.title: s for s in monitoring.signals(snap)}["Tool error rate (10 min)"]
+    signal = {s.title: s for s in alerts.signals(snap)}["Tool error rate (10 min)"]
     assert signal.state == "alert" and "10% of 40" in signal.value
 
 
 def test_the_charts_count_the_last_hour(client, demo, carol):
     client.force_login(carol)
     for _ in range(2):
-        drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
-    drive(Run.submit(workflow="refund", input=REFUND)[0])  # one open card
-    charts = {chart.title: chart for chart in monitoring.charts()}
-    assert len(charts["Runs finished per minute"].values) == 60
-    assert sum(charts["Runs finished per minute"].values) == 2
-    assert charts["Runs finished per minute"].last == 2
-    assert charts["Open approval cards"].last == 1 and charts["Open approval cards"].values[0] == 0
-    assert sum(charts["Dead letters per minute"].values) == 0
+        drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
+    drive(submission.submit(workflow="refund", input=REFUND)[0])  # one open card
+    shown = {chart.title: chart for chart in charts.charts()}
+    assert len(shown["Runs finished per minute"].values) == 60
+    assert sum(shown["Runs finished per minute"].values) == 2
+    assert shown["Runs finished per minute"].last == 2
+    assert shown["Open approval cards"].last == 1 and shown["Open approval cards"].values[0] == 0
+    assert sum(shown["Dead letters per minute"].values) == 0
     body = client.get(URL).content.decode()
     assert body.count("<polyline") == 3 and "now 2, peak 2" in body

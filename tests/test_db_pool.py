@@ -17,7 +17,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from console import webserver
-from console.models import ApiToken
+from core.models import ApiToken
 from tests.conftest import ConsoleServer
 
 SHOW = (

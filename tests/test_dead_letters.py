@@ -12,10 +12,10 @@ from django.db import connection
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import Approval
-from console.models import AuditEntry
+from core.models import AuditEntry
 from demo import sandbox
 from jobs.models import DeadLetter
-from runs import dead_letters
+from runs import dead_letters, submission
 from runs.dead_letters import DeadLetterError
 from runs.models import Run, Step
 from runs.workflow import Retryable
@@ -38,7 +38,7 @@ def bob(bob, demo):
 
 def _dead_at_issue_refund() -> tuple[Run, DeadLetter]:
     """A refund refused by the payment system (a Fatal 400) after four done steps."""
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})
     run = drive(run)
     assert run.status == Run.Status.FAILED
     _job_done(run)
@@ -100,7 +100,7 @@ def test_a_requeue_is_audited(letter, carol):
 
 
 def test_a_requeue_gives_a_fresh_attempt_budget(demo, alice):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429"] * 4}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429"] * 4}})
     for attempt in range(2):
         with pytest.raises(Retryable):
             drive(run, attempts=attempt)
@@ -122,7 +122,9 @@ def test_a_requeue_gives_a_fresh_attempt_budget(demo, alice):
 
 
 def test_a_requeued_run_that_fails_again_gets_a_new_letter(demo, alice):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal", "fatal"]}})
+    run, _ = submission.submit(
+        workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal", "fatal"]}}
+    )
     run = drive(run)
     dead_letters.requeue(DeadLetter.objects.get(run_id=run.id), alice)
     run = drive(run)
@@ -149,7 +151,7 @@ def test_a_run_that_is_no_longer_failed_is_not_requeued(letter, alice):
 
 
 def test_a_run_a_person_rejected_is_not_requeued(demo, bob, alice):
-    run = drive(Run.submit(workflow="test_reject_fails", input={})[0])
+    run = drive(submission.submit(workflow="test_reject_fails", input={})[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="no")
     run = drive(run)
     letter = DeadLetter.objects.get(run_id=run.id)

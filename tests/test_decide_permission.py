@@ -1,4 +1,4 @@
-"""Approval.decide checks the actor's right to decide the card's channel itself (`console.approve_channel`, a
+"""Approval.decide checks the actor's right to decide the card's channel itself (`core.approve_channel`, a
 django-guardian object permission; a superuser holds every permission), whichever code calls it: a person without
 it gets NotAllowed (403) and nothing is written. The system (no actor: the SLA policy) still decides."""
 
@@ -12,7 +12,8 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -25,7 +26,7 @@ def demo(db):
 
 @pytest.fixture
 def card(demo) -> Approval:
-    run = drive(Run.submit(workflow="refund", input=REFUND, created_by=demo["agent"])[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND, created_by=demo["agent"])[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
 
@@ -49,19 +50,19 @@ def everything(card: Approval) -> tuple:
 
 def reviewer_of_email_only() -> User:
     user = User.objects.create_user("erin")
-    assign_perm("console.approve_channel", user, Channel.objects.get(name="email"))
+    assign_perm("core.approve_channel", user, Channel.objects.get(name="email"))
     return user
 
 
 def deactivated_reviewer() -> User:
     user = User.objects.create_user("rita", is_active=False)
-    assign_perm("console.approve_channel", user, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", user, Channel.objects.get(name="payments"))
     return user
 
 
 def operator_of_payments() -> User:
     user = User.objects.get(username="ops")  # operate_channel on every channel, approve_channel on none
-    assert user.has_perm("console.operate_channel", Channel.objects.get(name="payments"))
+    assert user.has_perm("core.operate_channel", Channel.objects.get(name="payments"))
     return user
 
 
@@ -110,7 +111,7 @@ def test_a_superuser_decides(card, demo):
 
 def test_a_member_of_a_group_that_may_approve_the_channel_decides(card):
     group = Group.objects.create(name="payments-reviewers")
-    assign_perm("console.approve_channel", group, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", group, Channel.objects.get(name="payments"))
     user = User.objects.create_user("gina")
     user.groups.add(group)
     card.decide(user, "approve", version=card.version)

@@ -5,7 +5,7 @@ from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from guardian.models import UserObjectPermission
 
-from console.models import Channel
+from core.models import Channel
 
 
 def _state():
@@ -25,11 +25,11 @@ def test_it_creates_the_demo_users_and_channels(db):
     assert set(Channel.objects.values_list("name", flat=True)) == {"payments", "email", "crm"}
     reviewer, ops, admin, outsider = (User.objects.get(username=n) for n in ("reviewer", "ops", "admin", "outsider"))
     for channel in Channel.objects.all():
-        assert reviewer.has_perm("console.approve_channel", channel)
-        assert not reviewer.has_perm("console.operate_channel", channel)
-        assert ops.has_perm("console.operate_channel", channel)
-        assert not ops.has_perm("console.approve_channel", channel)
-        assert not outsider.has_perm("console.approve_channel", channel)
+        assert reviewer.has_perm("core.approve_channel", channel)
+        assert not reviewer.has_perm("core.operate_channel", channel)
+        assert ops.has_perm("core.operate_channel", channel)
+        assert not ops.has_perm("core.approve_channel", channel)
+        assert not outsider.has_perm("core.approve_channel", channel)
     assert admin.is_superuser and admin.groups.filter(name="admin").exists()
     assert reviewer.check_password("demo")
     assert User.objects.filter(username="agent").exists()
@@ -60,7 +60,7 @@ def test_ops_can_reach_the_dead_letter_queue_in_admin(client, db):
     call_command("demo_setup", verbosity=0)
     client.force_login(User.objects.get(username="ops"))
     assert client.get("/admin/jobs/deadletter/").status_code == 200
-    assert client.get("/admin/console/channel/").status_code == 403  # staff, but not an admin
+    assert client.get("/admin/core/channel/").status_code == 403  # staff, but not an admin
 
 
 def test_the_make_run_seed_has_both_demo_workflows_with_cards_in_the_inbox(client, db):

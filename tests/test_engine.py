@@ -11,12 +11,13 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
-from console.models import Channel
+from core.models import Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import ownership
-from runs.models import IdempotencyConflict, Receipt, Run, Step
+from runs import ownership, submission
+from runs.errors import IdempotencyConflict
+from runs.models import Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
@@ -34,7 +35,7 @@ def bob(bob, demo):
 
 
 def test_a_refund_parks_for_approval_then_pays_once(demo, bob):
-    run, created = Run.submit(workflow="refund", input=REFUND)
+    run, created = submission.submit(workflow="refund", input=REFUND)
     assert created and run.status == Run.Status.QUEUED and queued_jobs(run) == 1
     run = drive(run)
     assert run.status == Run.Status.WAITING_HUMAN
@@ -53,7 +54,7 @@ def test_a_refund_parks_for_approval_then_pays_once(demo, bob):
 
 
 def test_a_small_refund_is_approved_by_itself(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     run = drive(run)
     assert run.status == Run.Status.SUCCEEDED
     assert not Approval.objects.exists()
@@ -64,7 +65,7 @@ def _with_faults(faults: dict, base=REFUND) -> dict:
 
 
 def test_an_edit_is_what_executes(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     edited = {**card.proposed, "refund": {**card.proposed["refund"], "amount_cents": 4_000}}
     card.decide(bob, "edit", payload=edited)
@@ -75,7 +76,7 @@ def test_an_edit_is_what_executes(demo, bob):
 
 
 def test_a_reject_pays_nothing_and_keeps_the_comment(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="Customer already refunded", reason="duplicate")
     run = drive(run)
     assert run.status == Run.Status.SUCCEEDED
@@ -85,7 +86,7 @@ def test_a_reject_pays_nothing_and_keeps_the_comment(demo, bob):
 
 
 def test_a_rejection_ends_the_run_in_the_transaction_that_records_it(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="Customer already refunded")
     with CaptureQueriesContext(connection) as queries:
         run = drive(run)
@@ -98,7 +99,7 @@ def test_a_rejection_ends_the_run_in_the_transaction_that_records_it(demo, bob):
 def test_a_run_left_past_a_rejected_gate_ends_there_and_never_does_what_was_refused(demo, bob):
     """What an engine that ended a rejection in a second transaction could leave behind when that second write
     failed: the gate's rejection checkpointed, the cursor on the refused action, the run queued for a retry."""
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     card.decide(bob, "reject", comment="not this customer")
     decision = {"decision": "rejected", "payload": None, "comment": "not this customer", "reason": "", "by": "bob"}
@@ -110,7 +111,7 @@ def test_a_run_left_past_a_rejected_gate_ends_there_and_never_does_what_was_refu
 
 
 def test_a_rejection_in_a_workflow_that_fails_on_reject_goes_to_the_dead_letter_queue_with_its_gate(demo, bob):
-    run = drive(Run.submit(workflow="test_reject_fails", input={})[0])
+    run = drive(submission.submit(workflow="test_reject_fails", input={})[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="no")
     run = drive(run)
     assert run.status == Run.Status.FAILED and run.error == "Fatal: rejected at ask: no"
@@ -120,7 +121,7 @@ def test_a_rejection_in_a_workflow_that_fails_on_reject_goes_to_the_dead_letter_
 
 @pytest.mark.parametrize("comment", ["", "   "])
 def test_a_reject_without_a_comment_changes_nothing(demo, bob, comment):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     with pytest.raises(InvalidDecision, match="needs a comment"):
         card.decide(bob, "reject", comment=comment)
@@ -132,7 +133,7 @@ def test_a_reject_without_a_comment_changes_nothing(demo, bob, comment):
 
 
 def test_a_second_decision_is_refused(demo, bob, alice):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     card.decide(bob, "approve", version=1)
     with pytest.raises(AlreadyDecided, match="already approved by bob"):
@@ -141,7 +142,7 @@ def test_a_second_decision_is_refused(demo, bob, alice):
 
 
 def test_a_stale_version_is_refused(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     with pytest.raises(StaleVersion):
         card.decide(bob, "approve", version=7)
@@ -150,7 +151,7 @@ def test_a_stale_version_is_refused(demo, bob):
 
 
 def test_done_steps_are_replayed_not_recomputed(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert model_calls(run) == 2
     Approval.objects.get(run=run).decide(bob, "approve")
     drive(run)
@@ -158,7 +159,7 @@ def test_done_steps_are_replayed_not_recomputed(demo, bob):
 
 
 def test_a_retryable_fault_is_retried_then_succeeds(demo):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["429", "5xx"]}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"classify": ["429", "5xx"]}, SMALL_REFUND))
     with pytest.raises(Retryable):
         drive(run, attempts=0)
     run.refresh_from_db()
@@ -172,7 +173,7 @@ def test_a_retryable_fault_is_retried_then_succeeds(demo):
 
 
 def test_a_fault_that_keeps_coming_ends_in_the_dead_letter_queue(demo):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["429"] * 5}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"classify": ["429"] * 5}, SMALL_REFUND))
     for attempt in range(2):
         with pytest.raises(Retryable):
             drive(run, attempts=attempt)
@@ -183,7 +184,7 @@ def test_a_fault_that_keeps_coming_ends_in_the_dead_letter_queue(demo):
 
 
 def test_a_fatal_fault_is_not_retried_and_is_dead_lettered(demo):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"classify": ["fatal"]}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"classify": ["fatal"]}, SMALL_REFUND))
     run = drive(run)  # no exception: nothing for the job to retry
     assert run.status == Run.Status.FAILED and run.finished_at is not None
     letter = DeadLetter.objects.get(run_id=run.id)
@@ -194,7 +195,7 @@ def test_a_fatal_fault_is_not_retried_and_is_dead_lettered(demo):
 
 
 def test_an_unclassified_error_is_retried(db):
-    run, _ = Run.submit(workflow="test_flaky", input={})
+    run, _ = submission.submit(workflow="test_flaky", input={})
     with pytest.raises(ValueError):
         drive(run, attempts=0)
     run.refresh_from_db()
@@ -203,13 +204,13 @@ def test_an_unclassified_error_is_retried(db):
 
 def test_bad_input_is_refused_before_the_run_exists(demo):
     with pytest.raises(InvalidInput) as refused:
-        Run.submit(workflow="refund", input={"customer_id": "c1"})
+        submission.submit(workflow="refund", input={"customer_id": "c1"})
     assert {e["loc"] for e in refused.value.errors} == {"input.amount_cents", "input.currency", "input.reason"}
     assert not Run.objects.exists() and not ProcrastinateJob.objects.exists()
 
 
 def test_cancel_ends_a_parked_run_and_closes_its_card(demo):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     run.cancel()
     run.refresh_from_db()
     assert run.status == Run.Status.CANCELLED
@@ -219,13 +220,13 @@ def test_cancel_ends_a_parked_run_and_closes_its_card(demo):
 
 
 def test_cancel_stops_a_running_run_between_steps(db):
-    run = drive(Run.submit(workflow="test_cancel_midway", input={})[0])
+    run = drive(submission.submit(workflow="test_cancel_midway", input={})[0])
     assert run.status == Run.Status.CANCELLED
     assert list(run.steps.values_list("name", "status")) == [("first", "done")]
 
 
 def test_a_run_pinned_to_an_undeployed_version_is_refused_and_kept(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     Run.objects.filter(pk=run.pk).update(workflow_version=99)
     run = drive(run)
     assert run.status == Run.Status.FAILED
@@ -234,7 +235,7 @@ def test_a_run_pinned_to_an_undeployed_version_is_refused_and_kept(demo):
 
 
 def test_a_changed_input_on_resume_is_an_error(demo):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     Step.objects.filter(run=run, name="approve_refund").update(status="running")
     Run.objects.filter(pk=run.pk).update(status="queued", input={**REFUND, "amount_cents": 99_999})
     run = drive(run)
@@ -243,13 +244,13 @@ def test_a_changed_input_on_resume_is_an_error(demo):
 
 
 def test_a_rejection_can_fail_the_run_when_the_workflow_says_so(demo, bob):
-    run = drive(Run.submit(workflow="test_reject_fails", input={})[0])
+    run = drive(submission.submit(workflow="test_reject_fails", input={})[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="no")
     assert drive(run).status == Run.Status.FAILED
 
 
 def test_crossing_the_cost_limit_parks_for_a_budget_decision(demo, bob):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))
     run = drive(run)
     assert run.status == Run.Status.PAUSED and "cost limit" in run.pause_reason
     card = Approval.objects.get(run=run, kind="budget")
@@ -261,7 +262,7 @@ def test_crossing_the_cost_limit_parks_for_a_budget_decision(demo, bob):
 
 
 def test_a_rejected_budget_stops_the_run(demo, bob):
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit=Decimal("0.000001"))[0])
     Approval.objects.get(run=run, kind="budget").decide(bob, "reject", comment="too expensive")
     run = drive(run)
     assert run.status == Run.Status.CANCELLED
@@ -275,11 +276,11 @@ def _jobs_consumed(*runs: Run) -> None:
 
 def test_a_tenant_at_its_cap_waits_for_a_slot_without_a_job_and_is_woken_oldest_first(demo, settings):
     settings.TENANT_MAX_RUNNING = 1
-    busy, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    busy, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     Run.objects.filter(pk=busy.pk).update(status="running", owner="another-worker")
-    first, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
-    second, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
-    other, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="globex")
+    first, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    second, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    other, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="globex")
     _jobs_consumed(busy, first, second)
 
     # Not rejected, and not re-enqueued every second: it waits, with no job, for a slot.
@@ -307,13 +308,13 @@ def test_a_killed_channel_parks_the_run_before_the_effect(demo):
     Channel.objects.filter(name="email").update(
         kill_switch_engaged=True, kill_switch_reason="bad template", kill_switch_at=timezone.now()
     )
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert run.status == Run.Status.PAUSED and "bad template" in run.pause_reason
     assert sandbox.stats()["channels"] == {"payments": 1, "email": 0, "crm": 1}
 
 
 def test_a_done_receipt_makes_the_effect_a_no_op(demo):
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     # Replay the payment step as if its checkpoint had been lost after the receipt was written.
     Step.objects.filter(run=run, name__in=["issue_refund", "notify_customer"]).delete()
     Run.objects.filter(pk=run.pk).update(status="queued", cursor=4, finished_at=None)
@@ -323,7 +324,7 @@ def test_a_done_receipt_makes_the_effect_a_no_op(demo):
 
 
 def test_an_ambiguous_payment_is_reconciled_through_the_lookup(demo):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"issue_refund": ["timeout"]}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"issue_refund": ["timeout"]}, SMALL_REFUND))
     with pytest.raises(Ambiguous):
         drive(run)
     assert Step.objects.get(run=run, name="issue_refund").status == "unknown"
@@ -335,7 +336,7 @@ def test_an_ambiguous_payment_is_reconciled_through_the_lookup(demo):
 
 
 def test_an_ambiguous_email_parks_for_a_person(demo, bob):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
     with pytest.raises(Ambiguous):
         drive(run)
     run = drive(run, attempts=1)
@@ -350,7 +351,7 @@ def test_an_ambiguous_email_parks_for_a_person(demo, bob):
 
 
 def test_every_step_is_logged_with_its_ids(demo, caplog):
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     lines = [r.msg for r in caplog.records if r.name == "runs.engine" and r.msg.get("event") == "step"]
     assert [line["step"] for line in lines] == [s.name for s in run.steps.order_by("seq")]
     for line in lines:
@@ -361,26 +362,28 @@ def test_every_step_is_logged_with_its_ids(demo, caplog):
 
 
 def test_the_same_idempotency_key_gives_the_same_run(demo):
-    first, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
-    again, created_again = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
+    first, created = submission.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
+    again, created_again = submission.submit(workflow="refund", input=REFUND, idempotency_key="order-1")
     assert created and not created_again and again.pk == first.pk
     with pytest.raises(IdempotencyConflict):
-        Run.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-1")
+        submission.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-1")
     assert Run.objects.count() == 1
 
 
 def test_idempotency_keys_are_scoped_to_their_creator(demo, bob, carol):
     """Two clients cannot collide on a key: each gets its own run, and neither learns of the other's."""
-    mine, _ = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
-    theirs, created = Run.submit(workflow="refund", input=SMALL_REFUND, idempotency_key="order-7", created_by=carol)
+    mine, _ = submission.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
+    theirs, created = submission.submit(
+        workflow="refund", input=SMALL_REFUND, idempotency_key="order-7", created_by=carol
+    )
     assert created and theirs.pk != mine.pk and theirs.created_by == carol
-    again, created = Run.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
+    again, created = submission.submit(workflow="refund", input=REFUND, idempotency_key="order-7", created_by=bob)
     assert not created and again.pk == mine.pk
     assert Run.objects.count() == 2
 
 
 def test_a_write_a_person_says_did_not_happen_is_done_once_more(demo, bob):
-    run, _ = Run.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults({"notify_customer": ["timeout"]}, SMALL_REFUND))
     with pytest.raises(Ambiguous):
         drive(run)
     run = drive(run, attempts=1)
@@ -395,7 +398,7 @@ def test_a_write_a_person_says_did_not_happen_is_done_once_more(demo, bob):
 
 def test_the_retry_budget_is_per_step(demo):
     faults = {"classify": ["429", "429"], "lookup_customer": ["5xx", "5xx"]}
-    run, _ = Run.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
     for attempt in range(4):  # the job's attempts grow across steps; each step has its own budget
         with pytest.raises(Retryable):
             drive(run, attempts=attempt)
@@ -406,7 +409,7 @@ def test_the_retry_budget_is_per_step(demo):
 
 def test_an_ambiguous_write_on_the_last_attempt_is_reconciled_not_dead_lettered(demo):
     faults = {"issue_refund": ["5xx", "5xx", "timeout"]}
-    run, _ = Run.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
+    run, _ = submission.submit(workflow="refund", input=_with_faults(faults, SMALL_REFUND))
     for attempt in range(2):
         with pytest.raises(Retryable):
             drive(run, attempts=attempt)
@@ -432,13 +435,13 @@ def test_two_effects_in_one_step_are_two_writes(demo):
         )
         return {"ids": [first["id"], second["id"]]}
 
-    run = drive(Run.submit(workflow="test_double_email", input={})[0])
+    run = drive(submission.submit(workflow="test_double_email", input={})[0])
     assert run.status == Run.Status.SUCCEEDED
     assert sandbox.stats()["channels"]["email"] == 2
     assert len(set(run.result["ids"])) == 2
 
 
 def test_a_card_copies_its_runs_workflow_and_creator(demo, carol):
-    run = drive(Run.submit(workflow="refund", input=REFUND, created_by=carol)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND, created_by=carol)[0])
     card = Approval.objects.get(run=run)
     assert (card.workflow, card.run_created_by) == ("refund", carol)

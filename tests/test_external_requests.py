@@ -17,7 +17,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals import policy
 from approvals.models import Approval, Notification
-from console.models import ApiToken, AuditEntry, Channel
+from core.models import ApiToken, AuditEntry, Channel
 from external.models import ActionRequest
 from runs.models import Receipt, Run, ShadowEffect, Step
 
@@ -159,11 +159,11 @@ def test_a_bad_request_is_refused_and_nothing_is_written(agent, fields, status, 
 
 
 def test_a_token_without_request_channel_gets_403_and_another_users_run_is_not_found(client, demo, agent):
-    remove_perm("console.request_channel", demo["agent"], Channel.objects.get(name="payments"))
+    remove_perm("core.request_channel", demo["agent"], Channel.objects.get(name="payments"))
     assert ask(agent)[0] == 403
     assert ask(agent, channel="email")[0] == 202  # its other channels still
     other = User.objects.create_user("bot")
-    assign_perm("console.request_channel", other, Channel.objects.get(name="email"))
+    assign_perm("core.request_channel", other, Channel.objects.get(name="email"))
     run_id = ActionRequest.objects.get().run_id
     status, _ = ask(Api(client, other), channel="email", run=str(run_id))
     assert status == 404
@@ -262,7 +262,7 @@ def test_a_result_before_consume_and_a_failure_without_its_error_are_refused(age
 def test_two_person_channels_need_two_approvals_before_anything_can_run(agent, reviewer, client, demo):
     Channel.objects.filter(name="payments").update(required_approvals=2)
     rita = User.objects.create_user("rita")
-    assign_perm("console.approve_channel", rita, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", rita, Channel.objects.get(name="payments"))
     request = ask(agent)[1]
     decide(reviewer, request["card_id"], "approve")
     assert agent.get(f"/api/approval-requests/{request['id']}")[1]["status"] == "pending"
@@ -308,7 +308,7 @@ def test_cancelling_the_run_cancels_its_pending_requests(agent, demo, client):
 
 def test_an_action_that_needs_no_person_has_no_card_and_still_runs_once(agent, demo):
     assert ask(agent, approval="never")[0] == 403  # only with act_unreviewed on the channel
-    assign_perm("console.act_unreviewed", demo["agent"], Channel.objects.get(name="crm"))
+    assign_perm("core.act_unreviewed", demo["agent"], Channel.objects.get(name="crm"))
     status, request = ask(agent, key="note", channel="crm", action="add_note", arguments={"text": "hi"}, schema=None,
                           display=None, approval="never")  # fmt: skip
     assert status == 202 and request["card_id"] is None and request["status"] == "approved"

@@ -13,7 +13,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from runs.models import Run
 
 HTMX = {"HX-Request": "true", "HX-Target": "inbox-rows"}
@@ -28,9 +28,9 @@ def email(db):
 @pytest.fixture
 def reviewers(bob, payments, email):
     """Bob reviews payments; Erin reviews email only."""
-    assign_perm("console.approve_channel", bob, payments)
+    assign_perm("core.approve_channel", bob, payments)
     erin = User.objects.create_user("erin", password="password")
-    assign_perm("console.approve_channel", erin, email)
+    assign_perm("core.approve_channel", erin, email)
     return {"bob": bob, "erin": erin}
 
 
@@ -206,7 +206,7 @@ def test_sla_states(client, reviewers, payments, email):
     fine = card(payments, due_in=timedelta(minutes=16))
     mail_soon = card(email, due_in=timedelta(minutes=4))
     mail_fine = card(email, due_in=timedelta(minutes=6))
-    assign_perm("console.approve_channel", reviewers["bob"], email)
+    assign_perm("core.approve_channel", reviewers["bob"], email)
     client.force_login(reviewers["bob"])
     html = client.get("/").content.decode()
     for c, state in [
@@ -229,7 +229,7 @@ def test_sla_states(client, reviewers, payments, email):
 
 @pytest.fixture
 def mixed(reviewers, payments, email):
-    assign_perm("console.approve_channel", reviewers["bob"], email)
+    assign_perm("core.approve_channel", reviewers["bob"], email)
     return [
         card(payments, risk="high", workflow="refund"),
         card(payments, risk="low", workflow="refund"),
@@ -335,7 +335,7 @@ def _queries(client, url, headers=None) -> int:
 
 @pytest.mark.parametrize("url", ["/", "/?risk=high&sla=on_time", "/?workflow=refund&channel=payments"])
 def test_a_page_costs_the_same_number_of_queries_whatever_the_number_of_cards(client, reviewers, payments, email, url):
-    assign_perm("console.approve_channel", reviewers["bob"], email)
+    assign_perm("core.approve_channel", reviewers["bob"], email)
     client.force_login(reviewers["bob"])
     for i in range(10):
         card(payments if i % 2 else email, risk=["low", "high"][i % 2], workflow=f"wf{i % 3}")
@@ -395,7 +395,7 @@ def test_bulk_reject_needs_a_comment_and_a_reason(client, reviewers, payments):
 
 
 def test_bulk_refuses_mixed_channels(client, reviewers, payments, email):
-    assign_perm("console.approve_channel", reviewers["bob"], email)
+    assign_perm("core.approve_channel", reviewers["bob"], email)
     cards = [card(payments), card(email)]
     client.force_login(reviewers["bob"])
     response = bulk(client, cards)
@@ -429,7 +429,7 @@ def test_bulk_refuses_the_cards_of_runs_the_user_started(client, reviewers, paym
 def test_bulk_reports_cards_already_decided(client, reviewers, payments):
     first, second = card(payments), card(payments)
     rita = User.objects.create_user("rita")
-    assign_perm("console.approve_channel", rita, payments)
+    assign_perm("core.approve_channel", rita, payments)
     first.decide(rita, "approve")
     client.force_login(reviewers["bob"])
     response = bulk(client, [first, second])  # `first` at the version bob saw
@@ -481,7 +481,7 @@ def test_a_card_the_user_approved_waits_for_a_second_person_elsewhere(client, re
     payments.save()
     c = card(payments)
     rita = User.objects.create_user("rita")
-    assign_perm("console.approve_channel", rita, payments)
+    assign_perm("core.approve_channel", rita, payments)
     client.force_login(reviewers["bob"])
     assert bulk(client, [c]).status_code == 200
     assert Approval.objects.get(pk=c.pk).status == "pending"

@@ -13,10 +13,10 @@ from django.db.models import Count
 from django.test import Client
 from guardian.shortcuts import assign_perm
 
-from console.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
+from core.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
 from demo import sandbox
 from demo.models import SandboxCall
-from runs import engine, ownership
+from runs import engine, ownership, submission
 from runs.models import Receipt, Run
 from runs.workflow import Park
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
@@ -49,7 +49,7 @@ def emails_per_run() -> dict:
 
 
 def submit(n: int, payload=SMALL_REFUND) -> list[Run]:
-    return [Run.submit(workflow="refund", input={**payload, "customer_id": f"cus_{i}"})[0] for i in range(n)]
+    return [submission.submit(workflow="refund", input={**payload, "customer_id": f"cus_{i}"})[0] for i in range(n)]
 
 
 # --- the engine ----------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_releasing_resumes_only_the_runs_that_switch_paused(demo, ops, bob):
     at_email = drive(at_payment)
     assert (at_email.status, at_email.paused_switch) == (Run.Status.PAUSED, "email")
 
-    budget = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit=0)[0])
+    budget = drive(submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit=0)[0])
     assert budget.status == Run.Status.PAUSED and budget.paused_switch == ""  # paused by its budget, not a switch
     channel("payments").engage_kill_switch(ops, "again")
     channel("payments").release_kill_switch(ops, "fine")
@@ -163,7 +163,7 @@ def test_releasing_resumes_only_the_runs_that_switch_paused(demo, ops, bob):
 
 def test_new_runs_are_still_accepted_while_a_switch_is_engaged(demo, ops):
     channel("email").engage_kill_switch(ops, "bad template")
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN  # work before the effect goes on: the card is waiting
 
 
@@ -250,7 +250,7 @@ def test_an_engage_waits_for_effects_past_the_check_and_stops_every_later_one(tr
     commits after it, and from then on no effect starts."""
     call_command("demo_setup", verbosity=0)
     ops = User.objects.get(username="ops")
-    run = Run.submit(workflow="refund", input=SMALL_REFUND)[0]
+    run = submission.submit(workflow="refund", input=SMALL_REFUND)[0]
     checked, finish, engaged = threading.Event(), threading.Event(), threading.Event()
 
     def effect_in_flight():
@@ -288,7 +288,9 @@ def test_an_effect_already_under_way_completes_and_none_starts_after(transaction
     the next run's email does not start."""
     call_command("demo_setup", verbosity=0)
     ops = User.objects.get(username="ops")
-    slow = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["latency:800"]}})[0]
+    slow = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["latency:800"]}})[
+        0
+    ]
     worker = _in_thread(lambda: drive(slow))
     wait_until(lambda: Receipt.objects.filter(run=slow, channel="email").exists(), timeout=10, interval=0.01)
     channel("email").engage_kill_switch(ops, "stop the emails")
@@ -357,7 +359,7 @@ def test_an_admin_sees_it_and_a_superuser_may_flip_everything(demo, alice):
 
 def test_someone_who_operates_one_channel_sees_only_that_one(demo):
     olga = User.objects.create_user("olga")
-    assign_perm("console.operate_channel", olga, channel("crm"))
+    assign_perm("core.operate_channel", olga, channel("crm"))
     page = client_for(olga).get("/channels/").content.decode()
     assert 'id="channel-crm"' in page and 'id="channel-email"' not in page
     assert page.count('name="reason"') == 1  # crm's; not the global switch
@@ -464,9 +466,9 @@ def test_the_summary_partial_refreshes_on_the_event(demo, ops):
 def test_django_admin_shows_the_global_switch_read_only(demo, alice, ops):
     GlobalKillSwitch.load().engage_kill_switch(ops, "incident")
     client = client_for(alice)
-    assert "incident" in client.get("/admin/console/globalkillswitch/").content.decode()
-    assert client.get("/admin/console/globalkillswitch/1/change/").status_code == 200
-    response = client.post("/admin/console/globalkillswitch/1/change/", {"kill_switch_engaged": ""})
+    assert "incident" in client.get("/admin/core/globalkillswitch/").content.decode()
+    assert client.get("/admin/core/globalkillswitch/1/change/").status_code == 200
+    response = client.post("/admin/core/globalkillswitch/1/change/", {"kill_switch_engaged": ""})
     assert response.status_code == 403 and GlobalKillSwitch.load().kill_switch_engaged
 
 
@@ -479,7 +481,7 @@ def test_the_page_is_a_get_and_the_flip_a_post(demo, ops):
 
 
 def bearer(user) -> dict:
-    from console.models import ApiToken
+    from core.models import ApiToken
 
     return {"Authorization": f"Bearer {ApiToken.issue(user)[1]}"}
 
@@ -614,7 +616,7 @@ def test_with_real_workers_no_email_starts_after_the_engage_commits(start_worker
     for _ in range(3):
         start_worker()
     runs = [
-        Run.submit(
+        submission.submit(
             workflow="refund",
             input={
                 **SMALL_REFUND,

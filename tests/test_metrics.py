@@ -15,10 +15,10 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from prometheus_client.parser import text_string_to_metric_families
 
 from approvals.models import Approval
-from console.models import Channel, GlobalKillSwitch
+from core.models import Channel, GlobalKillSwitch
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import dead_letters, engine
+from runs import dead_letters, engine, submission
 from runs.models import Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
@@ -50,7 +50,7 @@ def scrape(client, **extra) -> Scrape:
 
 
 def _submit(faults: dict | None = None, base=SMALL_REFUND) -> Run:
-    return Run.submit(workflow="refund", input={**base, **({"faults": faults} if faults else {})})[0]
+    return submission.submit(workflow="refund", input={**base, **({"faults": faults} if faults else {})})[0]
 
 
 # Who may scrape

@@ -20,9 +20,9 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from approvals import policy
 from approvals.models import Approval, Notification
 from approvals.tasks import send_notification
-from console.models import Channel
+from core.models import Channel
 from jobs.retry import BackoffWithJitter
-from runs.models import Run
+from runs import submission
 from tests.engine_helpers import REFUND, drive
 from tests.worker import wait_until
 
@@ -78,7 +78,7 @@ def escalated_card(**settings_changes) -> Approval:
     lena, _ = User.objects.get_or_create(username="lena", defaults={"email": "lena@example.com"})
     lena.groups.add(group)
     Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=group)
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
     assert policy.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
     card.refresh_from_db()

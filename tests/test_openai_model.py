@@ -8,9 +8,10 @@ from decimal import Decimal
 
 import pytest
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from demo.model import ScriptedModel
 from jobs.models import DeadLetter
+from runs import submission
 from runs.llm import Model, OpenAICompatibleModel, model_for_run
 from runs.models import Run, Step
 from runs.workflow import Fatal, Retryable, Workflow, register
@@ -232,7 +233,7 @@ def _retry_causes(run: Run) -> list[str]:
 def test_a_429_is_retried_then_the_run_succeeds_with_its_usage(openai_stub, db, settings):
     settings.MODEL_NAME = "gpt-4o"
     openai_stub.script(error(429), text('{"category": "damaged_item"}', prompt_tokens=2000, completion_tokens=100))
-    run, _ = Run.submit(workflow="test_asks_the_model", input={})
+    run, _ = submission.submit(workflow="test_asks_the_model", input={})
     with pytest.raises(Retryable, match="429"):
         drive(run, attempts=0)
     run = drive(run, attempts=1)
@@ -247,7 +248,7 @@ def test_a_429_is_retried_then_the_run_succeeds_with_its_usage(openai_stub, db, 
 
 def test_a_500_on_every_attempt_ends_in_the_dead_letter_queue(openai_stub, db):
     openai_stub.default = error(500)
-    run, _ = Run.submit(workflow="test_asks_the_model", input={})
+    run, _ = submission.submit(workflow="test_asks_the_model", input={})
     for attempt in range(run.max_attempts - 1):
         with pytest.raises(Retryable):
             drive(run, attempts=attempt)
@@ -261,7 +262,7 @@ def test_a_500_on_every_attempt_ends_in_the_dead_letter_queue(openai_stub, db):
 
 def test_a_400_is_dead_lettered_at_once(openai_stub, db):
     openai_stub.default = error(400, {"error": {"message": "Unknown parameter: 'response_format'."}})
-    run, _ = Run.submit(workflow="test_asks_the_model", input={})
+    run, _ = submission.submit(workflow="test_asks_the_model", input={})
     run = drive(run)  # no exception: nothing for the job to retry
     assert run.status == Run.Status.FAILED
     letter = DeadLetter.objects.get(run_id=run.id)

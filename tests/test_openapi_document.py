@@ -15,8 +15,9 @@ from django.core.management import call_command
 
 from approvals.models import Approval, Decision
 from console.api import api
-from console.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
-from console.safe_input import NOT_BLANK
+from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
+from core.safe_input import NOT_BLANK
+from runs import submission
 from runs.models import Breaker, Run
 from tests.engine_helpers import REFUND, drive
 
@@ -155,7 +156,7 @@ def test_a_run_body_the_server_takes_is_valid_in_the_document(client, demo, docu
 
 @pytest.fixture
 def card(demo) -> Approval:
-    run, _ = Run.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
+    run, _ = submission.submit(workflow="refund", input=REFUND, created_by=demo["agent"])
     drive(run)
     return Approval.objects.get(run=run)
 

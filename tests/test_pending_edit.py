@@ -15,7 +15,7 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs.models import Run
 from tests.engine_helpers import REFUND
@@ -30,7 +30,7 @@ def demo(db):
     Channel.objects.filter(name="payments").update(required_approvals=2)
     rita = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", rita, channel)
+        assign_perm("core.approve_channel", rita, channel)
     return {user.username: user for user in User.objects.all()}
 
 

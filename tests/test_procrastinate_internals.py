@@ -130,11 +130,13 @@ def test_an_sql_function_with_other_arguments_stops_a_worker(db):
 
 
 def test_an_sql_function_gone_stops_a_worker(db):
-    expected = {"procrastinate_defer_jobs_v2": ("(jobs procrastinate_job_to_defer_v2[]) -> bigint[]", "runs/outbox.py")}
+    expected = {
+        "procrastinate_defer_jobs_v2": ("(jobs procrastinate_job_to_defer_v2[]) -> bigint[]", "runs/submission.py")
+    }
 
     message = _mismatch(lambda: internals.check_database(connection, functions=expected))
 
-    assert "found no such function (used by runs/outbox.py)" in message
+    assert "found no such function (used by runs/submission.py)" in message
 
 
 def test_a_composite_type_with_other_attributes_stops_a_worker(db):

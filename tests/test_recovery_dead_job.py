@@ -12,7 +12,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from runs import recovery
+from runs import recovery, submission
 from runs.models import Run
 from tests.engine_helpers import SMALL_REFUND, queued_jobs
 from tests.worker import database_url
@@ -25,7 +25,7 @@ def demo(transactional_db):
 
 def _ownerless_run_and_its_dead_job(**job) -> tuple[Run, int]:
     """A run left `running` by a worker that died, and that worker's job of it, still `doing`."""
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
     columns = {"attempts": 0, "abort_requested": False, **job}
     with connection.cursor() as cursor:

@@ -18,6 +18,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob, ProcrastinateW
 
 from demo import sandbox
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Receipt, Run, Step
 from runs.tasks import advance_run
 from tests.engine_helpers import SMALL_REFUND, model_calls
@@ -46,7 +47,7 @@ def _requeue_as_the_old_sweep_did(job_id: int) -> None:
 
 
 def test_a_second_worker_never_pays_again_while_a_draining_worker_is_inside_a_slow_payment(demo, start_worker):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["latency:6000"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["latency:6000"]}})
     first = start_worker(WORKER_SHUTDOWN_GRACEFUL_TIMEOUT=30)
     wait_with_logs(  # the receipt is written before the call, which then takes ~6 s
         lambda: Receipt.objects.filter(run=run, channel="payments", status="pending").exists(),
@@ -69,7 +70,7 @@ def test_a_second_worker_never_pays_again_while_a_draining_worker_is_inside_a_sl
 
 
 def test_two_jobs_started_at_once_on_two_workers_execute_each_step_once(demo, start_worker):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["latency:1500"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["latency:1500"]}})
     # Two more jobs for the same run, without procrastinate's lock, so two workers can start them together.
     for _ in range(2):
         advance_run.configure(lock=None, queueing_lock=None).defer(run_id=str(run.pk))
@@ -97,7 +98,7 @@ RECOVERY_BOUND_SECONDS = 10 + 1 + 3  # sweep period + poll + the sweep's own sta
 
 
 def test_a_run_whose_worker_is_sigkilled_mid_step_resumes_elsewhere_within_the_bound(demo, start_worker):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"draft_refund": ["hang"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"draft_refund": ["hang"]}})
     doomed = start_worker(**DEFAULTS)
     wait_with_logs(
         lambda: SandboxCall.objects.filter(run_id=run.id, operation="draft_refund").exists(),

@@ -21,12 +21,13 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals import policy
 from approvals.models import Approval, SecondApproverNeeded
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
-from runs import ownership, recovery
-from runs.models import OwnershipLost, Receipt, Run, Step, TransitionRefused
+from runs import ownership, recovery, submission
+from runs.errors import OwnershipLost, TransitionRefused
+from runs.models import Receipt, Run, Step
 from runs.tasks import requeue_stalled_jobs
 from runs.workflow import Ambiguous, Retryable
 from tests.conftest import approves_every_channel
@@ -69,7 +70,7 @@ def _faults(faults: dict, base=SMALL_REFUND) -> dict:
 
 def _reconcile_card(faults_base=SMALL_REFUND) -> tuple[Run, Approval]:
     """A run whose email send timed out (maybe sent): it parks with a reconcile card."""
-    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}, faults_base))
+    run, _ = submission.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}, faults_base))
     with pytest.raises(Ambiguous):
         drive(run)
     run = drive(run, attempts=1)
@@ -81,7 +82,7 @@ def _reconcile_card(faults_base=SMALL_REFUND) -> tuple[Run, Approval]:
 
 
 def test_it_refuses_a_transition_from_a_state_the_run_is_not_in(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     with pytest.raises(TransitionRefused):
         run.resume()  # queued, not parked
     run.owner = "nobody"
@@ -91,7 +92,7 @@ def test_it_refuses_a_transition_from_a_state_the_run_is_not_in(demo):
 
 
 def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, took_over = _claim(run.pk, "job-a")
     assert claimed.owner == "job-a" and not took_over
     # Job b takes over (job a's session ended, or b would not hold the lock).
@@ -121,7 +122,7 @@ def test_a_job_whose_session_ended_writes_nothing_though_its_token_is_still_on_t
     from runs.workflow import Usage
 
     call_command("demo_setup", verbosity=0)
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     connection.close()  # the session ends: PostgreSQL releases the run's lock
     writes = {
@@ -162,7 +163,7 @@ def _step_fields(**overrides) -> dict:
 def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo, django_assert_num_queries):
     from runs.workflow import Usage
 
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     usage = Usage(counted_for=(claimed, "classify"))
     usage.add(10, 5, Decimal("0.0000015"))  # counted on the run as the model answered (ModelUsage)
@@ -198,7 +199,7 @@ def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_
 
     from runs.workflow import Usage
 
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     Step.objects.create(
         run=run,
@@ -231,9 +232,9 @@ def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_w
     from runs.workflow import Usage
 
     settings.TENANT_MAX_RUNNING = 1
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     claimed, _ = _claim(run.pk, "job-a")
-    waiting, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    waiting, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     assert _claim(waiting.pk, "job-b") == (None, False)  # no slot: it waits
     ProcrastinateJob.objects.filter(lock=f"run:{waiting.pk}").delete()
     # A job that lost the run finishes nothing and writes no step.
@@ -273,7 +274,7 @@ def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_w
 def test_a_cancel_committed_while_the_last_step_ran_ends_the_run_cancelled_in_its_checkpoint(demo):
     from runs.workflow import Usage
 
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     Run.objects.get(pk=run.pk).cancel()
     with transaction.atomic():
@@ -289,7 +290,7 @@ def test_a_cancel_committed_while_the_last_step_ran_ends_the_run_cancelled_in_it
 
 
 def test_a_run_ends_with_its_last_steps_checkpoint_not_a_finish_of_its_own(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     with CaptureQueriesContext(connection) as queries:
         assert drive(run).status == Run.Status.SUCCEEDED
     assert not any(q["sql"].lstrip().startswith("WITH done AS") for q in queries.captured_queries)
@@ -297,7 +298,7 @@ def test_a_run_ends_with_its_last_steps_checkpoint_not_a_finish_of_its_own(demo)
 
 
 def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm_does(demo, django_assert_num_queries):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme", cost_limit=Decimal("1.5"))
     # The row lock with the tenant's lock and the step rows, then the conditional start, in one query string (and,
     # in this test's transaction, a savepoint and its release where a worker has BEGIN and COMMIT).
     with connection.cursor() as cursor:
@@ -326,7 +327,7 @@ def test_the_claim_and_the_finish_are_few_statements_and_read_the_run_as_the_orm
 def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, monkeypatch, django_assert_num_queries):
     # With server-side binding (DATABASES OPTIONS), one query string cannot hold two statements.
     monkeypatch.setattr("runs.models.psycopg.ClientCursor", type("NotThisCursor", (), {}))
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     with connection.cursor() as cursor:
         _lock(cursor, run.pk)
     with django_assert_num_queries(3 + 2):  # the row, the start, the step rows: three statements
@@ -338,14 +339,14 @@ def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, mon
     with transaction.atomic():  # the last checkpoint's wake-up count, on its own too
         claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result=None)
     assert Run.objects.values_list("status", "cursor").get(pk=run.pk) == ("succeeded", 1)
-    cancelled, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    cancelled, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     Run.objects.filter(pk=cancelled.pk).update(cancel_requested=True)
     assert _claim(cancelled.pk, "job-b") == (None, False)
     assert Run.objects.get(pk=cancelled.pk).status == "cancelled"
 
 
 def test_a_running_run_must_have_an_owner(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     from django.db import IntegrityError
 
     with transaction.atomic(), pytest.raises(IntegrityError):
@@ -356,7 +357,7 @@ def test_a_running_run_must_have_an_owner(demo):
 
 
 def test_a_decided_gate_is_replayed_from_its_card_even_if_the_gate_would_now_decide_otherwise(demo, bob, settings):
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     Approval.objects.get(run=run).decide(bob, "reject", comment="not this customer")
     # A deploy raises the auto-approve amount above this refund before the run resumes.
     settings.AUTO_APPROVE_CENTS = 10**9
@@ -392,7 +393,7 @@ def test_on_a_two_person_channel_it_did_not_happen_needs_two_people(demo, bob, a
 
 
 def test_a_retryable_failure_of_an_effect_with_a_lookup_keeps_its_receipt_and_asks_first(demo):
-    run, _ = Run.submit(workflow="refund", input=_faults({"issue_refund": ["5xx"]}))
+    run, _ = submission.submit(workflow="refund", input=_faults({"issue_refund": ["5xx"]}))
     with pytest.raises(Retryable):
         drive(run)
     receipt = Receipt.objects.get(run=run, channel="payments")
@@ -404,7 +405,7 @@ def test_a_retryable_failure_of_an_effect_with_a_lookup_keeps_its_receipt_and_as
 
 
 def test_a_retryable_failure_of_an_effect_without_a_lookup_forgets_its_receipt(demo):
-    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["5xx"]}))
+    run, _ = submission.submit(workflow="refund", input=_faults({"notify_customer": ["5xx"]}))
     with pytest.raises(Retryable):
         drive(run)
     assert not Receipt.objects.filter(run=run, channel="email").exists()
@@ -414,7 +415,7 @@ def test_a_retryable_failure_of_an_effect_without_a_lookup_forgets_its_receipt(d
 
 def test_a_park_is_not_an_attempt(demo, carol):
     payments = Channel.objects.get(name="payments")
-    run, _ = Run.submit(workflow="refund", input=_faults({"issue_refund": ["429", "429"]}))
+    run, _ = submission.submit(workflow="refund", input=_faults({"issue_refund": ["429", "429"]}))
     for _ in range(2):  # parked twice by the switch...
         payments.engage_kill_switch(carol, "incident")
         assert drive(run).status == Run.Status.PAUSED
@@ -429,28 +430,28 @@ def test_a_park_is_not_an_attempt(demo, carol):
 
 
 def test_the_jobs_last_attempt_sends_the_run_to_the_dead_letter_queue_not_back_to_the_queue(demo):
-    run, _ = Run.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}))
+    run, _ = submission.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}))
     run = drive(run, attempts=9)  # the retry strategy's backstop: no 10th attempt would come
     assert run.status == Run.Status.FAILED
     assert DeadLetter.objects.get(run_id=run.id).error_class == "Ambiguous"
 
 
 def test_a_cancel_requested_while_a_step_ran_wins_over_its_park(demo):
-    run = drive(Run.submit(workflow="test_cancel_then_gate", input={})[0])
+    run = drive(submission.submit(workflow="test_cancel_then_gate", input={})[0])
     assert run.status == Run.Status.CANCELLED
     assert not Approval.objects.filter(run=run, status__in=Approval.OPEN).exists()
 
 
 def test_a_cancel_committed_while_a_step_ran_stops_its_effect_before_it_starts(demo):
     tests.workflows.cancel_then_effect_calls.clear()
-    run = drive(Run.submit(workflow="test_cancel_then_effect", input={})[0])
+    run = drive(submission.submit(workflow="test_cancel_then_effect", input={})[0])
     assert (run.status, run.result) == (Run.Status.CANCELLED, {"outcome": "cancelled"})
     assert tests.workflows.cancel_then_effect_calls == [] and not Receipt.objects.filter(run=run).exists()
 
 
 def test_an_effect_inside_the_steps_own_transaction_is_refused(demo):
     tests.workflows.effect_in_atomic_calls.clear()
-    run = drive(Run.submit(workflow="test_effect_in_atomic", input={})[0])
+    run = drive(submission.submit(workflow="test_effect_in_atomic", input={})[0])
     assert run.status == Run.Status.FAILED and "inside transaction.atomic()" in run.error
     assert tests.workflows.effect_in_atomic_calls == [] and not Receipt.objects.exists()
 
@@ -467,7 +468,7 @@ def _retry_causes(run: Run) -> list[str]:
 
 
 def test_the_sweep_gives_a_job_to_a_queued_run_that_has_none(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()  # lost, e.g. with a restored backup
     assert recovery.sweep() == {"owner_gone": 0, "no_job": 0}  # too recent to suspect
     _age(run)
@@ -479,9 +480,9 @@ def test_the_sweep_gives_a_job_to_a_queued_run_that_has_none(demo):
 
 def test_the_sweep_wakes_only_as_many_waiting_runs_as_their_tenant_has_free_slots(demo, settings):
     settings.TENANT_MAX_RUNNING = 2
-    busy, _ = Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
+    busy, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     Run.objects.filter(pk=busy.pk).update(status=Run.Status.RUNNING, owner="alive")
-    waiting = [Run.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")[0] for _ in range(3)]
+    waiting = [submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")[0] for _ in range(3)]
     ProcrastinateJob.objects.filter(lock__in=[f"run:{run.pk}" for run in [busy, *waiting]]).delete()
     Run.objects.filter(pk__in=[run.pk for run in waiting]).update(waiting_for_slot_since=timezone.now())
     for run in waiting:
@@ -496,7 +497,7 @@ def test_the_sweep_wakes_only_as_many_waiting_runs_as_their_tenant_has_free_slot
 
 
 def test_the_sweep_requeues_a_running_run_whose_owner_is_gone_and_frees_its_dead_job(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
     with connection.cursor() as cursor:  # the dead worker's job, still `doing`
         cursor.execute(
@@ -514,7 +515,7 @@ def test_the_sweep_requeues_a_running_run_whose_owner_is_gone_and_frees_its_dead
 
 
 def test_the_sweep_leaves_a_run_whose_owner_holds_its_lock_however_old_it_looks(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     Run.objects.filter(pk=run.pk).update(
         status=Run.Status.RUNNING, owner="slow-but-alive", updated_at=timezone.now() - timedelta(hours=1)
     )
@@ -527,7 +528,7 @@ def test_the_sweep_leaves_a_run_whose_owner_holds_its_lock_however_old_it_looks(
 
 
 def test_a_job_that_finds_the_run_locked_by_a_live_session_leaves_it_and_tries_again_later(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     ProcrastinateJob.objects.filter(lock=f"run:{run.pk}").delete()
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as other:
         _lock(other, run.pk)
@@ -581,7 +582,7 @@ def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
     call_command("demo_setup", verbosity=0)
     errors: list[BaseException] = []
     for _ in range(8):
-        run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+        run = drive(submission.submit(workflow="refund", input=REFUND)[0])
         card = Approval.objects.get(run=run)
         start = threading.Barrier(2)
 
@@ -607,8 +608,8 @@ def test_a_cancel_and_a_decision_at_the_same_moment_do_not_deadlock(bob):
 
 
 def test_the_sweep_recovers_every_ownerless_run_oldest_first_past_its_batch(demo):
-    live, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
-    gone = [Run.submit(workflow="refund", input=SMALL_REFUND)[0] for _ in range(5)]
+    live, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
+    gone = [submission.submit(workflow="refund", input=SMALL_REFUND)[0] for _ in range(5)]
     for age, run in enumerate([live, *gone]):
         Run.objects.filter(pk=run.pk).update(
             status=Run.Status.RUNNING, owner=f"owner-{age}", created_at=timezone.now() - timedelta(hours=10 - age)

@@ -15,7 +15,8 @@ from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
@@ -26,13 +27,13 @@ XSS = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
 def world(db, alice, bob, carol, dave):
     """Bob reviews payments, Erin reviews email only, Frank starts runs, Dave has a run of his own."""
     call_command("demo_setup", verbosity=0)
-    assign_perm("console.approve_channel", bob, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", bob, Channel.objects.get(name="payments"))
     erin = User.objects.create_user("erin")
-    assign_perm("console.approve_channel", erin, Channel.objects.get(name="email"))
+    assign_perm("core.approve_channel", erin, Channel.objects.get(name="email"))
     frank = User.objects.create_user("frank")
-    parked = drive(Run.submit(workflow="refund", input={**REFUND, "reason": XSS}, created_by=frank)[0])
+    parked = drive(submission.submit(workflow="refund", input={**REFUND, "reason": XSS}, created_by=frank)[0])
     assert parked.status == Run.Status.WAITING_HUMAN
-    daves = drive(Run.submit(workflow="refund", input=SMALL_REFUND, created_by=dave)[0])
+    daves = drive(submission.submit(workflow="refund", input=SMALL_REFUND, created_by=dave)[0])
     assert daves.status == Run.Status.SUCCEEDED
     users = {"alice": alice, "bob": bob, "carol": carol, "dave": dave, "erin": erin, "frank": frank}
     return {"users": users, "parked": parked, "daves": daves}

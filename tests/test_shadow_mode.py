@@ -14,8 +14,9 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from approvals.models import Approval, Decision
-from console.models import ApiToken, AuditEntry, Channel
+from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
+from runs import submission
 from runs.models import Receipt, Run, ShadowEffect
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
@@ -44,7 +45,7 @@ def shadow_channel(name: str, on: bool = True) -> None:
 
 
 def park(demo, input: dict = REFUND) -> Approval:
-    run = drive(Run.submit(workflow="refund", input=input, created_by=demo["agent"])[0])
+    run = drive(submission.submit(workflow="refund", input=input, created_by=demo["agent"])[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.get(run=run)
 
@@ -138,7 +139,7 @@ def test_it_driving_a_finished_shadow_run_again_records_nothing_more(client, rev
 
 
 def test_it_an_auto_approved_shadow_run_records_its_effects_too(demo, shadow_refunds):
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert run.status == Run.Status.SUCCEEDED and not Approval.objects.exists()
     assert ShadowEffect.objects.filter(run=run).count() == 2
     assert sent() == {"payments": 0, "email": 0, "crm": 1}  # reads are not effects: the agent still reads
@@ -170,7 +171,7 @@ def test_it_a_channel_not_in_shadow_is_unaffected(client, reviewer, demo):
 
 def test_it_turning_shadow_off_makes_new_effects_real(client, reviewer, demo, settings):
     settings.SHADOW_WORKFLOWS = frozenset({"refund"})
-    first = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    first = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert first.status == Run.Status.SUCCEEDED and sent()["payments"] == 0
 
     card = park(demo)  # opened in shadow: it stays a shadow card
@@ -185,17 +186,17 @@ def test_it_turning_shadow_off_makes_new_effects_real(client, reviewer, demo, se
     assert list(ShadowEffect.objects.filter(run=run).values_list("channel", flat=True)) == ["payments"]
     assert ShadowEffect.objects.filter(run=first).count() == 2  # what was shadowed stays a record
 
-    later = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "customer_id": "cus_2"})[0])
+    later = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "customer_id": "cus_2"})[0])
     assert later.status == Run.Status.SUCCEEDED and sent()["payments"] == 1  # a new run's effects are real
 
 
 def test_it_turning_a_channel_out_of_shadow_makes_its_new_effects_real(demo):
     shadow_channel("payments")
-    drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert sent()["payments"] == 0 and sent()["email"] == 1
 
     shadow_channel("payments", on=False)
-    later = drive(Run.submit(workflow="refund", input={**SMALL_REFUND, "customer_id": "cus_2"})[0])
+    later = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "customer_id": "cus_2"})[0])
     assert later.status == Run.Status.SUCCEEDED and sent()["payments"] == 1
     assert not ShadowEffect.objects.filter(run=later).exists()
 
@@ -203,7 +204,7 @@ def test_it_turning_a_channel_out_of_shadow_makes_its_new_effects_real(demo):
 def test_it_kill_switches_still_stop_shadow_effects(demo, shadow_refunds):
     payments = Channel.objects.get(name="payments")
     payments.engage_kill_switch(demo["ops"], "incident")
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert run.status == Run.Status.PAUSED and not ShadowEffect.objects.exists()
 
     payments.release_kill_switch(demo["ops"], "all clear")
@@ -227,7 +228,7 @@ def test_it_a_shadow_effect_cut_off_before_its_receipt_completes_finishes_withou
         return real_complete(self, response, **kwargs)
 
     monkeypatch.setattr(Receipt, "complete", complete_once_cut)
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     with pytest.raises(ConnectionError):
         drive(run)
     assert Receipt.objects.get(key=cut[0]).status == Receipt.Status.PENDING
@@ -363,7 +364,7 @@ def test_it_shows_the_agreement_rate_per_workflow_and_rule(client, demo, shadow_
         _answer(client, park(demo, {**REFUND, "customer_id": f"cus_{n}"}), agreement, rule)
     park(demo, {**REFUND, "customer_id": "cus_open"})  # an open card has no answer yet
     not_shadow = Approval.objects.create(
-        run=Run.submit(workflow="refund", input={**REFUND, "customer_id": "cus_x"})[0],
+        run=submission.submit(workflow="refund", input={**REFUND, "customer_id": "cus_x"})[0],
         step_seq=3,
         channel=Channel.objects.get(name="payments"),
         proposed={},
@@ -387,7 +388,7 @@ def test_it_shows_the_agreement_rate_per_workflow_and_rule(client, demo, shadow_
 
 
 def test_it_counts_the_effects_shadow_mode_kept(client, demo, shadow_refunds):
-    drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     client.force_login(demo["ops"])
     assert "effects recorded instead of sent: email 1, payments 1." in client.get("/dashboard/").content.decode()
     metrics = client.get("/metrics", REMOTE_ADDR="127.0.0.1").content.decode()
@@ -397,7 +398,7 @@ def test_it_counts_the_effects_shadow_mode_kept(client, demo, shadow_refunds):
 def test_it_lets_admins_put_a_channel_in_shadow(client, demo):
     client.force_login(demo["admin"])
     channel = Channel.objects.get(name="payments")
-    url = f"/admin/console/channel/{channel.pk}/change/"
+    url = f"/admin/core/channel/{channel.pk}/change/"
     form = client.get(url).context["adminform"].form
     data = {name: form[name].value() for name in form.fields if form[name].value() is not None}
     data.update(shadow="on", sla="01:00:00")

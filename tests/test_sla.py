@@ -16,8 +16,9 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from approvals import policy
 from approvals.models import AlreadyDecided, Approval, Decision, Notification
 from approvals.tasks import card_due, sla_sweep
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo import sandbox
+from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
@@ -50,7 +51,7 @@ def payments(**changes) -> Channel:
 
 
 def parked_card() -> Approval:
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return Approval.objects.select_related("channel").get(run=run)
 

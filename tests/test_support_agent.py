@@ -12,6 +12,7 @@ from django.core.management import call_command
 from approvals.models import Approval
 from demo import sandbox
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
@@ -31,7 +32,9 @@ def bob(bob, demo):
 
 
 def submit(message: str, **extra) -> Run:
-    run, created = Run.submit(workflow="support_agent", input={"customer_id": CUSTOMER, "message": message, **extra})
+    run, created = submission.submit(
+        workflow="support_agent", input={"customer_id": CUSTOMER, "message": message, **extra}
+    )
     assert created
     return run
 

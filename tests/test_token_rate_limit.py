@@ -12,7 +12,7 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
-from runs import ratelimit
+from runs import ratelimit, submission
 from runs.models import ModelUsage, Run, TenantThrottle
 from runs.workflow import Retryable
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls
@@ -30,7 +30,7 @@ def limited(settings):
 
 
 def _submit(tenant: str) -> Run:
-    return Run.submit(workflow="refund", input=SMALL_REFUND, tenant=tenant)[0]
+    return submission.submit(workflow="refund", input=SMALL_REFUND, tenant=tenant)[0]
 
 
 def _take_job(run: Run) -> Run:
@@ -111,7 +111,7 @@ def test_the_dashboard_and_metrics_show_who_is_throttled(demo, limited, client, 
 def test_a_failed_attempts_tokens_count_against_the_rate_and_the_runs_cost(demo, settings):
     """A model call that answered, in a step that then failed, spent its tokens: they count against the tenant's
     rate and the run's totals (which its cost limit reads), and its step shows both attempts' usage."""
-    run = Run.submit(workflow="test_spend_then_fail", input={}, tenant="acme")[0]
+    run = submission.submit(workflow="test_spend_then_fail", input={}, tenant="acme")[0]
     with pytest.raises(Retryable):
         drive(run)
     failed = Run.objects.get(pk=run.pk)
@@ -131,7 +131,7 @@ def test_a_failed_attempts_tokens_count_against_the_rate_and_the_runs_cost(demo,
 def test_a_lost_attempts_tokens_count_too(demo):
     """The job lost the run between the model's answer and its checkpoint (which is refused): the tokens were
     spent all the same, and count against the run's cost and its tenant's rate."""
-    run = drive(Run.submit(workflow="test_spend_then_lose", input={}, tenant="acme")[0])
+    run = drive(submission.submit(workflow="test_spend_then_lose", input={}, tenant="acme")[0])
     assert run.owner == "another-job" and not run.steps.exists()  # nothing of the step was written
     assert run.tokens_in > 0 and run.cost > 0
     assert ratelimit.tokens_used("acme") == run.tokens_in + run.tokens_out

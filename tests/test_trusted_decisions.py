@@ -14,9 +14,10 @@ from guardian.shortcuts import assign_perm
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from approvals.models import Approval, Decision
-from console.models import Channel
+from core.models import Channel
 from demo import sandbox
 from demo.model import ScriptedModel
+from runs import submission
 from runs.gates import ApprovalRequest
 from runs.models import Run
 from runs.workflow import Display, Workflow, register
@@ -29,12 +30,12 @@ def demo(db):
     call_command("demo_setup", verbosity=0)
     rita = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", rita, channel)
+        assign_perm("core.approve_channel", rita, channel)
     return {user.username: user for user in User.objects.all()}
 
 
 def parked_refund(amount_cents: int = 12_500) -> tuple[Run, Approval]:
-    run = drive(Run.submit(workflow="refund", input={**REFUND, "amount_cents": amount_cents})[0])
+    run = drive(submission.submit(workflow="refund", input={**REFUND, "amount_cents": amount_cents})[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return run, Approval.objects.get(run=run)
 
@@ -154,7 +155,7 @@ def test_an_allowed_edit_is_what_executes(client, demo):
 
 def test_a_budget_edit_is_bounded_by_the_spent_cost_and_the_ceiling(client, demo, settings):
     settings.BUDGET_CEILING = 5
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND, cost_limit="0.000001")[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND, cost_limit="0.000001")[0])
     card = Approval.objects.get(run=run, kind="budget")
     before = snapshot(card)
     for limit in ["0", "6", "abc", "NaN", "-1", 4.5]:
@@ -166,7 +167,7 @@ def test_a_budget_edit_is_bounded_by_the_spent_cost_and_the_ceiling(client, demo
 
 
 def test_a_reconcile_card_is_not_edited(client, demo):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["timeout"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"notify_customer": ["timeout"]}})
     with pytest.raises(Exception):  # noqa: B017 - the ambiguous write, retried by the job
         drive(run)
     run = drive(run, attempts=1)
@@ -181,7 +182,7 @@ def test_an_edit_holding_an_awkward_float_leaves_the_audit_log_verifiable(client
     it also rewrites, is refused at the API, beyond ±2**53: tests/test_bad_input.py.)"""
     import tests.workflows  # noqa: F401 - registers test_float_gate
 
-    run = drive(Run.submit(workflow="test_float_gate", input={})[0])
+    run = drive(submission.submit(workflow="test_float_gate", input={})[0])
     card = Approval.objects.get(run=run)
     response = decide(client, demo["reviewer"], card, decision="edit", comment="", payload={"factor": number})
     assert response.status_code == 200, response.content
@@ -275,14 +276,14 @@ def test_a_small_refund_whose_draft_does_not_match_the_request_asks_a_person(dem
         return answer
 
     monkeypatch.setattr(ScriptedModel, "_draft_refund", tampered)
-    run = drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN
     assert Approval.objects.filter(run=run, status="pending").exists()
     assert sandbox.stats()["channels"]["payments"] == 0
 
 
 def test_a_small_refund_that_matches_the_request_is_approved_by_itself(demo):
-    assert drive(Run.submit(workflow="refund", input=SMALL_REFUND)[0]).status == Run.Status.SUCCEEDED
+    assert drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0]).status == Run.Status.SUCCEEDED
 
 
 # --- a user's own workflow --------------------------------------------------------------------------------------
@@ -325,7 +326,7 @@ def approve_invoice(ctx):
 
 
 def test_a_second_workflows_card_shows_its_headline_and_amount_and_allows_only_its_declared_edits(client, demo):
-    run = drive(Run.submit(workflow="test_pay_invoice", input={})[0])
+    run = drive(submission.submit(workflow="test_pay_invoice", input={})[0])
     card = Approval.objects.get(run=run)
     assert (card.headline, card.amount_minor, card.currency) == ("Acme Ltd", 420_000, "GBP")
 

@@ -10,8 +10,9 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
-from console.models import ApiToken, AuditEntry, Channel
+from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
+from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
 
@@ -27,12 +28,12 @@ def demo(db):
 def rita(demo):
     user = User.objects.create_user("rita")
     for channel in Channel.objects.all():
-        assign_perm("console.approve_channel", user, channel)
+        assign_perm("core.approve_channel", user, channel)
     return user
 
 
 def parked() -> tuple[Run, Approval]:
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return run, Approval.objects.get(run=run)
 
@@ -113,7 +114,7 @@ def test_a_one_approval_channel_is_unchanged(demo):
 
 
 def test_nobody_decides_a_card_of_a_run_they_started(demo):
-    run, _ = Run.submit(workflow="refund", input=REFUND, created_by=demo["reviewer"])
+    run, _ = submission.submit(workflow="refund", input=REFUND, created_by=demo["reviewer"])
     run = drive(run)
     card = Approval.objects.get(run=run)
     with pytest.raises(NotAllowed, match="someone else"):

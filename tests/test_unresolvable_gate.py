@@ -17,9 +17,10 @@ from django.utils import timezone
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.models import Approval, Decision, DecisionError
-from console.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
+from runs import submission
 from runs.models import Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
@@ -33,7 +34,7 @@ def demo(db):
 
 
 def parked_refund() -> tuple[Run, Approval]:
-    run = drive(Run.submit(workflow="refund", input=REFUND)[0])
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return run, Approval.objects.get(run=run)
 
@@ -121,7 +122,7 @@ def bob(bob, agent):
 def parked_payment() -> tuple[Run, Approval]:
     call = {"calls": [["pay", {"customer_id": "c1", "amount_cents": 5_000, "note": "late"}]], "say": "It was late."}
     script = [call, {"answer": "done"}]
-    run = drive(Run.submit(workflow="test_agent", input={"message": "my order never came", "script": script})[0])
+    run = drive(submission.submit(workflow="test_agent", input={"message": "my order never came", "script": script})[0])
     assert run.status == Run.Status.WAITING_HUMAN
     return run, Approval.objects.get(run=run)
 

@@ -22,9 +22,10 @@ from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console import webhook_signing
+from core import webhook_signing
 from demo import sandbox
 from demo.models import SandboxCall
+from runs import submission
 from runs.models import Run, WebhookDelivery
 from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
 
@@ -182,7 +183,7 @@ def test_a_copy_sent_while_the_first_is_uncommitted_waits_for_it_and_answers_wit
     data = json.dumps(SMALL_REFUND).encode()
     headers = signed(data, delivery_id="dlv-held")
     inserted, release = threading.Event(), threading.Event()
-    submit = Run.submit
+    submit = submission.submit
 
     def held_submit(**kwargs):
         result = submit(**kwargs)
@@ -191,7 +192,7 @@ def test_a_copy_sent_while_the_first_is_uncommitted_waits_for_it_and_answers_wit
             assert release.wait(30)
         return result
 
-    monkeypatch.setattr(Run, "submit", staticmethod(held_submit))
+    monkeypatch.setattr(submission, "submit", held_submit)
     answers: dict[str, tuple[int, dict]] = {}
 
     def post() -> None:
@@ -713,7 +714,7 @@ def test_a_secret_that_is_no_key_is_refused(secret):
 
 
 def test_a_delivery_id_is_unique_per_source(demo):
-    run, _ = Run.submit(workflow="refund", input=SMALL_REFUND)
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     WebhookDelivery.objects.create(source="demo", delivery_id="x", status="accepted", run=run)
     WebhookDelivery.objects.create(source="other", delivery_id="x", status="refused")
 

@@ -17,6 +17,7 @@ from approvals.models import Approval
 from demo import sandbox
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
+from runs import submission
 from runs.models import Receipt, Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, model_calls
@@ -51,7 +52,7 @@ def _kill_while_blocked(start_worker, run_input: dict, system: str, operation: s
     """Start a worker, wait until `operation` has reached `system` (the call is applied and now blocks),
     SIGKILL the worker there. Returns the run and the dead worker."""
     worker = start_worker()
-    run, _ = Run.submit(workflow="refund", input=run_input)
+    run, _ = submission.submit(workflow="refund", input=run_input)
     wait_with_logs(lambda: _calls(run, system, operation) == 1, f"{system}.{operation} to be called", [worker])
     time.sleep(0.2)  # well inside the 120 s hang: the worker is blocked in the call
     assert worker.proc.poll() is None, worker_logs([worker])

@@ -16,6 +16,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from demo import sandbox
 from jobs.models import DeadLetter
+from runs import submission
 from runs.models import Receipt, Run, Step
 from tests.engine_helpers import SMALL_REFUND, model_calls, queued_jobs
 from tests.worker import FAST_WORKER_ENV, settles_as, wait_with_logs, worker_logs
@@ -44,7 +45,7 @@ def _status(run: Run) -> str:
     ],
 )
 def test_sigterm_mid_step_requeues_the_run_and_another_worker_finishes_it(demo, start_worker, step, checkpointed):
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {step: ["latency:1500"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {step: ["latency:1500"]}})
     first = start_worker()
     # The steps before it are checkpointed and the run is running: the worker is now inside the 1.5 s call.
     wait_with_logs(

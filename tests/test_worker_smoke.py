@@ -5,6 +5,7 @@ from django.core.management import call_command
 
 from approvals.models import Approval
 from demo import sandbox
+from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND
@@ -17,7 +18,7 @@ def test_a_real_worker_parks_and_finishes_a_refund(start_worker, bob):
     call_command("demo_setup", verbosity=0)
     approves_every_channel(bob)
     start_worker()
-    run, _ = Run.submit(workflow="refund", input=REFUND)
+    run, _ = submission.submit(workflow="refund", input=REFUND)
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN, message="the gate")
     Approval.objects.get(run=run).decide(bob, "approve")
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED, message="the run to finish")
@@ -32,7 +33,7 @@ def test_a_real_worker_retries_a_retryable_fault_with_backoff_then_succeeds(star
 
     call_command("demo_setup", verbosity=0)
     start_worker()
-    run, _ = Run.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429", "5xx"]}})
+    run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429", "5xx"]}})
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED, message="the run to finish")
     assert Step.objects.get(run=run, name="classify").attempt == 3
     job = ProcrastinateJob.objects.get(lock=f"run:{run.id}", task_name="advance_run")

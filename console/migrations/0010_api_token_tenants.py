@@ -2,7 +2,7 @@
 
 from django.db import migrations, models
 
-import console.models
+import core.models
 
 
 class Migration(migrations.Migration):
@@ -15,7 +15,7 @@ class Migration(migrations.Migration):
             model_name="apitoken",
             name="tenants",
             field=models.JSONField(
-                default=console.models._default_tenants,
+                default=core.models._default_tenants,
                 help_text="The tenants (a list) this token may start runs for; '*' means any.",
             ),
         ),

@@ -36,7 +36,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from console.models import Channel, Role
+from core.models import Channel, Role
 from demo.models import SandboxCall
 from runs.models import Run, Step
 from tests.conftest import ConsoleServer, _free_port
@@ -462,7 +462,7 @@ def system(_console_env, system_env, transactional_db, tmp_path):
     call_command("demo_setup", verbosity=0)
     rita = User.objects.create_user("rita")
     rita.groups.add(Group.objects.get(name=Role.REVIEWER))
-    assign_perm("console.approve_channel", rita, Channel.objects.get(name="payments"))
+    assign_perm("core.approve_channel", rita, Channel.objects.get(name="payments"))
 
     env = {
         **{k: v for k, v in _console_env.items() if not k.startswith("STALLED_SWEEP_")},

@@ -22,7 +22,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from console.models import AuditEntry
+from core.models import AuditEntry
 from jobs.models import DeadLetter
 from runs.models import Run, Step
 from tests.system.conftest import (

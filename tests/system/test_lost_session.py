@@ -18,7 +18,7 @@ import pytest
 from django.db import connection
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent in this process too
-from console.models import AuditEntry
+from core.models import AuditEntry
 from demo.models import SandboxCall
 from runs import ownership
 from runs.models import Run

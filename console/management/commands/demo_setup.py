@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from guardian.shortcuts import assign_perm
 
-from console.models import Channel, Role
+from core.models import Channel, Role
 
 DEMO_CHANNELS = {
     "payments": "Refunds and payouts (fake payment system)",
@@ -55,4 +55,4 @@ class Command(BaseCommand):
         user.groups.add(*Group.objects.filter(name__in=roles))
         for channel_perm in channel_perms:
             for channel in channels:
-                assign_perm(f"console.{channel_perm}", user, channel)
+                assign_perm(f"core.{channel_perm}", user, channel)

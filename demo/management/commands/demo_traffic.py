@@ -6,7 +6,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.models import Run
+from runs import submission
 
 WORKFLOWS = ("refund", "support_agent", "all")
 
@@ -70,6 +70,6 @@ class Command(BaseCommand):
                 run_input = {"customer_id": customer_id, "message": message.format(amount=f"{amount / 100:.2f}")}
                 if rng.random() < 0.5:  # some customers name the order
                     run_input["order_id"] = f"ord_{customer_id[-4:]}{rng.randrange(1, 3)}"
-            Run.submit(workflow=name, input=run_input, created_by=agent, tenant=tenant)
+            submission.submit(workflow=name, input=run_input, created_by=agent, tenant=tenant)
         if options["verbosity"] > 0:
             self.stdout.write(f"Submitted {runs} {'demo' if workflow == 'all' else workflow} runs.")

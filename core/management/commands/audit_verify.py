@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
-from console.models import AuditEntry, HashScheme, audit_hmac_key, audit_key_id
+from core.models import AuditEntry, HashScheme, audit_hmac_key, audit_key_id
 
 
 class Command(BaseCommand):

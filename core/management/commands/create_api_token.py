@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from console.models import ApiToken
+from core.models import ApiToken
 
 
 class Command(BaseCommand):

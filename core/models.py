@@ -18,7 +18,7 @@ from django.utils import timezone
 
 
 class Role(models.TextChoices):
-    """The roles of DESIGN.md, kept as Django groups (created by migration console.0002)."""
+    """The roles of DESIGN.md, kept as Django groups (created by migration console.0002, from before this app)."""
 
     REVIEWER = "reviewer"
     OPS = "ops"
@@ -55,6 +55,9 @@ class Channel(models.Model):
     kill_switch_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        # The tables, and the names of their constraints and indexes, are those the console app made before
+        # these models moved down here (migration core.0001): a move of state only.
+        db_table = "console_channel"
         ordering = ["name"]
         permissions = [
             ("approve_channel", "Can see and decide the approval cards of this channel"),
@@ -177,6 +180,7 @@ class GlobalKillSwitch(models.Model):
     kill_switch_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "console_globalkillswitch"
         verbose_name = "global kill switch"
         constraints = [
             models.CheckConstraint(condition=models.Q(id=1), name="console_globalkillswitch_single_row"),
@@ -275,6 +279,9 @@ class ApiToken(models.Model):
     tenants = models.JSONField(
         default=_default_tenants, help_text="The tenants (a list) this token may start runs for; '*' means any."
     )
+
+    class Meta:
+        db_table = "console_apitoken"
 
     ANY_TENANT = "*"
 
@@ -423,6 +430,7 @@ def audit_hmac_key() -> bytes | None:
 def audit_key_id(key: bytes) -> str:
     """A name for a key, stored with each entry it signs: which key signed an entry, without revealing it. (It
     tells an attacker nothing the entries' HMACs do not: both are HMACs under the key.)"""
+    # The message names the table's first home; it stays, or every stored key id would change.
     return hmac.new(key, b"console.auditentry key id", hashlib.sha256).hexdigest()[:16]
 
 
@@ -455,6 +463,7 @@ class AuditEntry(models.Model):
     )
 
     class Meta:
+        db_table = "console_auditentry"
         ordering = ["-id"]
         indexes = [
             models.Index(fields=["-at"], name="console_audit_at"),

@@ -2,8 +2,9 @@
 
 PostgreSQL refuses NUL characters in text and jsonb and lone UTF-16 surrogates cannot be encoded to UTF-8, so
 either one reaching a query turns a client's mistake into a 500; jsonb has no NaN or Infinity, and a JSON
-consumer in JavaScript cannot hold an integer beyond 2**53 exactly. The API's JSON parser refuses them, naming the
-field; console.middleware.SafeInputMiddleware refuses them in paths, query strings, cookies and form fields.
+consumer in JavaScript cannot hold an integer beyond 2**53 exactly. The API's JSON parser (console.api, with
+loads below) refuses them, naming the field; console.middleware.SafeInputMiddleware refuses them in paths, query
+strings, cookies and form fields.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import json
 import math
 import re
 from typing import Any
-
-from ninja.parser import Parser
 
 MAX_DEPTH = 32  # objects and arrays nested in each other, the body itself counting as one
 MAX_SAFE_INTEGER = 2**53
@@ -117,14 +116,6 @@ def check(data: Any, root: str = "body") -> None:
                 raise UnsafeJson(loc, "numbers beyond ±2**53 are not allowed")
         elif isinstance(value, float) and not math.isfinite(value):  # (from Python callers; loads has none)
             raise UnsafeJson(loc, "the number is out of range")
-
-
-class SafeJsonParser(Parser):
-    """django-ninja's body parser. ninja turns any exception raised here into a 400 "Cannot parse request body"
-    HttpError raised `from` it; console.api answers an UnsafeJson cause with a 422 that names the field."""
-
-    def parse_body(self, request):
-        return loads(request.body)
 
 
 # --- the same rules, stated in the OpenAPI document ------------------------------------------------------------

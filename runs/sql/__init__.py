@@ -1,0 +1,54 @@
+"""The runs app's SQL statements, by name (`queries["checkpoint"]`), read once at import from queries.sql, whose
+header says how they are written. The status conditions and targets of the statements that move a run are written
+from the table of runs.transitions, so that the SQL and the compare-and-swap methods cannot disagree."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import NamedTuple
+
+from runs.transitions import TRANSITIONS, Transition
+
+# procrastinate.sql's: a `-- name --` line, then the comment lines that belong to it.
+_SECTION = re.compile(r"(?:\n|^)-- ([a-z0-9_]+) --\n(?:-- .+\n)*", re.MULTILINE)
+
+
+def parse(text: str) -> dict[str, str]:
+    """Each statement of a queries file by name (the text before the first name is the file's header)."""
+    parts = _SECTION.split(text)[1:]
+    return {name: statement.strip() for name, statement in zip(parts[::2], parts[1::2], strict=True)}
+
+
+class TransitionSql(NamedTuple):
+    leaving: str  # the condition on the status: "= 'running'", "IN ('waiting_human', 'paused')"
+    target: str  # "'queued'"
+
+
+def transition_sql(transition: Transition) -> TransitionSql:
+    states = [f"'{status}'" for status in transition.sources]
+    leaving = f"= {states[0]}" if len(states) == 1 else f"IN ({', '.join(states)})"
+    return TransitionSql(leaving, f"'{transition.target}'")
+
+
+def _render(templates: dict[str, str]) -> dict[str, str]:
+    lock_held = templates["run_lock_held"]
+    held = lock_held.format(hi="%(lock_hi)s", lo="%(lock_lo)s")
+    names = {"held": held, **{name: transition_sql(t) for name, t in TRANSITIONS.items()}}
+    statements = {
+        name: text.format(**names, finish="", lock="")
+        for name, text in templates.items()
+        if name not in ("run_lock_held", "checkpoint_ends_run", "checkpoint_ends_run_lock")
+    }
+    statements["checkpoint_finish"] = templates["checkpoint"].format(
+        **names,
+        finish=",\n        " + templates["checkpoint_ends_run"].format(**names),
+        lock=", " + templates["checkpoint_ends_run_lock"],
+    )
+    statements["run_lock_held"] = held  # with the run's keys as %(lock_hi)s and %(lock_lo)s (lock_params)
+    statements["run_lock_held_positional"] = lock_held.format(hi="%s", lo="%s")  # for a queryset's filter()
+    return statements
+
+
+templates = parse((resources.files(__package__) / "queries.sql").read_text(encoding="utf-8"))
+queries = _render(templates)

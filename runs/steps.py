@@ -1,0 +1,230 @@
+"""A workflow's steps: how one is declared (StepDef) and what it sees when it runs (Context: the run's input and
+earlier outputs, the model and tools, effects at most once, gates, the usage it counts). Authors reach these
+through runs.workflow; the engine (runs.engine) and the agent loop (runs.agent) build and run them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from django.db import transaction
+
+from core.models import Channel
+from runs import breakers, gates
+from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
+from runs.gates import ApprovalRequest, Decision, GateSpec
+from runs.models import ModelUsage, Receipt, Run, ShadowEffect
+from runs.tools import AgentSpec
+
+StepFn = Callable[["Context"], Any]
+
+
+@dataclass(frozen=True)
+class StepDef:
+    name: str
+    kind: str  # compute | read | effect | gate | agent (a stage of steps: runs.agent)
+    fn: StepFn
+    channel: str | None = None
+    gate: GateSpec | None = None
+    agent: AgentSpec | None = None
+    versions: dict | None = None  # recorded on the step (prompt_version, tools_version) and part of its input
+
+
+def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None:
+    """Defence in depth, before a step acts on a decision: an edit must still fit the step's gate (its
+    GateSpec, else the proposal's shape). Approval.decide checked it already; this catches a card decided by
+    other means (written into the database, or by a console that checked it against another deployment).
+    Raises Fatal, so the run goes to the dead-letter queue with the reason and nothing is executed."""
+    if decision.decision != "edited":
+        return
+    if proposed is None:
+        raise Fatal(f"the edit decided on {step.name} cannot be checked (the proposal is unknown): not executed")
+    if errors := (step.gate or GateSpec()).edit_errors(proposed, decision.payload):
+        text = "; ".join(f"{e['loc']} {e['msg']}" for e in errors)
+        raise Fatal(f"the edit decided on {step.name} does not fit its gate ({text}): not executed")
+
+
+@dataclass
+class Usage:
+    """The tokens and cost a step's attempt used. Bound to its run and step by the step's Context, each `add`
+    (one model call) is also counted at once against the run's cost limit and the tenant's token rate
+    (runs.models.ModelUsage), so an attempt that fails or is lost before its checkpoint still counts."""
+
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost: Decimal = Decimal(0)
+    counted_for: tuple | None = None  # (run, step name)
+
+    def add(self, tokens_in: int, tokens_out: int, cost: Decimal) -> None:
+        self.tokens_in += tokens_in
+        self.tokens_out += tokens_out
+        self.cost += cost
+        if self.counted_for is not None and (tokens_in or tokens_out or cost):
+            ModelUsage.record(*self.counted_for, tokens_in, tokens_out, cost)
+
+
+class Context:
+    """What a step sees: the run input, earlier steps' outputs, the model and tools, effects and gates."""
+
+    def __init__(self, run: Run, step: StepDef, seq: int, outputs: dict[str, Any], model, tools):
+        self.run = run
+        self.step = step
+        self.seq = seq
+        self.input: dict = run.input
+        self.outputs = outputs
+        self.model = model
+        self.tools = tools
+        self.usage: Usage = getattr(model, "usage", None) or Usage()
+        self.usage.counted_for = (run, step.name)
+        self.last_effect_key: str | None = None
+        self._effects = 0
+
+    def effect(
+        self,
+        call: Callable[[str], dict],
+        *,
+        key: str | None = None,
+        lookup: Callable[[str], dict | None] | None = None,
+        action: str | None = None,
+        preview: dict | None = None,
+    ) -> dict:
+        """Do a side effect on this step's channel at most once.
+
+        `call(idempotency_key)` performs it and returns the external system's answer (a dict, with `id` when
+        it has one). The receipt is written first; a done receipt makes this a no-op that returns the stored
+        answer. A pending receipt means an earlier attempt may have written: `lookup(key)` is asked when the
+        tool has one, otherwise the run parks for a person to reconcile.
+
+        In shadow mode `call` is never made: the effect is recorded as a ShadowEffect with `preview` (what the
+        call would send, for the person who does it by hand) and answers `{"shadow": True, "id":
+        "shadow:<key>"}`, so the run goes on. The mode is decided once per effect: the card that authorized it
+        (the run's latest decided action card on this channel, at this step or before) says it; without one,
+        the channel and workflow do (core.models.Channel.in_shadow) when the effect's receipt is first
+        written. Kill switches apply as to any effect.
+        """
+        channel = self.step.channel
+        self._effects += 1
+        # The n-th effect of a step gets its own default key, so two effects of one step are two writes.
+        key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}" + (
+            f"#{self._effects}" if self._effects > 1 else ""
+        )
+        self.last_effect_key = key
+        breakers.check(channel)  # an open breaker: the run waits, before any receipt is written (BreakerOpen)
+        receipt = _open_receipt(self.run, self.seq, channel, key, step=self.step.name, preview=preview)
+        if receipt.status == Receipt.Status.DONE:
+            return receipt.response
+        if receipt.shadow:
+            # Recorded with the receipt, never sent: nothing can be ambiguous, so a pending shadow receipt (its
+            # first attempt stopped here) is completed without asking anyone.
+            return receipt.complete(shadow_response(key))
+        if not receipt.fresh:
+            found = lookup(key) if lookup else self._reconciled_by_a_person(receipt)
+            if found is not None:
+                return receipt.complete(found, reconciled=True)
+            # The lookup is authoritative: the write did not happen, so it is safe to do it now.
+        try:
+            response = call(key)
+        except Fatal:
+            receipt.discard()  # the tool says the call was refused, so not applied
+            raise
+        except Wait:
+            # The tool's breaker refused the call before making it (runs.breakers.guard): nothing was sent. A
+            # receipt written for this attempt goes; an earlier attempt's pending one stays to be reconciled.
+            if receipt.fresh:
+                receipt.discard()
+            raise
+        except Retryable:
+            # A 5xx or a timeout the tool calls retryable may still have been applied. With a lookup, the
+            # receipt stays pending and the next attempt asks before calling again; without one, the tool's
+            # word that it was not applied is all there is.
+            if lookup is None:
+                receipt.discard()
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever else happened, the write may have been applied
+            raise Ambiguous(f"{channel} call {key} ended with {exc.__class__.__name__}: {exc}") from exc
+        return receipt.complete(response)
+
+    def _reconciled_by_a_person(self, receipt) -> dict | None:
+        request = ApprovalRequest(
+            channel=receipt.channel,
+            kind=gates.Kind.RECONCILE,
+            proposed={"receipt": receipt.key, "receipt_created_at": receipt.created_at.isoformat()},
+            summary=(
+                f"An earlier attempt of '{self.step.name}' may have reached {receipt.channel} (the worker "
+                f"stopped between the call and its receipt). Approve if it happened; reject if it did not, "
+                f"and it will be done now."
+            ),
+            rule_id="ambiguous-write",
+            risk="high",
+        )
+        decision = gates.backend().decision(self.run, self.seq, request)
+        if decision is None:
+            raise Park(f"did this {receipt.channel} write happen? ({receipt.key})", request)
+        if decision.rejected:
+            # It did not happen: write it now, as a new attempt of the same receipt, so that if this attempt
+            # is interrupted too, the question is asked again (the card binds to the attempt's start).
+            receipt.rearm()
+            return None
+        return {"reconciled_by": decision.by, "comment": decision.comment}
+
+    def gate(self, request: ApprovalRequest | None = None, **fields) -> dict:
+        """Ask a person. Returns the decision (`decision`, `payload` to act on, `comment`, `reason`, `by`)
+        once it is taken; until then the run parks in `waiting_human`."""
+        if request is None:
+            request = ApprovalRequest(channel=self.step.channel, **fields)
+        decision: Decision | None = gates.backend().decision(self.run, self.seq, request)
+        if decision is None:
+            raise Park(f"waiting for a decision on {request.channel}", request)
+        check_decided_edit(self.step, request.proposed, decision)
+        return decision.as_output()
+
+
+def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
+    """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner, a cancel and the
+    channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
+    already past here. `receipt.shadow`: the effect is in shadow mode (a ShadowEffect is written with a new
+    receipt when the workflow or channel is in shadow; an earlier attempt's pending receipt keeps its mode)."""
+    if _inside_a_transaction():
+        raise Fatal(
+            f"ctx.effect() on {channel} was called inside transaction.atomic(): its receipt must commit before "
+            "the call, so call it outside any transaction"
+        )
+    with transaction.atomic():
+        if run.owned():
+            # A cancel committed while the step ran (the row lock orders it before this receipt, or after it):
+            # the effect does not start, and the run ends cancelled.
+            raise Stop({"outcome": "cancelled"})
+        if (killed := Channel.killed_for_effects(channel)) is not None:
+            raise Park(killed.describe(channel), paused=True, kill_switch_channel=channel)
+        receipt, created = Receipt.objects.get_or_create(
+            key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
+        )
+        if created:
+            # Decided once per effect: as the card that authorized it was (a person who did it by hand must not
+            # see it done again, nor an approved live effect be dropped, because the mode changed since), else
+            # as the channel and workflow are now, recorded with the receipt for its later attempts.
+            authorized = gates.backend().shadow_of(run, seq, channel)
+            receipt.shadow = Channel.in_shadow(channel, run.workflow) if authorized is None else authorized
+            if receipt.shadow:
+                ShadowEffect.objects.create(run=run, step_seq=seq, step=step, channel=channel, key=key, preview=preview)
+        else:
+            receipt.shadow = receipt.status == Receipt.Status.PENDING and ShadowEffect.objects.filter(key=key).exists()
+    receipt.run = run  # the owner's copy: its writes name this owner
+    receipt.fresh = created
+    return receipt
+
+
+def shadow_response(key: str) -> dict:
+    """What a shadow effect answers in place of its external system (the receipt keeps it as its response)."""
+    external_id = f"shadow:{key}"
+    if len(external_id) > 200:  # Receipt.external_id; a natural key may be longer
+        external_id = f"shadow:{gates.canonical_hash(key)[:40]}"
+    return {"shadow": True, "id": external_id}
+
+
+def _inside_a_transaction() -> bool:
+    # The test suite wraps each test in transactions of its own (marked by Django's TestCase): those aside.
+    connection = transaction.get_connection()
+    return any(not getattr(block, "_from_testcase", False) for block in connection.atomic_blocks)

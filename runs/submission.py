@@ -1,0 +1,103 @@
+"""Submitting a run: the run and its first job, written in one statement (the enqueue path's single round trip,
+issue 11). No agent work happens here; the API, webhooks, `demo_traffic` and tests submit through `submit`.
+
+A transaction, the run's INSERT, a savepoint and the defer of `advance_run` through Procrastinate's Django
+connector, the savepoint's release and the commit were six round trips, each with its share of Django's and
+PostgreSQL's per-statement work, on a path whose baseline is one INSERT. Here the run's INSERT (the SQL Django's
+compiler writes for `run.save(force_insert=True)`: the same columns, defaults and `pre_save` values) and the job's
+defer (Procrastinate's own stored procedure, `procrastinate_defer_jobs_v1`, which `.defer()` calls too) go as one
+statement, a data-modifying CTE (runs/sql/queries.sql: insert_run_with_first_job): atomic by itself in
+autocommit (one implicit transaction, one commit), or part of the caller's transaction when there is one.
+
+No savepoint for the job: its queueing lock is `run:<id>` for a run that did not exist until this statement, so
+no other job can hold it (a savepoint only existed to survive AlreadyEnqueued, which cannot happen here). A
+duplicate idempotency key fails the whole statement (IntegrityError): neither the run nor its job is written.
+
+The job is the one `Run.enqueue` defers (`Run.advance_job`: same task, queue, lock, queueing lock, priority and
+arguments); tests/test_api_runs.py compares them. Runs has no save signals for this to skip (a receiver added
+later would need `submit` to go back to `save()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import structlog
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.models.sql import InsertQuery
+
+from runs import workflow as workflows
+from runs.errors import IdempotencyConflict
+from runs.models import Run
+from runs.sql import queries
+
+log = structlog.get_logger("runs.submission")
+
+
+def submit(
+    *,
+    workflow: str,
+    input: dict,
+    created_by=None,
+    idempotency_key: str | None = None,
+    tenant: str = "default",
+    priority: int = 0,
+    cost_limit=None,
+) -> tuple[Run, bool]:
+    """Create a run and queue its first job in one transaction; no agent work happens here.
+
+    The same idempotency key gives back the same run (created=False); the same key with a different
+    request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput; an unknown
+    workflow, UnknownWorkflow (runs.errors)."""
+    definition = workflows.get(workflow)  # raises UnknownWorkflow
+    definition.validate_input(input)  # raises InvalidInput: nothing is written
+    run = Run(
+        workflow=definition.name,
+        workflow_version=definition.version,
+        input=input,
+        tenant=tenant,
+        priority=priority,
+        idempotency_key=idempotency_key,
+        created_by=created_by,
+        cost_limit=cost_limit,
+        max_attempts=settings.RUN_MAX_ATTEMPTS,
+    )
+    try:
+        # The run and its job in one statement: its own transaction in autocommit; inside a caller's, a
+        # savepoint, so that a duplicate key does not abort the caller's transaction.
+        with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+            insert_with_first_job(run)
+        return run, True
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+    existing = Run.objects.get(idempotency_key=idempotency_key, created_by=created_by)
+    if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
+        raise IdempotencyConflict(
+            f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
+        )
+    return existing, False
+
+
+def insert_with_first_job(run) -> int:
+    """INSERT the unsaved `run` and defer its `advance_run` job in one statement; the job's id."""
+    model = type(run)
+    meta = model._meta
+    assert run._state.adding and run.pk is not None, "a new run, its primary key set (uuid4 default)"
+    fields = [f for f in meta.local_concrete_fields if not f.generated]
+    query = InsertQuery(model)
+    query.insert_values(fields, [run])
+    # as_sql() calls each field's pre_save(run, add=True): created_at and updated_at are set on `run` too.
+    ((insert_sql, insert_params),) = query.get_compiler(connection=connection).as_sql()
+    pk = connection.ops.quote_name(meta.pk.column)
+    job = run.advance_job().job  # the job Run.enqueue would defer: its task, queue, locks, priority, arguments
+    row = [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
+    with connection.cursor() as cursor:
+        cursor.execute(queries["insert_run_with_first_job"].format(insert=insert_sql, pk=pk), [*insert_params, *row])
+        (job_id,) = cursor.fetchone()
+    run._state.adding = False
+    run._state.db = connection.alias
+    log.info("run submitted", run_id=str(run.pk), job_id=job_id, workflow=run.workflow, tenant=run.tenant)
+    return job_id

@@ -95,6 +95,9 @@ class FakeConsole:
     ensure_ascii: bool = False
     # A console whose go carries other arguments than the approved ones.
     go_arguments: dict[str, Any] | None = None
+    # Called as a consume arrives, before the console looks at the request (a twin's consume, an expiry).
+    before_consume: Callable[[FakeRequest], None] | None = None
+    consumed_digests: list[str] = field(default_factory=list)
 
     # -- what the people at the console do ------------------------------------------------------------------
 
@@ -124,6 +127,10 @@ class FakeConsole:
 
     def rejects_while_waiting(self, *, comment: str, reason: str = "policy", by: str = "bob") -> None:
         self.reviewer = lambda request: self.reject(request.id, comment=comment, reason=reason, by=by)
+
+    def consumed_by_another(self, request: FakeRequest) -> None:
+        """Another process with the same key took the go (it runs the action now, or died doing it)."""
+        request.execution, request.consumed_at = "pending", _now()
 
     def fail(self, method: str, path_end: str, how: str | int, times: int = 1) -> None:
         self.faults.append(Fault(method, path_end, how, times))
@@ -253,6 +260,8 @@ class FakeConsole:
         }
 
     def _consume(self, request: FakeRequest, body: Any) -> httpx.Response:
+        if self.before_consume is not None:
+            self.before_consume(request)
         digest = body.get("arguments_digest") if isinstance(body, dict) else None
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             return _error(422, "invalid", [{"loc": ["arguments_digest"], "msg": "64 lowercase hex digits"}])
@@ -269,6 +278,7 @@ class FakeConsole:
         if request.channel in self.locked_channels:
             return _error(423, "locked", f"The kill switch of {request.channel!r} is engaged.")
         request.execution, request.consumed_at = "pending", _now()
+        self.consumed_digests.append(digest)
         arguments = self.go_arguments if self.go_arguments is not None else request.arguments
         return httpx.Response(
             200,

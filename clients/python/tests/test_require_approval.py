@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 
 import pytest
 from fake_console import ProcessDied
@@ -301,12 +302,25 @@ def test_key_current_rationale_and_run_are_computed_from_the_call(client, consol
 
 
 def test_the_schema_comes_from_the_type_hints(refund, console):
+    pytest.importorskip("pydantic")
     console.approves_while_waiting()
     refund("o-42", 500)
     schema = console.only().body["schema"]
     assert schema["type"] == "object" and schema["required"] == ["order_id", "amount_cents"]
     assert schema["properties"]["amount_cents"]["type"] == "integer"
     assert schema["additionalProperties"] is False
+
+
+def test_without_pydantic_no_schema_is_sent(client, console, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pydantic", None)  # import pydantic raises ImportError
+
+    @require_approval(client, channel="payments", rationale="r")
+    def refund(order_id: str, amount_cents: int) -> dict:
+        return {}
+
+    console.approves_while_waiting()
+    refund("o-42", 500)
+    assert "schema" not in console.only().body
 
 
 def test_schema_false_sends_none_and_a_given_schema_is_sent_as_is(client, console, payments):

@@ -189,6 +189,7 @@ def error_from_response(response: httpx.Response) -> ApiError:
         code, detail = body["error"], body.get("detail", "")
     else:  # not the console's answer (a proxy's error page, say)
         code, detail = f"http_{status}", response.text[:500]
+    kind: type[ApiError]
     if status == 409:
         if code == "already_consumed":
             return AlreadyConsumed(status, code, detail, execution=_execution_or_none(body))

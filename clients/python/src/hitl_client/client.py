@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx
 
@@ -58,7 +58,12 @@ def approval_request_body(
         "on_expiry": on_expiry,
         "approval": approval,
     }
-    body = {"channel": channel, "action": action, "arguments": dict(arguments), "idempotency_key": idempotency_key}
+    body: dict[str, Any] = {
+        "channel": channel,
+        "action": action,
+        "arguments": dict(arguments),
+        "idempotency_key": idempotency_key,
+    }
     body.update({name: value for name, value in optional.items() if value is not None})
     return body
 
@@ -184,7 +189,7 @@ class Client(_Base):
             try:
                 op = flow.send(sent) if raised is None else flow.throw(raised)
             except StopIteration as done:
-                return done.value
+                return cast(T, done.value)
             sent, raised = None, None
             try:
                 sent = self._do(op)
@@ -283,7 +288,7 @@ class AsyncClient(_Base):
             try:
                 op = flow.send(sent) if raised is None else flow.throw(raised)
             except StopIteration as done:
-                return done.value
+                return cast(T, done.value)
             sent, raised = None, None
             try:
                 sent = await self._do(op)

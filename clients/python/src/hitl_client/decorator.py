@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hitl_client import _protocol
 from hitl_client._protocol import Call, Flow, RetryPolicy
@@ -269,7 +269,8 @@ def _schema_from_hints(function: Callable[..., Any]) -> dict[str, Any] | None:
     except ImportError:
         return None
     try:
-        return pydantic.TypeAdapter(function).json_schema()
+        # TypeAdapter reads a function's parameters (its typing only names type forms).
+        return pydantic.TypeAdapter(cast(Any, function)).json_schema()
     except Exception:  # hints pydantic cannot describe: no schema, so reviewers may not edit
         logger.warning("No JSON Schema could be derived from %s's type hints; pass schema=.", function.__name__)
         return None

@@ -65,7 +65,13 @@ class AlreadyConsumed(Conflict):
     answer lost on the way back: the console shows the request consumed, and nothing tells whose it was."""
 
     def __init__(
-        self, status: int, error: str, detail: Any = "", *, execution: Execution | None = None, answer_lost=False
+        self,
+        status: int,
+        error: str,
+        detail: Any = "",
+        *,
+        execution: Execution | None = None,
+        answer_lost: bool = False,
     ) -> None:
         super().__init__(status, error, detail)
         self.execution, self.answer_lost = execution, answer_lost

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hitl_client.errors import UnexpectedResponse
 
@@ -174,16 +174,16 @@ class _Fields:
         return value
 
     def string(self, name: str) -> str:
-        return self._typed(name, str, "a string")
+        return cast(str, self._typed(name, str, "a string"))
 
     def string_or_none(self, name: str) -> str | None:
-        return self._typed(name, str, "a string or null", null=True)
+        return cast("str | None", self._typed(name, str, "a string or null", null=True))
 
     def optional_string(self, name: str) -> str | None:
         return self.string_or_none(name) if name in self.data else None
 
     def boolean(self, name: str) -> bool:
-        return self._typed(name, bool, "true or false")
+        return cast(bool, self._typed(name, bool, "true or false"))
 
     def object_or_none(self, name: str) -> dict[str, Any] | None:
         value = self._typed(name, Mapping, "an object or null", null=True)

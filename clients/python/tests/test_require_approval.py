@@ -186,6 +186,14 @@ def test_a_failed_action_is_reported_reraised_and_not_run_again(refund, console,
     assert payments.refunds == []
 
 
+def test_a_long_error_is_recorded_by_its_start(refund, console, payments):
+    console.approves_while_waiting()
+    payments.fail_with = RuntimeError("x" * 100_000)
+    with pytest.raises(RuntimeError):
+        refund("o-42", 500)
+    assert console.only().execution == "failed" and len(console.only().error) == 4000
+
+
 def test_a_consume_already_taken_by_a_twin_process_does_not_run(refund, console, payments):
     console.approves_while_waiting()
     console.before_consume = console.consumed_by_another

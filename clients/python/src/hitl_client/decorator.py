@@ -31,6 +31,8 @@ from hitl_client.models import ApprovalRequest, ExecutionStatus, RequestStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("hitl_client")
+# An exception's repr can be anything (a whole response body): the receipt keeps its start.
+_MAX_ERROR = 4000
 
 
 def require_approval(
@@ -39,7 +41,7 @@ def require_approval(
     channel: str,
     rationale: str | Mapping[str, Any] | Callable[..., str | Mapping[str, Any]],
     action: str | None = None,
-    current: Callable[..., Mapping[str, Any] | None] | None = None,
+    current: Mapping[str, Any] | Callable[..., Mapping[str, Any] | None] | None = None,
     schema: Mapping[str, Any] | bool | None = None,
     risk: Risk | None = None,
     display: Mapping[str, str] | None = None,
@@ -154,7 +156,7 @@ class _Spec:
             arguments,
             idempotency_key=self.key(*args, **kwargs) if self.key else f"{self.action}:{digest}",
             rationale=self.rationale(*args, **kwargs) if callable(self.rationale) else self.rationale,
-            current=self.current(*args, **kwargs) if self.current else None,
+            current=self.current(*args, **kwargs) if callable(self.current) else self.current,
             risk=self.risk,
             display=self.display,
             schema=self.json_schema(),
@@ -214,7 +216,8 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
     except Exception as exc:
         # It ran and failed: that is its outcome, recorded so that a re-run does not try again.
         try:
-            yield from _protocol.report(request.id, result_body(False, error=repr(exc)), policy)
+            error = repr(exc)[:_MAX_ERROR]
+            yield from _protocol.report(request.id, result_body(False, error=error), policy)
         except HitlError:
             logger.exception("The failure of %s (request %s) could not be reported.", spec.action, request.id)
         raise

@@ -3,11 +3,11 @@ action twice when the same call is made again after a crash."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import sys
 
 import pytest
+from conftest import run_coroutine
 from fake_console import ProcessDied
 
 from hitl_client import (
@@ -440,7 +440,7 @@ def test_a_client_of_the_other_kind_is_refused_at_decoration(client):
         @require_approval(async_client, channel="payments", rationale="r")
         def refund_sync(order_id: str) -> None: ...
 
-    asyncio.run(async_client.aclose())
+    run_coroutine(async_client.aclose())
 
 
 def test_arguments_that_are_not_json_are_refused_before_anything_is_sent(refund, console):

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import BASE_URL
+from conftest import BASE_URL, run_coroutine
 from fake_console import FakeConsole
 
 from hitl_client import (
@@ -34,7 +34,7 @@ def run_with_client(console: FakeConsole, scenario):
         async with AsyncClient(BASE_URL, "tok-alice", transport=transport, backoff=0, max_backoff=0) as client:
             return await scenario(client)
 
-    return asyncio.run(main())
+    return run_coroutine(main())
 
 
 def test_the_calls_round_trip(console):

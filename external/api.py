@@ -143,17 +143,23 @@ class Completed(Schema):
 
 
 class ResultIn(Schema):
+    # As report() takes it: a success's `error` is absent or null; a failure's is its text (null is no text).
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [
-                {"if": {"properties": {"ok": {"const": True}}}, "then": {"not": {"required": ["error"]}}},
-                {"if": {"properties": {"ok": {"const": False}}}, "then": {"required": ["error"]}},
+                {"if": {"properties": {"ok": {"const": True}}}, "then": {"properties": {"error": {"type": "null"}}}},
+                {
+                    "if": {"properties": {"ok": {"const": False}}},
+                    "then": {"required": ["error"], "properties": {"error": {"type": "string"}}},
+                },
             ]
         }
     )
 
     ok: bool
-    result: Any = None
+    # Any JSON value, spelled out by type so that the document states the parser's rules on each (console.safe_input
+    # .declare: no NUL, numbers within ±2**53); `Any` has no type to state them on.
+    result: dict | list | str | int | float | bool | None = None
     error: str | None = Field(None, min_length=1, max_length=5000)
 
 

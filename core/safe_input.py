@@ -191,7 +191,7 @@ def declare(openapi: dict) -> dict:
             schema.setdefault("propertyNames", {"pattern": NO_NUL})
             if schema.get("additionalProperties", True) is True:
                 schema["additionalProperties"] = dict(_JSON_VALUE_REF)
-        elif kind == "array" and "items" not in schema:
+        elif kind == "array" and not schema.get("items"):  # none, or `{}` (pydantic's `list`): anything
             schema["items"] = dict(_JSON_VALUE_REF)
         for key in ("properties", "patternProperties", "$defs"):
             for child in schema.get(key, {}).values():

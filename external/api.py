@@ -136,18 +136,30 @@ class Go(Schema):
     execution: Execution
 
 
+class Completed(Schema):
+    """A result's answer: the receipt it completed (as a consume's answer and a refusal carry it)."""
+
+    execution: Execution
+
+
 class ResultIn(Schema):
+    # As report() takes it: a success's `error` is absent or null; a failure's is its text (null is no text).
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [
-                {"if": {"properties": {"ok": {"const": True}}}, "then": {"not": {"required": ["error"]}}},
-                {"if": {"properties": {"ok": {"const": False}}}, "then": {"required": ["error"]}},
+                {"if": {"properties": {"ok": {"const": True}}}, "then": {"properties": {"error": {"type": "null"}}}},
+                {
+                    "if": {"properties": {"ok": {"const": False}}},
+                    "then": {"required": ["error"], "properties": {"error": {"type": "string"}}},
+                },
             ]
         }
     )
 
     ok: bool
-    result: Any = None
+    # Any JSON value, spelled out by type so that the document states the parser's rules on each (core.safe_input
+    # .declare: no NUL, numbers within ±2**53); `Any` has no type to state them on.
+    result: dict | list | str | int | float | bool | None = None
     error: str | None = Field(None, min_length=1, max_length=5000)
 
 
@@ -243,7 +255,7 @@ def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
 
 @router.post(
     "/approval-requests/{request_id}/result",
-    response={200: Execution, **REFUSALS},
+    response={200: Completed, **REFUSALS},
     summary="The outcome of the execution the agent consumed: completes its receipt",
 )
 def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
@@ -251,6 +263,7 @@ def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
         what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
         return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})
     try:
-        return requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
+        execution = requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
     except RequestError as exc:
         return _refused(exc)
+    return {"execution": execution}

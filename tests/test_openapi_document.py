@@ -17,8 +17,9 @@ from approvals.models import Approval, Decision
 from console.api import api
 from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
 from core.safe_input import NOT_BLANK
+from external import requests as external
 from runs import submission
-from runs.models import Breaker, Run
+from runs.models import Breaker, Receipt, Run
 from tests.engine_helpers import REFUND, drive
 
 
@@ -196,3 +197,54 @@ def test_what_depends_on_the_card_is_documented_as_a_422(client, demo, document,
     assert operation["responses"]["422"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorOut"
     }
+
+
+@pytest.fixture
+def consumed(demo, client):
+    """An external agent's request, approved and consumed: its result is what the agent reports next."""
+    request, _ = external.open_request(
+        demo["agent"], external.Ask(channel="payments", action="refund", arguments={"n": 1}, idempotency_key="k")
+    )
+    request.card.decide(demo["reviewer"], "approve", version=request.card.version)
+    external.consume(demo["agent"], request.id, external.digest({"n": 1}))
+    return request
+
+
+RESULT_BODIES = {
+    "a failure whose error is null": {"ok": False, "error": None},
+    "a failure without its error": {"ok": False, "result": 1},
+    "a failure with an empty error": {"ok": False, "error": ""},
+    "a success with an error": {"ok": True, "error": "boom"},
+    "an integer beyond 2**53 in the result": {"ok": True, "result": {"n": 2**53 + 1}},
+    "a float beyond 2**53 as the result": {"ok": True, "result": -1.39e16},
+    "a NUL in the result": {"ok": True, "result": ["a\x00"]},
+    "a NUL in a key of the result": {"ok": True, "result": {"\x00": 1}},
+}
+
+
+@pytest.mark.parametrize("body", RESULT_BODIES.values(), ids=RESULT_BODIES.keys())
+def test_a_result_body_the_server_refuses_is_invalid_in_the_document(client, demo, document, consumed, body):
+    response = post(client, demo["agent"], f"/api/approval-requests/{consumed.id}/result", body)
+
+    assert response.status_code == 422, response.content
+    assert Receipt.objects.get(key=f"external:{consumed.id}").status == Receipt.Status.PENDING  # nothing recorded
+    assert not body_validator(document, "post", "/api/approval-requests/{request_id}/result").is_valid(body)
+
+
+RESULTS_TAKEN = {
+    "an object": {"ok": True, "result": {"refund_id": "re_1", "amounts": [1, 2.5]}},
+    "a string": {"ok": True, "result": "done"},
+    "null": {"ok": True, "result": None},
+    "no result": {"ok": True},
+    "a success whose error is null": {"ok": True, "result": 1, "error": None},
+    "a failure": {"ok": False, "error": "card declined"},
+}
+
+
+@pytest.mark.parametrize("body", RESULTS_TAKEN.values(), ids=RESULTS_TAKEN.keys())
+def test_a_result_body_the_server_takes_is_valid_in_the_document(client, demo, document, consumed, body):
+    assert body_validator(document, "post", "/api/approval-requests/{request_id}/result").is_valid(body)
+
+    response = post(client, demo["agent"], f"/api/approval-requests/{consumed.id}/result", body)
+
+    assert response.status_code == 200, response.content

@@ -136,6 +136,12 @@ class Go(Schema):
     execution: Execution
 
 
+class Completed(Schema):
+    """A result's answer: the receipt it completed (as a consume's answer and a refusal carry it)."""
+
+    execution: Execution
+
+
 class ResultIn(Schema):
     model_config = ConfigDict(
         json_schema_extra={
@@ -243,7 +249,7 @@ def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
 
 @router.post(
     "/approval-requests/{request_id}/result",
-    response={200: Execution, **REFUSALS},
+    response={200: Completed, **REFUSALS},
     summary="The outcome of the execution the agent consumed: completes its receipt",
 )
 def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
@@ -251,6 +257,7 @@ def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
         what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
         return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})
     try:
-        return requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
+        execution = requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
     except RequestError as exc:
         return _refused(exc)
+    return {"execution": execution}

@@ -194,9 +194,8 @@ def test_an_approved_request_is_consumed_once_with_the_edited_arguments(agent, r
     # Until the outcome comes, it is unknown: on the run's timeline too.
     assert Step.objects.get(run_id=request["run_id"]).status == "unknown"
 
-    code, execution = agent.post(
-        f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": {"id": "re_1"}}
-    )
+    code, body = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": {"id": "re_1"}})
+    execution = body["execution"]
     assert code == 200 and execution["status"] == "succeeded" and execution["result"] == {"id": "re_1"}
     # The same outcome again is answered as recorded (a retry after a lost answer); another one is refused.
     assert (
@@ -254,8 +253,8 @@ def test_a_result_before_consume_and_a_failure_without_its_error_are_refused(age
     assert (code, body["error"]) == (409, "not_consumed")
     agent.post(f"/api/approval-requests/{request['id']}/consume", {"arguments_digest": digest(REFUND)})
     assert agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": False})[0] == 422
-    code, execution = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": False, "error": "declined"})
-    assert (code, execution["status"], execution["error"]) == (200, "failed", "declined")
+    code, body = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": False, "error": "declined"})
+    assert (code, body["execution"]["status"], body["execution"]["error"]) == (200, "failed", "declined")
     assert Step.objects.get(run_id=request["run_id"]).status == "failed"
 
 
@@ -340,3 +339,17 @@ def test_a_consume_whose_answer_was_lost_is_answered_again_for_its_own_nonce_onl
     agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": "done"})
     # Once the outcome is recorded, nobody gets a go, the same nonce included.
     assert agent.post(path, {"arguments_digest": digest(REFUND), "nonce": "attempt-1"})[0] == 409
+
+
+@pytest.mark.parametrize("result", [{"id": "re_1"}, ["re_1", "re_2"], "re_1", 42, 1.5, True, None])
+def test_a_result_is_answered_as_its_execution_and_may_be_any_json_value(agent, reviewer, result):
+    # The contract: `200 {execution}`, the receipt under `execution` as in a consume's answer and a 409's body.
+    request = ask(agent)[1]
+    decide(reviewer, request["card_id"], "approve")
+    agent.post(f"/api/approval-requests/{request['id']}/consume", {"arguments_digest": digest(REFUND)})
+    code, body = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": result})
+    assert code == 200 and set(body) == {"execution"}, body
+    assert (body["execution"]["status"], body["execution"]["result"]) == ("succeeded", result)
+    again = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": result})
+    assert again == (200, body)
+    assert agent.get(f"/api/approval-requests/{request['id']}")[1]["execution"] == body["execution"]

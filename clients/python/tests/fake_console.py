@@ -1,10 +1,11 @@
-"""An in-memory console that speaks the approval-request contract (notes/ISSUE19-CONTRACT.md), for the client's
-tests through `httpx.MockTransport`: the key -> request map, the statuses, the digest check, one consume, an
-idempotent result. It computes the digest itself (not with the client's function), as the server will.
+"""An in-memory console that speaks the approval-request contract (docs/external-agents.md), for the client's
+tests through `httpx.MockTransport`: the key -> request map, the statuses, the digest check, one consume (given
+again to its own nonce while nothing is reported), shadow cards, an idempotent result. It computes the digest
+itself (not with the client's function), as the server does.
 
-Where the contract leaves a choice open, the fake takes the reading the client needs and the report names it:
-"the same request" for a key is the same channel, action and arguments (a repeat's `current`, rationale and
-other context may differ); a result may be any JSON value.
+As the server (external/requests.py): a key names the channel, action and arguments (a repeat's `current`,
+rationale and other context may differ; the first ask's stand); POST answers with the request's whole state plus
+its `url`; a result may be any JSON value.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class FakeRequest:
     result: Any = None
     error: str = ""
     reported: dict[str, Any] | None = None
+    shadow: bool = False
+    consume_nonce: str = ""
 
     def execution_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +88,8 @@ class FakeConsole:
     # channel -> the users holding request_channel on it
     channels: dict[str, set[str]] = field(default_factory=lambda: {"payments": {"alice"}, "email": set()})
     unreviewed_channels: set[str] = field(default_factory=set)
+    # Channels in shadow mode: their cards are shadow cards, whose consume answers no go.
+    shadow_channels: set[str] = field(default_factory=set)
     locked_channels: set[str] = field(default_factory=set)
     requests: dict[str, FakeRequest] = field(default_factory=dict)
     # Called when a client long-polls a pending request: the reviewer decides "while it waits".
@@ -98,6 +103,8 @@ class FakeConsole:
     # Called as a consume arrives, before the console looks at the request (a twin's consume, an expiry).
     before_consume: Callable[[FakeRequest], None] | None = None
     consumed_digests: list[str] = field(default_factory=list)
+    # The nonce of every consume that reached the console, in order.
+    nonces: list[str] = field(default_factory=list)
 
     # -- what the people at the console do ------------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class FakeConsole:
 
     def consumed_by_another(self, request: FakeRequest) -> None:
         """Another process with the same key took the go (it runs the action now, or died doing it)."""
-        request.execution, request.consumed_at = "pending", _now()
+        request.execution, request.consumed_at, request.consume_nonce = "pending", _now(), "another-process"
 
     def fail(self, method: str, path_end: str, how: str | int, times: int = 1) -> None:
         self.faults.append(Fault(method, path_end, how, times))
@@ -203,7 +210,7 @@ class FakeConsole:
         if existing is not None:
             if (existing.channel, existing.action, existing.asked) != (channel, body["action"], body["arguments"]):
                 return _error(409, "conflict", "This idempotency key was used for another request.")
-            return httpx.Response(200, json=self._submission(existing))
+            return httpx.Response(200, json=self.representation(existing))
         request = FakeRequest(
             id=str(uuid.uuid4()),
             user=user,
@@ -216,21 +223,12 @@ class FakeConsole:
             card_id=None if never else len(self.requests) + 1,
             expires_at=_now() + timedelta(seconds=body.get("expires_in") or 3600),
             arguments=body["arguments"],
+            shadow=not never and channel in self.shadow_channels,
         )
         if never:
             request.status, request.decided_at = "approved", _now()
         self.requests[request.id] = request
-        return httpx.Response(202, json=self._submission(request))
-
-    def _submission(self, request: FakeRequest) -> dict[str, Any]:
-        url = f"http://console.test/approvals/{request.card_id}/" if request.card_id else ""
-        return {
-            "id": request.id,
-            "status": request.status,
-            "url": url,
-            "run_id": request.run_id,
-            "card_id": request.card_id,
-        }
+        return httpx.Response(202, json=self.representation(request))
 
     def _get(self, request: FakeRequest, wait: str) -> httpx.Response:
         if not wait.isdigit() or not 0 <= int(wait) <= 60:
@@ -256,7 +254,9 @@ class FakeConsole:
             "comment": request.comment,
             "reason": request.reason,
             "expires_at": _iso(request.expires_at),
+            "shadow": request.shadow,
             "execution": request.execution_json(),
+            "url": f"{PREFIX}/{request.id}",
         }
 
     def _consume(self, request: FakeRequest, body: Any) -> httpx.Response:
@@ -265,30 +265,44 @@ class FakeConsole:
         digest = body.get("arguments_digest") if isinstance(body, dict) else None
         if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
             return _error(422, "invalid", [{"loc": ["arguments_digest"], "msg": "64 lowercase hex digits"}])
-        if request.status != "approved":
-            return _error(409, "not_approved", f"The request is {request.status}.")
+        nonce = body.get("nonce", "")
+        if not isinstance(nonce, str) or not re.fullmatch(r"[A-Za-z0-9_\-]{0,100}", nonce):
+            return _error(422, "invalid", [{"loc": ["nonce"], "msg": "up to 100 letters, digits, _ and -"}])
+        self.nonces.append(nonce)
+        # In the server's order: what is recorded first (a lost answer asked again), then the decision.
         if request.execution != "not_started":
+            if nonce and nonce == request.consume_nonce and request.execution == "pending":
+                return httpx.Response(200, json=self._go(request))
             return httpx.Response(
                 409,
                 json={"error": "already_consumed", "detail": "Consumed before.", "execution": request.execution_json()},
             )
+        if request.status != "approved":
+            return _error(409, "not_approved", f"The request is {request.status}.")
         assert request.arguments is not None
         if digest != digest_of(request.arguments, ensure_ascii=self.ensure_ascii):
             return _error(409, "digest_mismatch", "The digest is not the approved arguments'.")
         if request.channel in self.locked_channels:
             return _error(423, "locked", f"The kill switch of {request.channel!r} is engaged.")
-        request.execution, request.consumed_at = "pending", _now()
+        request.execution, request.consumed_at, request.consume_nonce = "pending", _now(), nonce
         self.consumed_digests.append(digest)
+        if request.shadow:
+            # Recorded as shadow, as the server's receipt: done, its response the shadow's.
+            outcome = {"ok": True, "result": {"shadow": True, "id": f"shadow:external:{request.id}"}}
+            request.execution, request.result, request.completed_at = "succeeded", outcome["result"], _now()
+            request.reported = outcome
+        return httpx.Response(200, json=self._go(request))
+
+    def _go(self, request: FakeRequest) -> dict[str, Any]:
+        assert request.arguments is not None
         arguments = self.go_arguments if self.go_arguments is not None else request.arguments
-        return httpx.Response(
-            200,
-            json={
-                "go": True,
-                "arguments": arguments,
-                "arguments_digest": digest,
-                "execution": request.execution_json(),
-            },
-        )
+        return {
+            "go": not request.shadow,
+            "shadow": request.shadow,
+            "arguments": arguments,
+            "arguments_digest": digest_of(request.arguments, ensure_ascii=self.ensure_ascii),
+            "execution": request.execution_json(),
+        }
 
     def _result(self, request: FakeRequest, body: Any) -> httpx.Response:
         if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):

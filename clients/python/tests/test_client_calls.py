@@ -35,7 +35,9 @@ def ask(client: Client, arguments=REFUND, key="order-42-refund", **fields) -> Ap
 def test_request_wait_consume_report_round_trip(client, console):
     request = ask(client, current={"refunded_cents": 0}, risk="high", schema={"type": "object"})
     assert request.status is RequestStatus.PENDING and request.arguments is None
-    assert request.url == f"http://console.test/approvals/{request.card_id}/"
+    assert request.execution.status is ExecutionStatus.NOT_STARTED and not request.shadow
+    assert request.url == f"/api/approval-requests/{request.id}"
+    assert console.calls("GET") == 0  # the POST's answer is the request's whole state
     assert console.only().body["current"] == {"refunded_cents": 0} and console.only().body["risk"] == "high"
 
     console.approves_while_waiting(by="bob")
@@ -86,7 +88,7 @@ def test_wait_long_polls_until_a_decision(client, console):
     assert client.wait(request.id, poll=7).status is RequestStatus.APPROVED
     assert len(polls) == 3
     waits = [path for method, path in console.seen if method == "GET"]
-    assert len(waits) == 1 + 3  # request_approval's read, then the three long polls
+    assert len(waits) == 3  # the three long polls (the request's state came with the POST's answer)
 
 
 def test_wait_sends_the_poll_as_the_long_polls_length(console):
@@ -100,7 +102,7 @@ def test_wait_sends_the_poll_as_the_long_polls_length(console):
     console.approves_while_waiting()
     with Client(BASE_URL, "tok-alice", transport=httpx.MockTransport(handler)) as client:
         client.wait(ask(client).id, timeout=3600, poll=42)
-    assert sent == ["0", "42"]
+    assert sent == ["42"]
 
 
 def test_wait_gives_up_after_its_timeout(client, console):
@@ -148,9 +150,44 @@ def test_a_second_consume_is_already_consumed_with_the_receipt(client, console):
     console.approve(request.id)
     client.consume(request.id, arguments_digest(REFUND))
     with pytest.raises(AlreadyConsumed) as raised:
-        client.consume(request.id, arguments_digest(REFUND))
-    assert raised.value.status == 409 and not raised.value.answer_lost
+        client.consume(request.id, arguments_digest(REFUND))  # another call: another nonce
+    assert raised.value.status == 409
     assert raised.value.execution.status is ExecutionStatus.PENDING
+    first, second = console.nonces
+    assert first != second and len(first) == 32
+
+
+def test_the_same_nonce_gets_the_same_go_until_an_outcome_is_reported(client, console):
+    request = ask(client)
+    console.approve(request.id)
+    first = client.consume(request.id, arguments_digest(REFUND), nonce="attempt-1")
+    again = client.consume(request.id, arguments_digest(REFUND), nonce="attempt-1")
+    assert first.go and again.go and again.arguments == first.arguments == REFUND
+    assert console.consumed_digests == [arguments_digest(REFUND)]  # one receipt
+    client.report(request.id, ok=True, result="done")
+    with pytest.raises(AlreadyConsumed) as raised:
+        client.consume(request.id, arguments_digest(REFUND), nonce="attempt-1")
+    assert raised.value.execution.status is ExecutionStatus.SUCCEEDED
+
+
+def test_a_shadow_cards_consume_is_no_go(client, console):
+    console.shadow_channels.add("payments")
+    request = ask(client)
+    assert request.shadow
+    console.approve(request.id)
+    go = client.consume(request.id, arguments_digest(REFUND))
+    assert (go.go, go.shadow) == (False, True)
+    assert go.execution.status is ExecutionStatus.SUCCEEDED and go.execution.result["shadow"] is True
+    assert client.get(request.id).shadow
+
+
+@pytest.mark.parametrize("result", [{"refund_id": "r-1"}, ["a", "b"], "done", 42, 0.5, False, None])
+def test_a_result_may_be_any_json_value(client, console, result):
+    request = ask(client)
+    console.approve(request.id)
+    client.consume(request.id, arguments_digest(REFUND))
+    assert client.report(request.id, ok=True, result=result).result == result
+    assert client.get(request.id).execution.result == result
 
 
 def test_another_digest_is_refused_and_nothing_is_written(client, console):
@@ -274,14 +311,24 @@ def test_an_answer_that_is_not_json_is_refused():
         client.get("x")
 
 
-def test_a_go_without_go_true_is_refused(client, console):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"go": False},  # no shadow: neither a go nor a shadow's no-go
+        {"go": False, "shadow": False},
+        {"go": True, "shadow": True},
+        {"go": "yes", "shadow": False},
+        {"go": True, "shadow": False, "arguments": None},
+    ],
+)
+def test_a_consumes_answer_that_is_neither_a_go_nor_a_shadows_no_go_is_refused(client, console, flags):
     request = ask(client)
     console.approve(request.id)
     body = {
-        "go": False,
         "arguments": REFUND,
         "arguments_digest": arguments_digest(REFUND),
         "execution": console.only().execution_json(),
+        **flags,
     }
-    with _answering(body) as other, pytest.raises(UnexpectedResponse, match="go"):
+    with _answering(body) as other, pytest.raises(UnexpectedResponse):
         other.consume(request.id, arguments_digest(REFUND))

@@ -148,7 +148,7 @@ def test_a_get_is_retried_after_a_5xx_and_a_broken_connection(client, console):
     console.fail("GET", request.id, 503)
     console.fail("GET", request.id, "drop_request")
     assert client.get(request.id).id == request.id
-    assert console.calls("GET", request.id) == 1 + 3  # request_approval's read, then 503, dropped, answered
+    assert console.calls("GET", request.id) == 3  # 503, dropped, answered
 
 
 def test_a_get_gives_up_after_its_retries(console):
@@ -158,7 +158,7 @@ def test_a_get_gives_up_after_its_retries(console):
         console.fail("GET", request.id, 503, times=10)
         with pytest.raises(ServerError):
             client.get(request.id)
-    assert console.calls("GET", request.id) == 1 + 1 + 2  # request_approval's read, then one try and 2 retries
+    assert console.calls("GET", request.id) == 1 + 2  # one try and 2 retries
 
 
 def test_a_broken_connection_after_the_retries_is_connection_failed(client, console):
@@ -198,19 +198,17 @@ def _recording_sleeps(do, slept):
     return recording
 
 
-def test_a_consume_after_a_5xx_is_sent_again_only_when_get_shows_it_unconsumed(client, console):
+def test_a_consume_after_a_5xx_is_sent_again_under_the_same_nonce_up_to_the_retries(client, console):
     request = ask(client)
     console.approve(request.id)
     console.fail("POST", "/consume", 500, times=10)
-    # The 5xx came before the console wrote anything, as GET shows: consuming again is safe, up to the retries.
     with pytest.raises(ServerError):
         client.consume(request.id, DIGEST)
-    assert console.calls("POST", "/consume") == 1 + 4
-    assert console.calls("GET", request.id) == 1 + 5  # asked after each lost answer
+    assert console.calls("POST", "/consume") == 1 + 4 and console.calls("GET") == 0
     assert console.only().execution == "not_started"
 
 
-def test_a_consume_that_never_arrived_is_sent_again_after_asking(client, console):
+def test_a_consume_that_never_arrived_is_sent_again(client, console):
     request = ask(client)
     console.approve(request.id)
     console.fail("POST", "/consume", "drop_request")
@@ -220,15 +218,27 @@ def test_a_consume_that_never_arrived_is_sent_again_after_asking(client, console
     assert console.only().execution == "pending"
 
 
-def test_a_consume_whose_answer_was_lost_is_not_sent_again(client, console):
+def test_a_consume_whose_answer_was_lost_is_sent_again_under_its_nonce_and_gets_the_same_go(client, console):
     request = ask(client)
     console.approve(request.id)
     console.fail("POST", "/consume", "drop_answer")
+    go = client.consume(request.id, DIGEST)
+    assert go.go and go.arguments == REFUND and go.execution.status is ExecutionStatus.PENDING
+    # The console took the first, and gave the same go to the second under the same nonce: one receipt.
+    assert console.calls("POST", "/consume") == 2 and console.consumed_digests == [DIGEST]
+    first, again = console.nonces
+    assert first == again
+
+
+def test_a_consume_whose_answer_was_lost_and_another_process_took_the_go_is_already_consumed(client, console):
+    request = ask(client)
+    console.approve(request.id)
+    console.fail("POST", "/consume", "drop_request")
+    console.before_consume = console.consumed_by_another  # as the retry arrives (the first never did)
     with pytest.raises(AlreadyConsumed) as raised:
         client.consume(request.id, DIGEST)
-    assert raised.value.answer_lost and raised.value.execution.status is ExecutionStatus.PENDING
-    assert isinstance(raised.value.__cause__, ConnectionFailed)
-    assert console.calls("POST", "/consume") == 1
+    assert raised.value.execution.status is ExecutionStatus.PENDING
+    assert console.consumed_digests == []
 
 
 def test_a_locked_consume_is_not_retried_and_writes_nothing(client, console):

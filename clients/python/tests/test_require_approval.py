@@ -14,6 +14,7 @@ from hitl_client import (
     ActionFailed,
     AsyncClient,
     Cancelled,
+    ConnectionFailed,
     DigestMismatch,
     Expired,
     Locked,
@@ -202,16 +203,29 @@ def test_a_consume_already_taken_by_a_twin_process_does_not_run(refund, console,
     assert payments.refunds == [] and console.consumed_digests == []
 
 
-def test_a_consume_whose_answer_was_lost_does_not_run_and_is_not_consumed_again(refund, console, payments):
+def test_a_consume_whose_answer_was_lost_is_asked_again_under_its_nonce_and_runs_once(refund, console, payments):
     console.approves_while_waiting()
     console.fail("POST", "/consume", "drop_answer")
+    assert refund("o-42", 500) == {"refund_id": "r-1", "amount_cents": 500}
+    assert payments.refunds == [("o-42", 500)] and console.only().execution == "succeeded"
+    assert console.calls("POST", "/consume") == 2 and len(set(console.nonces)) == 1
+    assert console.consumed_digests == [arguments_digest({"order_id": "o-42", "amount_cents": 500})]
+
+
+def test_a_consume_whose_answers_stay_lost_raises_and_the_rerun_does_not_run_it(refund, console, payments):
+    # Every answer lost (the console took the first): the call gives up without running; the re-run, another
+    # process with another nonce, cannot tell that nothing ran, so it is left to a person.
+    console.approves_while_waiting()
+    console.fail("POST", "/consume", "drop_answer", times=10)
+    with pytest.raises(ConnectionFailed):
+        refund("o-42", 500)
+    assert payments.refunds == [] and console.only().execution == "pending"
     with pytest.raises(OutcomeUnknown):
         refund("o-42", 500)
-    assert payments.refunds == []
-    assert console.calls("POST", "/consume") == 1 and console.only().execution == "pending"
+    assert payments.refunds == [] and console.calls("POST", "/consume") == 1 + 4
 
 
-def test_a_consume_that_never_arrived_is_asked_about_then_sent_again_and_runs_once(refund, console, payments):
+def test_a_consume_that_never_arrived_is_sent_again_and_runs_once(refund, console, payments):
     console.approves_while_waiting()
     console.fail("POST", "/consume", "drop_request")
     assert refund("o-42", 500) == {"refund_id": "r-1", "amount_cents": 500}
@@ -230,6 +244,46 @@ def test_a_kill_switch_stops_it_before_the_go_and_a_later_call_runs_once(refund,
     assert refund("o-42", 500)["refund_id"] == "r-1"
     assert refund("o-42", 500)["refund_id"] == "r-1"
     assert payments.refunds == [("o-42", 500)] and len(console.requests) == 1
+
+
+def test_a_shadow_card_never_runs_the_function_and_the_call_returns_the_shadow_result(refund, console, payments):
+    console.shadow_channels.add("payments")
+    console.approves_while_waiting(edit={"order_id": "o-42", "amount_cents": 300})
+    result = refund("o-42", 500)
+    expected = {
+        "shadow": True,
+        "request_id": console.only().id,
+        "action": "refund",
+        "arguments": {"order_id": "o-42", "amount_cents": 300},  # what the reviewer approved, done by hand
+    }
+    assert result == expected
+    assert refund("o-42", 500) == expected  # a re-run: the same, from what the console recorded
+    assert payments.refunds == [] and console.calls("POST", "/result") == 0
+    assert console.calls("POST", "/consume") == 1 and console.only().execution == "succeeded"
+
+
+def test_a_shadow_consume_whose_answer_was_lost_still_never_runs_the_function(refund, console, payments):
+    # Asked again under its nonce, the shadow's consume is already done (recorded as shadow): 409, read as such.
+    console.shadow_channels.add("payments")
+    console.approves_while_waiting()
+    console.fail("POST", "/consume", "drop_answer")
+    assert refund("o-42", 500)["shadow"] is True
+    assert payments.refunds == [] and console.calls("POST", "/consume") == 2
+
+
+@pytest.mark.parametrize("value", [["r-1", "r-2"], "r-1", 7, None, True])
+def test_a_result_of_any_json_value_is_recorded_and_given_back_to_a_rerun(client, console, value):
+    calls = []
+
+    @require_approval(client, channel="payments", rationale="r")
+    def refund(order_id: str) -> object:
+        calls.append(order_id)
+        return value
+
+    console.approves_while_waiting()
+    assert refund("o-42") == value
+    assert console.only().execution == "succeeded" and console.only().result == value
+    assert refund("o-42") == value and calls == ["o-42"]
 
 
 def test_a_wait_that_times_out_is_picked_up_by_the_same_call_later(client, console, payments):

@@ -137,12 +137,21 @@ def test_a_failure_is_recorded_and_a_rerun_raises_action_failed(console, payment
     assert payments.refunds == []
 
 
-def test_a_consume_whose_answer_was_lost_is_asked_about_and_not_run(console, payments):
+def test_a_consume_whose_answer_was_lost_is_asked_again_under_its_nonce_and_runs_once(console, payments):
     console.approves_while_waiting()
     console.fail("POST", "/consume", "drop_answer")
-    with pytest.raises(OutcomeUnknown):
-        call_refund(console, payments, "o-42", 500)
-    assert payments.refunds == [] and console.calls("POST", "/consume") == 1
+    assert call_refund(console, payments, "o-42", 500)["refund_id"] == "r-1"
+    assert payments.refunds == [("o-42", 500)] and console.calls("POST", "/consume") == 2
+    assert len(set(console.nonces)) == 1 and len(console.consumed_digests) == 1
+
+
+def test_a_shadow_card_never_runs_the_coroutine(console, payments):
+    console.shadow_channels.add("payments")
+    console.approves_while_waiting()
+    result = call_refund(console, payments, "o-42", 500)
+    assert result == {"shadow": True, "request_id": console.only().id, "action": "refund", "arguments": REFUND}
+    assert call_refund(console, payments, "o-42", 500) == result
+    assert payments.refunds == [] and console.calls("POST", "/result") == 0
 
 
 def test_a_consume_that_never_arrived_is_sent_again_and_runs_once(console, payments):

@@ -35,7 +35,7 @@ from hitl_client.errors import (
     UnexpectedResponse,
     WaitTimeout,
 )
-from hitl_client.models import ApprovalRequest, Execution, ExecutionStatus, Go, RequestStatus, Submission
+from hitl_client.models import ApprovalRequest, Execution, ExecutionStatus, Go, RequestStatus
 
 __all__ = [
     "ActionFailed",
@@ -66,7 +66,6 @@ __all__ = [
     "ReportFailed",
     "RequestStatus",
     "ServerError",
-    "Submission",
     "Unauthorized",
     "UnexpectedResponse",
     "WaitTimeout",

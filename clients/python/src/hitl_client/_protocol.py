@@ -10,8 +10,9 @@ import json
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -35,7 +36,7 @@ from hitl_client.errors import (
     UnexpectedResponse,
     WaitTimeout,
 )
-from hitl_client.models import ApprovalRequest, Execution, ExecutionStatus, Go, Submission
+from hitl_client.models import ApprovalRequest, Execution, Go
 
 T = TypeVar("T")
 
@@ -110,11 +111,10 @@ def send(request: Send, policy: RetryPolicy, *, idempotent: bool) -> Flow[httpx.
 
 
 def request_approval(body: dict[str, Any], policy: RetryPolicy) -> Flow[ApprovalRequest]:
-    # Safe to repeat: the idempotency key gives back the same request, whether or not the first one arrived.
+    # Safe to repeat: the idempotency key gives back the same request, whether or not the first one arrived. The
+    # answer is the request's whole state (its decision and execution included), as GET would give it.
     response = yield from send(Send("POST", PATH, json=body), policy, idempotent=True)
-    submission = Submission.from_json(_json(response))
-    request = yield from get(submission.id, 0, policy)
-    return _with_url(request, submission.url)
+    return ApprovalRequest.from_json(_json(response))
 
 
 def get(request_id: str, wait: int, policy: RetryPolicy) -> Flow[ApprovalRequest]:
@@ -142,31 +142,14 @@ def wait(
             raise WaitTimeout(request, timeout or 0)
 
 
-def consume(request_id: str, digest: str, policy: RetryPolicy) -> Flow[Go]:
-    """The one "go". Never sent again blindly: when its answer is lost (the connection broke, or a 5xx that may
-    have come after the write), the console is asked what it recorded. Not consumed: consuming again is safe.
-    Consumed: this client cannot tell whether the go was its own, so AlreadyConsumed(answer_lost=True)."""
-    request = Send("POST", _path(request_id, "consume"), json={"arguments_digest": digest})
-    attempt = 0
-    while True:
-        try:
-            response = yield from send(request, policy, idempotent=False)
-        except (ConnectionFailed, ServerError) as lost:
-            recorded = yield from get(request_id, 0, policy)
-            if recorded.execution.status is not ExecutionStatus.NOT_STARTED:
-                raise AlreadyConsumed(
-                    409,
-                    "already_consumed",
-                    f"The consume's answer was lost ({lost}); the console shows the request consumed.",
-                    execution=recorded.execution,
-                    answer_lost=True,
-                ) from lost
-            if attempt >= policy.retries:
-                raise
-            attempt += 1
-            yield Sleep(policy.delay(attempt))
-        else:
-            return Go.from_json(_json(response))
+def consume(request_id: str, digest: str, policy: RetryPolicy, nonce: str | None = None) -> Flow[Go]:
+    """The one "go", asked under a nonce made for this consume (or the caller's): the console answers the same
+    go again to the same nonce while the execution is pending, so a consume whose answer was lost (the
+    connection broke, a 5xx that may have come after the write) is sent again like any call that is safe to
+    repeat. A process that died after its go makes a new nonce when it runs again, and gets AlreadyConsumed."""
+    body = {"arguments_digest": digest, "nonce": nonce or uuid.uuid4().hex}
+    response = yield from send(Send("POST", _path(request_id, "consume"), json=body), policy, idempotent=True)
+    return Go.from_json(_json(response))
 
 
 def report(request_id: str, body: dict[str, Any], policy: RetryPolicy) -> Flow[Execution]:
@@ -240,7 +223,3 @@ def _json(response: httpx.Response) -> Any:
 
 def _path(request_id: str, *rest: str) -> str:
     return "/".join((PATH, quote(str(request_id), safe=""), *rest))
-
-
-def _with_url(request: ApprovalRequest, url: str) -> ApprovalRequest:
-    return request if request.url else replace(request, url=url)

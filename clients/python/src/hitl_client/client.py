@@ -137,7 +137,9 @@ class Client(_Base):
         approval: Approval | None = None,
     ) -> ApprovalRequest:
         """Asks for a person's sign-off on one action; the same `idempotency_key` gives back the same request
-        (its decision and execution included), so asking again after a crash is safe."""
+        (its decision and execution included), so asking again after a crash is safe. The key names the action
+        and its arguments on the channel: asking again with another `current` or rationale is the same request
+        (the first ask's description stands); other arguments under the same key are a `Conflict`."""
         body = approval_request_body(
             channel,
             action,
@@ -165,9 +167,12 @@ class Client(_Base):
         it; `WaitTimeout` after `timeout` seconds (None: as long as it takes; the request expires at the latest)."""
         return self._run(_protocol.wait(id, timeout, poll, self._policy))
 
-    def consume(self, id: str, arguments_digest: str) -> Go:
-        """The one "go" for the approved arguments whose digest this is (`arguments_digest(request.arguments)`)."""
-        return self._run(_protocol.consume(id, arguments_digest, self._policy))
+    def consume(self, id: str, arguments_digest: str, nonce: str | None = None) -> Go:
+        """The one "go" for the approved arguments whose digest this is (`arguments_digest(request.arguments)`).
+        `nonce` names this consume (default: a new random one per call, reused by its retries): the console
+        gives the same go again to the same nonce while nothing is reported, so a lost answer is asked again.
+        On a shadow card the answer is `go=False, shadow=True`: do not run the action."""
+        return self._run(_protocol.consume(id, arguments_digest, self._policy, nonce))
 
     def report(self, id: str, ok: bool, result: Any = None, error: str | None = None) -> Execution:
         """Completes the receipt with the action's outcome: `ok=True, result=...` or `ok=False, error="..."`."""
@@ -264,8 +269,8 @@ class AsyncClient(_Base):
     async def wait(self, id: str, timeout: float | None = None, poll: int = 25) -> ApprovalRequest:
         return await self._run(_protocol.wait(id, timeout, poll, self._policy))
 
-    async def consume(self, id: str, arguments_digest: str) -> Go:
-        return await self._run(_protocol.consume(id, arguments_digest, self._policy))
+    async def consume(self, id: str, arguments_digest: str, nonce: str | None = None) -> Go:
+        return await self._run(_protocol.consume(id, arguments_digest, self._policy, nonce))
 
     async def report(self, id: str, ok: bool, result: Any = None, error: str | None = None) -> Execution:
         return await self._run(_protocol.report(id, result_body(ok, result, error), self._policy))

@@ -56,7 +56,10 @@ def require_approval(
 ) -> Callable[[F], F]:
     """Each call asks for a person's sign-off, waits for it, takes the one "go" (consume), runs the function
     once with the approved arguments (a reviewer's edit included) as keyword arguments, reports the outcome and
-    returns the function's result. Raises `Rejected`, `Expired` or `Cancelled` without running it.
+    returns the function's result. Raises `Rejected`, `Expired` or `Cancelled` without running it, and `Locked`
+    while a kill switch stops the channel (nothing ran; the same call after the release runs it once). On a
+    shadow card the function is not called: the call returns `{"shadow": True, "request_id", "action",
+    "arguments"}` (the approved arguments, which a person carries out by hand).
 
     The same call again (same idempotency key) never runs the action twice: an outcome already reported is
     returned (or `ActionFailed` raised) without calling the function; a consume whose outcome was never reported
@@ -196,6 +199,8 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
     digest = arguments_digest(arguments)
 
     try:
+        # One nonce for this consume, made here and reused by its retries: a go whose answer was lost is given
+        # again to it; a re-run of the call (another process, after a crash) makes its own and is refused.
         go = yield from _protocol.consume(request.id, digest, policy)
     except AlreadyConsumed as exc:
         execution = exc.execution or (yield from _protocol.get(request.id, 0, policy)).execution
@@ -204,7 +209,10 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
         # Decided otherwise since we read it (expired, cancelled): say how, rather than "not approved".
         _raise_unless_approved((yield from _protocol.get(request.id, 0, policy)))
         raise
-    if arguments_digest(go.arguments) != digest:
+    if go.shadow:
+        # A shadow card: the console recorded the effect as shadow and a person does it by hand. Never run here.
+        return _shadow_result(request)
+    if go.arguments is None or arguments_digest(go.arguments) != digest:
         # The go is ours but for other arguments than the approved ones we hashed: refuse to run them, and say
         # so on the receipt (the action did not happen).
         error = f"The client did not run it: the go's arguments are not the approved ones ({digest})."
@@ -233,10 +241,16 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
 def _recorded_outcome(request: ApprovalRequest) -> Any:
     execution = request.execution
     if execution.status is ExecutionStatus.SUCCEEDED:
-        return execution.result
+        return _shadow_result(request) if request.shadow else execution.result
     if execution.status is ExecutionStatus.FAILED:
         raise ActionFailed(request)
     raise OutcomeUnknown(request)
+
+
+def _shadow_result(request: ApprovalRequest) -> dict[str, Any]:
+    """What a call on a shadow card returns in place of the function's result (it was not called): the same on
+    every re-run, built from the request alone."""
+    return {"shadow": True, "request_id": request.id, "action": request.action, "arguments": request.arguments}
 
 
 def _raise_unless_approved(request: ApprovalRequest) -> None:

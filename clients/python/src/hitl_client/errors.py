@@ -60,21 +60,13 @@ class Conflict(ApiError):
 
 
 class AlreadyConsumed(Conflict):
-    """409 already_consumed: "go" was given before. `execution` is the receipt recorded then (None if the
-    console did not say). `answer_lost` is True when this client's own consume may have been the one, its
-    answer lost on the way back: the console shows the request consumed, and nothing tells whose it was."""
+    """409 already_consumed: "go" was given before, to another consume (another process, or an earlier run of
+    this one: the console gives the same go again only to the same consume's nonce). `execution` is the receipt
+    recorded then (None if the console did not say)."""
 
-    def __init__(
-        self,
-        status: int,
-        error: str,
-        detail: Any = "",
-        *,
-        execution: Execution | None = None,
-        answer_lost: bool = False,
-    ) -> None:
+    def __init__(self, status: int, error: str, detail: Any = "", *, execution: Execution | None = None) -> None:
         super().__init__(status, error, detail)
-        self.execution, self.answer_lost = execution, answer_lost
+        self.execution = execution
 
 
 class DigestMismatch(Conflict):
@@ -90,8 +82,8 @@ class NotConsumed(Conflict):
 
 
 class Locked(ApiError):
-    """423: the channel's (or the global) kill switch is engaged. Nothing was written: try again later, with the
-    same idempotency key."""
+    """423: the channel's (or the global) kill switch is engaged. Nothing was written and nothing ran: the
+    request stays approved; call again once the switch is released (the same idempotency key) to run it once."""
 
 
 class RateLimited(ApiError):
@@ -151,9 +143,9 @@ class ActionFailed(HitlError):
 
 
 class OutcomeUnknown(HitlError):
-    """The "go" was given, and no result was ever reported: the process that had it died (or lost the answer)
-    between consume and report. The action may or may not have happened, so it is never run again by the
-    client; a person must check (the card and the run page show "outcome unknown")."""
+    """The "go" was given, and no result was ever reported: the process that had it died between consume and
+    report (or another process holds it now). The action may or may not have happened, so it is never run again
+    by the client; a person must check (the card and the run page show "outcome unknown")."""
 
     def __init__(self, request: ApprovalRequest) -> None:
         super().__init__(

@@ -76,8 +76,10 @@ class ApprovalRequest:
     reason: str
     expires_at: datetime | None
     execution: Execution
-    # The card's address for a person; the console gives it when the request is made (None if read by id only).
+    # The request's address in the console's API, as the console gives it.
     url: str | None = None
+    # A shadow card: the reviewer does the action by hand, and consume answers no go (the agent never runs it).
+    shadow: bool = False
 
     @property
     def decided(self) -> bool:
@@ -103,48 +105,44 @@ class ApprovalRequest:
             expires_at=fields.time_or_none("expires_at"),
             execution=Execution.from_json(fields.any("execution")),
             url=fields.optional_string("url"),
-        )
-
-
-@dataclass(frozen=True)
-class Submission:
-    """The answer to `POST /api/approval-requests`: where the request is (202 new, 200 the same key again)."""
-
-    id: str
-    status: RequestStatus
-    url: str
-    run_id: str | None
-    card_id: str | None
-
-    @classmethod
-    def from_json(cls, data: object) -> Submission:
-        fields = _Fields(data, "submission")
-        return cls(
-            id=fields.ident("id"),
-            status=fields.enum("status", RequestStatus),
-            url=fields.string("url"),
-            run_id=fields.ident_or_none("run_id"),
-            card_id=fields.ident_or_none("card_id"),
+            shadow=fields.optional_boolean("shadow"),
         )
 
 
 @dataclass(frozen=True)
 class Go:
-    """The single "go" of a consume: run exactly these arguments, once."""
+    """A consume's answer. `go`: run exactly these arguments, once. On a shadow card the answer is no go
+    (`go` False, `shadow` True): the console recorded the effect as shadow, a person does the action by hand, and
+    the agent must not run it (`arguments` and `execution` are then what the console said, if it said)."""
 
-    arguments: dict[str, Any]
-    arguments_digest: str
-    execution: Execution
+    go: bool
+    shadow: bool
+    arguments: dict[str, Any] | None
+    arguments_digest: str | None
+    execution: Execution | None
 
     @classmethod
     def from_json(cls, data: object) -> Go:
         fields = _Fields(data, "go")
-        if fields.boolean("go") is not True:
-            raise UnexpectedResponse("The consume answered 200 without go: true.", data)
+        go, shadow = fields.boolean("go"), fields.boolean("shadow")
+        if go == shadow:
+            # Either a go for a real action or a shadow's no-go: anything else is not an answer to act on.
+            raise UnexpectedResponse(f"The consume answered 200 with go: {go} and shadow: {shadow}.", data)
+        if not go:
+            execution = fields.data.get("execution")
+            return cls(
+                go=False,
+                shadow=True,
+                arguments=fields.object_or_none("arguments") if "arguments" in fields.data else None,
+                arguments_digest=fields.optional_string("arguments_digest"),
+                execution=None if execution is None else Execution.from_json(execution),
+            )
         arguments = fields.object_or_none("arguments")
         if arguments is None:
             raise UnexpectedResponse("The go has no arguments.", data)
         return cls(
+            go=True,
+            shadow=False,
             arguments=arguments,
             arguments_digest=fields.string("arguments_digest"),
             execution=Execution.from_json(fields.any("execution")),
@@ -184,6 +182,9 @@ class _Fields:
 
     def boolean(self, name: str) -> bool:
         return cast(bool, self._typed(name, bool, "true or false"))
+
+    def optional_boolean(self, name: str) -> bool:
+        return self.boolean(name) if name in self.data else False
 
     def object_or_none(self, name: str) -> dict[str, Any] | None:
         value = self._typed(name, Mapping, "an object or null", null=True)

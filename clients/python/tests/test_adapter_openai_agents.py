@@ -219,6 +219,18 @@ def test_a_restart_after_the_report_gives_the_model_the_recorded_result(console,
     assert model.tool_outputs()["call_0"] == str({"refund_id": "r-1", "amount_cents": 500})
 
 
+def test_on_a_shadow_channel_the_tool_is_never_called_and_the_model_is_told(console):
+    refunds, model = Refunds(), Model([("refund_order", ASKED)])
+    console.shadow_channels.add("payments")
+    console.approves_while_waiting()
+
+    run(console, agent_with(model, refunds.tool()))
+
+    assert refunds.made == []
+    told = model.tool_outputs()["call_0"]
+    assert "shadow mode" in told and "a person carries it out by hand" in told and '"amount_cents": 500' in told
+
+
 def test_a_kill_switch_stops_the_run_and_a_later_run_goes_on_once_it_is_released(console, tmp_path):
     refunds, model = Refunds(), Model([("refund_order", ASKED)])
     console.approves_while_waiting()

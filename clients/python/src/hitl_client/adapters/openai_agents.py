@@ -433,6 +433,12 @@ class _Session:
             raise  # the console's refusal or absence: the run stops, and resumes from its state later
         except Exception as exc:  # the tool itself failed: reported as failed, and told to the model
             return f"{approval.action} failed: {exc}"
+        if not ran_with and _is_shadow(result):
+            # A shadow card: the console recorded the effect as shadow; the function was not called.
+            return (
+                f"{approval.action} was not run by the agent: its channel is in shadow mode, and a person carries "
+                f"it out by hand with {json.dumps(result['arguments'], sort_keys=True)}."
+            )
         if ran_with and ran_with != asked:
             return (
                 f"A person edited the arguments before approving: {approval.action} ran with "
@@ -448,6 +454,21 @@ def _approval_of(item: ToolApprovalItem) -> _Approval:
     raise NotAnApprovalTool(
         f"The run stopped for {item.tool_name!r}, which needs approval but is not an approval_tool (or not a tool "
         f"of agent {item.agent.name!r}): make it with approval_tool, so that it runs once with what was approved."
+    )
+
+
+def _is_shadow(result: Any) -> bool:
+    """require_approval's answer on a shadow card, in place of the function's result."""
+    return (
+        isinstance(result, dict)
+        and result.get("shadow") is True
+        and set(result)
+        == {
+            "shadow",
+            "request_id",
+            "action",
+            "arguments",
+        }
     )
 
 

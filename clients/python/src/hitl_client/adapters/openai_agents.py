@@ -300,8 +300,9 @@ async def run_with_approvals(
                 )
             except UserError as exc:
                 # The SDK wraps what a tool raises; the console's refusal (a kill switch, say) is the error.
-                if isinstance(exc.__cause__, HitlError):
-                    raise exc.__cause__ from exc
+                error = exc.__cause__
+                if isinstance(error, HitlError):
+                    raise error from error.__cause__  # with its own cause (the HTTP error, say)
                 raise
             if not result.interruptions:
                 keeper.finish(result.final_output)

@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('external', '0001_initial'),
+        ("external", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='actionrequest',
-            name='consume_nonce',
-            field=models.CharField(blank=True, help_text="The consumer's name for its consume: it may ask again, and only it.", max_length=100),
+            model_name="actionrequest",
+            name="consume_nonce",
+            field=models.CharField(
+                blank=True,
+                help_text="The consumer's name for its consume: it may ask again, and only it.",
+                max_length=100,
+            ),
         ),
     ]

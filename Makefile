@@ -9,13 +9,14 @@ ASSETS_STAMP := node_modules/.installed
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
-# The Python client (clients/python) is installed editable beside the server: its tests run in the same suite.
+# The Python client (clients/python) is installed editable beside the server: its tests run in the same suite, and
+# its `test` extra brings the agent frameworks its adapters' tests drive.
 $(VENV_STAMP): pyproject.toml clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "Python >= 3.12 is needed (see .python-version); found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet '.[dev]'
-	$(PY) -m pip install --quiet -e clients/python
+	$(PY) -m pip install --quiet -e 'clients/python[test]'
 	@touch $@
 
 $(ASSETS_STAMP): package.json package-lock.json

@@ -87,11 +87,17 @@ class _Execute:
 
 _Flow = Generator[_Ask | _Execute, Any, T]
 
-# The decisions of the calls of the node's current run, by tool call id: read by the tool wrapper, which
-# ToolNode calls in its worker threads (they copy this context) or tasks.
-_decided: contextvars.ContextVar[Mapping[str, ApprovalRequest] | None] = contextvars.ContextVar(
-    "hitl_decided", default=None
-)
+
+@dataclass
+class _NodeRun:
+    """One run of the node: the decisions of its calls, by tool call id, and the console's errors met while running
+    them. The tool wrapper reads it in ToolNode's worker threads (they copy this context) or tasks."""
+
+    decided: Mapping[str, ApprovalRequest]
+    errors: list[HitlError] = field(default_factory=list)
+
+
+_current_run: contextvars.ContextVar[_NodeRun | None] = contextvars.ContextVar("hitl_node_run", default=None)
 
 
 class ApprovalToolNode(ToolNode):
@@ -106,8 +112,11 @@ class ApprovalToolNode(ToolNode):
     `on_expiry` are the request's (docs/external-agents.md). A `Client` serves `invoke`/`stream`, an
     `AsyncClient` `ainvoke`/`astream` (a `Client` there runs in a thread).
 
-    A call the console refuses to start (423: a kill switch is engaged) raises `Locked` out of the graph; nothing
-    ran and the thread stays at this node: run it again later (`invoke_with_approvals` again)."""
+    The console's errors are raised out of the graph, not told to the model as the tool's (`Locked`: a kill
+    switch is engaged; `ConnectionFailed`: the console is unreachable): nothing ran that needs approval, and the
+    thread stays at this node: run it again later (`invoke_with_approvals` again) and it asks the same requests.
+    A tool's own exception is handled as `handle_tool_errors` says (default: the model is told), and reported as
+    the call's failure. Tools that need no approval run as ToolNode runs them, after every decision is in."""
 
     def __init__(
         self,
@@ -161,20 +170,22 @@ class ApprovalToolNode(ToolNode):
     def _func(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:
         if isinstance(self._client, AsyncClient):
             raise TypeError("This ApprovalToolNode has an AsyncClient: run the graph with ainvoke or astream.")
-        decided = self._drive(self._ask_and_wait(input, config))
-        token = _decided.set(decided)
+        run = _NodeRun(self._drive(self._ask_and_wait(input, config)))
+        token = _current_run.set(run)
         try:
-            return super()._func(input, config, runtime)
+            output = super()._func(input, config, runtime)
         finally:
-            _decided.reset(token)
+            _current_run.reset(token)
+        return _unless_failed(run, output)
 
     async def _afunc(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:
-        decided = await self._adrive(self._ask_and_wait(input, config))
-        token = _decided.set(decided)
+        run = _NodeRun(await self._adrive(self._ask_and_wait(input, config)))
+        token = _current_run.set(run)
         try:
-            return await super()._afunc(input, config, runtime)
+            output = await super()._afunc(input, config, runtime)
         finally:
-            _decided.reset(token)
+            _current_run.reset(token)
+        return _unless_failed(run, output)
 
     def _ask_and_wait(self, input: Any, config: RunnableConfig) -> _Flow[dict[str, ApprovalRequest]]:
         """The console's request for each call that needs approval, once every one of them is decided."""
@@ -231,18 +242,26 @@ class ApprovalToolNode(ToolNode):
     # Each call, in ToolNode's worker thread (or task).
 
     def _run_call(self, request: ToolCallRequest, execute: Execute) -> ToolMessageOrCommand:
-        approval = (_decided.get() or {}).get(request.tool_call["id"] or "")
-        if approval is None:  # needs no approval
+        run = _current_run.get()
+        approval = run.decided.get(request.tool_call["id"] or "") if run else None
+        if run is None or approval is None:  # needs no approval
             return execute(request)
-        return self._drive(self._run_approved(approval, request), execute)
+        try:
+            return self._drive(self._run_approved(approval, request), execute)
+        except HitlError as exc:
+            return _failed(run, exc, request.tool_call)
 
     async def _arun_call(
         self, request: ToolCallRequest, execute: Callable[[ToolCallRequest], Awaitable[Any]]
     ) -> ToolMessageOrCommand:
-        approval = (_decided.get() or {}).get(request.tool_call["id"] or "")
-        if approval is None:
+        run = _current_run.get()
+        approval = run.decided.get(request.tool_call["id"] or "") if run else None
+        if run is None or approval is None:
             return await execute(request)
-        return await self._adrive(self._run_approved(approval, request), execute)
+        try:
+            return await self._adrive(self._run_approved(approval, request), execute)
+        except HitlError as exc:
+            return _failed(run, exc, request.tool_call)
 
     def _run_approved(self, approval: ApprovalRequest, request: ToolCallRequest) -> _Flow[ToolMessageOrCommand]:
         call = request.tool_call
@@ -331,6 +350,20 @@ class ApprovalToolNode(ToolNode):
                     sent = await asyncio.to_thread(getattr(self._client, op.method), *op.args, **op.kwargs)
             except Exception as exc:
                 raised = exc
+
+
+def _failed(run: _NodeRun, error: HitlError, call: ToolCall) -> ToolMessage:
+    # ToolNode would hand the console's refusal (a kill switch, the console unreachable) to the model as the
+    # tool's error, and the approval would be lost for this thread. Raised out of the node instead (below): the
+    # thread stays at this node, and running it again later asks the same requests again.
+    run.errors.append(error)
+    return _message(call, f"{call['name']} did not run: {error}")
+
+
+def _unless_failed(run: _NodeRun, output: T) -> T:
+    if run.errors:
+        raise run.errors[0]
+    return output
 
 
 def invoke_with_approvals(
@@ -471,9 +504,10 @@ def _recorded(request: ApprovalRequest, call: ToolCall) -> ToolMessage:
         return _message(call, result if isinstance(result, str) else _json(result), error=False)
     if execution.status is ExecutionStatus.FAILED:
         return _message(call, f"{name} ran before and failed: {execution.error}. It was not run again.")
+    started = execution.consumed_at.isoformat(timespec="seconds") if execution.consumed_at else "some time"
     return _message(
         call,
-        f"{name} was started at {execution.consumed_at} and its outcome was never reported (outcome unknown): "
+        f"{name} was started at {started} and its outcome was never reported (outcome unknown): "
         "it may or may not have happened. It was not run again; a person must check it.",
     )
 

@@ -170,12 +170,29 @@ def test_a_thread_that_lost_its_checkpoint_gets_the_recorded_result_without_runn
 def test_a_tool_that_fails_is_reported_as_failed_and_not_run_again(client, console: FakeConsole):
     shop = Shop()
     console.approves_while_waiting(edit={**REFUND, "amount_cents": 13})
-    invoke_with_approvals(shop.graph(client, [("refund_order", REFUND)]), ask(), THREAD, client=client)
+    graph = shop.graph(client, [("refund_order", REFUND)], handle_tool_errors=True)
+    invoke_with_approvals(graph, ask(), THREAD, client=client)
     assert console.only().execution == "failed" and "the payment service is down" in console.only().error
     assert "the payment service is down" in shop.model_saw[0][0]
     # The same call again (a lost checkpoint): its recorded failure, not a second try.
     invoke_with_approvals(shop.graph(client, [("refund_order", REFUND)]), ask(), THREAD, client=client)
     assert "ran before and failed" in shop.model_saw[1][0] and console.calls("POST", "/consume") == 1
+
+
+def test_a_tool_error_toolnode_lets_through_is_reported_then_raised_and_the_rerun_tells_the_model(client, console):
+    shop = Shop()
+    console.approves_while_waiting(edit={**REFUND, "amount_cents": 13})
+    graph = shop.graph(client, [("refund_order", REFUND)])  # ToolNode's default: only bad arguments are handled
+    with pytest.raises(RuntimeError, match="the payment service is down"):
+        invoke_with_approvals(graph, ask(), THREAD, client=client)
+    assert console.only().execution == "failed"
+    invoke_with_approvals(graph, ask(), THREAD, client=client)  # the thread continues at the tools node
+    assert "ran before and failed" in shop.model_saw[0][0] and console.calls("POST", "/consume") == 1
+
+
+def test_a_wrapper_of_its_own_is_refused(client):
+    with pytest.raises(TypeError, match="wrap_tool_call"):
+        Shop().graph(client, [], wrap_tool_call=lambda request, execute: execute(request))
 
 
 def test_a_kill_switch_stops_the_graph_with_nothing_run_until_it_is_released(client, console: FakeConsole):

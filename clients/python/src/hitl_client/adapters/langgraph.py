@@ -115,8 +115,8 @@ class ApprovalToolNode(ToolNode):
     The console's errors are raised out of the graph, not told to the model as the tool's (`Locked`: a kill
     switch is engaged; `ConnectionFailed`: the console is unreachable): nothing ran that needs approval, and the
     thread stays at this node: run it again later (`invoke_with_approvals` again) and it asks the same requests.
-    A tool's own exception is handled as `handle_tool_errors` says (default: the model is told), and reported as
-    the call's failure. Tools that need no approval run as ToolNode runs them, after every decision is in."""
+    A tool's own exception is reported as the call's failure, then handled as ToolNode's `handle_tool_errors`
+    says. Tools that need no approval run as ToolNode runs them, after every decision is in."""
 
     def __init__(
         self,
@@ -134,17 +134,20 @@ class ApprovalToolNode(ToolNode):
         on_expiry: OnExpiry | None = None,
         name: str = "tools",
         tags: list[str] | None = None,
-        handle_tool_errors: Any = True,
         messages_key: str = "messages",
+        **tool_node_options: Any,
     ) -> None:
         if not isinstance(client, (Client, AsyncClient)):
             raise TypeError(f"client must be a hitl_client Client or AsyncClient, not {type(client).__name__}.")
+        if {"wrap_tool_call", "awrap_tool_call"} & tool_node_options.keys():
+            # A wrapper may call the tool several times (retries): the approval is for one run.
+            raise TypeError("ApprovalToolNode wraps the tool calls itself: it takes no wrap_tool_call.")
         super().__init__(
             tools,
             name=name,
             tags=tags,
-            handle_tool_errors=handle_tool_errors,
             messages_key=messages_key,
+            **tool_node_options,  # handle_tool_errors, as ToolNode takes it
             wrap_tool_call=self._run_call,
             awrap_tool_call=self._arun_call,
         )

@@ -9,8 +9,8 @@ ASSETS_STAMP := node_modules/.installed
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
-# The Python client (clients/python) is installed editable beside the server, with the frameworks of its adapters
-# (its `test` extra): its tests run in the same suite.
+# The Python client (clients/python) is installed editable beside the server: its tests run in the same suite, and
+# its `test` extra brings the agent frameworks its adapters' tests drive.
 $(VENV_STAMP): pyproject.toml clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "Python >= 3.12 is needed (see .python-version); found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)

@@ -1,1 +1,2 @@
-"""Adapters of agent frameworks to the console. Each module imports its framework: `hitl_client` itself does not."""
+"""Adapters to agent frameworks. Each module imports its framework itself (install the extra named after it), so
+that `hitl_client` works without any of them."""

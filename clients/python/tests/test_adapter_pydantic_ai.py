@@ -349,6 +349,7 @@ def test_the_function_may_take_the_run_context_and_be_async(console):
 
 
 def test_bad_arguments_of_the_adapter_are_refused_before_anything_is_asked(console, tmp_path):
+    console.rejects_while_waiting(comment="not this one")  # were anything asked, the run would end, not wait
     model = Model([("refund_order", ASKED)])
     agent = agent_with(model, Refunds().tool())
     with pytest.raises(ValueError, match="session must be"):

@@ -1,0 +1,605 @@
+"""An MCP gateway: an MCP server in front of another, whose risky tool calls a person signs off on the console.
+
+    python -m hitl_client.adapters.mcp_gateway --upstream "python examples/mcp_refund_server.py" \\
+        --channel payments --approve refund_order
+
+The gateway lists the upstream server's tools as its own. A call the policy names (`--approve NAME`, or a
+predicate on the tool's name and arguments) becomes a card on the console, with the tool's `inputSchema` as the
+request's `schema` (so a reviewer may edit the arguments); the gateway waits for the decision and forwards only
+an approved call upstream, once, with the arguments the person approved: it takes the console's one "go"
+(`consume`, bound to the approved arguments' digest) before forwarding, and reports the upstream's answer after
+(the client's `require_approval`, so the rules of exactly once live in one place). The call's result says what
+was decided ("Approved by bob", "Edited by bob: amount_cents 4200 -> 2500", with the upstream's own content
+after it); a rejection, an expiry or a cancel is an error result with the reviewer's comment, and nothing was
+forwarded. Calls the policy does not name pass through untouched.
+
+MCP has no call id that outlives a connection, so a call's idempotency key is the client's, when it sends one
+in the request's `_meta` under `hitl/idempotency-key` (1-200 characters, used as is), and otherwise
+`mcp:<session>:<digest of tool and arguments>:<n>`, where n counts the identical calls (same tool, same
+arguments) this gateway process has settled in its session. The same key is the same request: a call whose go
+was taken before is never forwarded again; it answers the recorded result, or, when the gateway died between
+the go and the upstream's answer, that the outcome is unknown (a person checks). docs/external-agents.md says
+exactly what this guarantees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import mcp_types as types
+from mcp import Client as McpClient
+from mcp import StdioServerParameters
+from mcp.server import Server
+from mcp.server.context import ServerRequestContext
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+
+from hitl_client.client import AsyncClient, OnExpiry, Risk
+from hitl_client.decorator import require_approval
+from hitl_client.digest import arguments_digest
+from hitl_client.errors import (
+    ActionFailed,
+    Conflict,
+    Declined,
+    HitlError,
+    Locked,
+    OutcomeUnknown,
+    ReportFailed,
+    WaitTimeout,
+)
+from hitl_client.models import ApprovalRequest, RequestStatus
+
+__all__ = ["DECISION_META", "IDEMPOTENCY_KEY_META", "Gateway", "main", "serve"]
+
+logger = logging.getLogger("hitl_client.mcp_gateway")
+
+# The `_meta` key under which a client names its call (stable across its retries and the gateway's restarts).
+IDEMPOTENCY_KEY_META = "hitl/idempotency-key"
+# The `_meta` key of an approved call's result: what the console decided, for clients that read it as data.
+DECISION_META = "hitl/decision"
+# The contract's limit on an idempotency key; a session name leaves room for the digest and the counter.
+_MAX_KEY = 200
+_MAX_SESSION = 100
+# Upstream failures after which the tool may or may not have run: the connection went, or the answer never came.
+_ANSWER_LOST = frozenset({types.CONNECTION_CLOSED, types.REQUEST_TIMEOUT})
+
+NeedsApproval = Collection[str] | Callable[[str, Mapping[str, Any]], bool]
+Describe = Callable[[str, Mapping[str, Any]], Any]
+
+
+class _UpstreamToolError(Exception):
+    """The upstream tool ran and answered an error result (`isError`): recorded as the action's failure."""
+
+    def __init__(self, result: types.CallToolResult) -> None:
+        super().__init__(_text_of(result) or "the upstream tool answered an error")
+        self.result = result
+
+
+class _UpstreamAnswerLost(BaseException):
+    """The call was forwarded and its answer never came back: the tool may or may not have run. A BaseException
+    on purpose: `require_approval` reports an Exception as the action's failure, and this is no failure it
+    knows of, so the receipt stays "consumed, outcome unknown" for a person to check."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@dataclass
+class _Outcome:
+    result: types.CallToolResult
+    # The call is done with (it ran, was declined, or its go was used before): an identical call after it is a
+    # new call. A call stopped before that (a kill switch, a wait that timed out, the console out of reach)
+    # is not: the same call again continues it, under the same key.
+    settled: bool
+
+
+@dataclass
+class _Counters:
+    """Per session: how many identical calls (by tool and arguments) have settled, and who is running which key."""
+
+    settled: dict[str, int] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+
+class Gateway:
+    """An MCP server (`self.server`, the SDK's low-level `Server`) in front of `upstream` (an entered `mcp.Client`
+    or anything with its `list_tools(cursor=)` and `call_tool(name, arguments, meta=)`).
+
+    `needs_approval`: the names of the tools whose every call needs a person's sign-off, or a predicate of a
+    call's tool name and arguments (one that raises is taken as a yes: fail closed). Those calls are asked on
+    `channel` through `console`. `session` names this gateway's calls in their idempotency keys (give each
+    agent conversation its own, or keep one per gateway: see the module's docstring). `rationale` and `current`
+    may be callables of the tool's name and arguments; `edits=False` sends no schema (a person may then approve
+    or reject, not edit). `timeout`: seconds to wait for a decision (None: until the request expires)."""
+
+    def __init__(
+        self,
+        upstream: Any,
+        console: AsyncClient,
+        *,
+        channel: str,
+        needs_approval: NeedsApproval,
+        session: str = "mcp-gateway",
+        name: str = "hitl-mcp-gateway",
+        instructions: str | None = None,
+        rationale: str | Mapping[str, Any] | Describe | None = None,
+        current: Describe | None = None,
+        risk: Risk | None = None,
+        display: Mapping[str, str] | None = None,
+        edits: bool = True,
+        expires_in: int | None = None,
+        on_expiry: OnExpiry | None = None,
+        timeout: float | None = None,
+        poll: int = 25,
+    ) -> None:
+        if not isinstance(console, AsyncClient):
+            raise TypeError("The gateway needs an AsyncClient (it serves MCP on asyncio).")
+        if not session or len(session) > _MAX_SESSION:
+            raise ValueError(f"session must be 1 to {_MAX_SESSION} characters.")
+        if isinstance(needs_approval, str):
+            raise TypeError("needs_approval is a collection of tool names (or a predicate), not one string.")
+        self.upstream, self.console, self.channel, self.session = upstream, console, channel, session
+        self.needs_approval = needs_approval
+        self.rationale, self.current, self.risk, self.display = rationale, current, risk, display
+        self.edits, self.expires_in, self.on_expiry = edits, expires_in, on_expiry
+        self.timeout, self.poll = timeout, poll
+        # The session's external run on the console (its first request opens it): one timeline of its cards.
+        self.run_id: str | None = None
+        self._tools: dict[str, types.Tool] = {}
+        self._counters = _Counters()
+        self.server: Server[Any] = Server(
+            name, instructions=instructions, on_list_tools=self._list_tools, on_call_tool=self._call_tool
+        )
+
+    async def serve_stdio(self) -> None:
+        """Serves one MCP client over this process's stdin and stdout until it disconnects."""
+        async with stdio_server() as (read_stream, write_stream):
+            await self.server.run(read_stream, write_stream, self.server.create_initialization_options())
+
+    # --- tools/list ---
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        listing = await self.upstream.list_tools(cursor=params.cursor if params else None)
+        self._tools.update({tool.name: tool for tool in listing.tools})
+        return types.ListToolsResult(tools=listing.tools, next_cursor=listing.next_cursor)
+
+    async def _tool(self, name: str) -> types.Tool | None:
+        """The upstream's tool of that name (its inputSchema is the card's schema), listed again if unknown."""
+        if name not in self._tools:
+            cursor: str | None = None
+            while True:
+                listing = await self.upstream.list_tools(cursor=cursor)
+                self._tools.update({tool.name: tool for tool in listing.tools})
+                cursor = listing.next_cursor
+                if name in self._tools or not cursor:
+                    break
+        return self._tools.get(name)
+
+    # --- tools/call ---
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        name, arguments = params.name, dict(params.arguments or {})
+        meta: Mapping[str, Any] = params.meta or {}
+        if not self._asks(name, arguments):
+            # Not the gateway's business: forwarded as the client sent it, answered as the upstream answered.
+            forwarded = {key: value for key, value in meta.items() if not _reserved(key)}
+            return _without_reserved_meta(await self.upstream.call_tool(name, arguments, meta=forwarded or None))
+        tool = await self._tool(name)
+        if tool is None:
+            # As the upstream would answer: nothing to ask a person about.
+            raise MCPError(types.INVALID_PARAMS, f"Unknown tool: {name}")
+        try:
+            key, counted = self._key(name, arguments, meta)
+        except ValueError as exc:
+            return _error(f"{name} was not run: {exc} Nothing was asked or forwarded.")
+        lock = self._counters.locks.setdefault(key, asyncio.Lock())
+        # An identical call that arrives while this key is being asked or run waits for it, then gets its
+        # recorded outcome: two calls never race for one go (the loser would read "outcome unknown").
+        async with lock:
+            outcome = await self._ask_and_forward(ctx, tool, arguments, key)
+        if outcome.settled and counted is not None:
+            base, n = counted
+            self._counters.settled[base] = max(self._counters.settled.get(base, 0), n)
+        return outcome.result
+
+    def _asks(self, name: str, arguments: Mapping[str, Any]) -> bool:
+        if callable(self.needs_approval):
+            try:
+                return bool(self.needs_approval(name, arguments))
+            except Exception:
+                logger.exception("The approval policy failed on %s: asking a person (fail closed).", name)
+                return True
+        return name in self.needs_approval
+
+    def _key(
+        self, name: str, arguments: Mapping[str, Any], meta: Mapping[str, Any]
+    ) -> tuple[str, tuple[str, int] | None]:
+        """The call's idempotency key, and (for a key the gateway made) the count it was made with."""
+        given = meta.get(IDEMPOTENCY_KEY_META)
+        if given is not None:
+            if not isinstance(given, str) or not 1 <= len(given) <= _MAX_KEY:
+                raise ValueError(f"_meta[{IDEMPOTENCY_KEY_META!r}] must be a string of 1 to {_MAX_KEY} characters.")
+            return given, None
+        try:
+            digest = arguments_digest({"tool": name, "arguments": arguments})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"its arguments are not JSON ({exc}).") from None
+        base = f"mcp:{self.session}:{digest}"
+        n = self._counters.settled.get(base, 0) + 1
+        return f"{base}:{n}", (base, n)
+
+    async def _ask_and_forward(
+        self, ctx: ServerRequestContext[Any], tool: types.Tool, arguments: dict[str, Any], key: str
+    ) -> _Outcome:
+        name = tool.name
+        described = self._describe(ctx, tool, arguments)
+        forwarded: dict[str, Any] = {}
+        called = False
+
+        async def forward(**approved: Any) -> Any:
+            nonlocal called
+            called = True
+            forwarded.update(approved)
+            try:
+                result = await self.upstream.call_tool(name, approved)
+            except MCPError as exc:
+                if exc.code in _ANSWER_LOST:
+                    raise _UpstreamAnswerLost(exc) from exc
+                raise  # the upstream answered with an error: it refused the call (recorded as failed)
+            except Exception as exc:
+                raise _UpstreamAnswerLost(exc) from exc
+            if result.is_error:
+                raise _UpstreamToolError(result)
+            return _recordable(result)
+
+        guarded = require_approval(
+            self.console,
+            channel=self.channel,
+            action=name,
+            key=lambda **_: key,
+            run=self.run_id,
+            timeout=self.timeout,
+            poll=self.poll,
+            **described,
+        )(forward)
+        try:
+            request = await self.console.request_approval(
+                self.channel,
+                name,
+                arguments,
+                idempotency_key=key,
+                run=self.run_id,
+                **{**described, "schema": described["schema"] or None},
+            )
+            if self.run_id is None and request.run_id is not None:
+                self.run_id = request.run_id  # the session's later calls join this request's run
+            decided = request if request.decided else await self._wait(ctx, request)
+            value = await guarded(**arguments)
+        except Declined as exc:
+            return _Outcome(_error(_declined(name, exc.request)), settled=True)
+        except (OutcomeUnknown, ActionFailed) as exc:
+            return _Outcome(_error(f"Not forwarded again: {exc}"), settled=True)
+        except _UpstreamToolError as exc:
+            note = f"{_decision(name, arguments, decided, forwarded)} The upstream answered an error."
+            return _Outcome(_with_note(exc.result, note, decided, forwarded), settled=True)
+        except _UpstreamAnswerLost as exc:
+            logger.error("%s was forwarded (request %s) and its answer was lost: %r", name, decided.id, exc.cause)
+            return _Outcome(
+                _error(
+                    f"{name} was approved and forwarded (request {decided.id}), and the upstream's answer was lost "
+                    f"({exc}): it may or may not have run. It is not forwarded again; a person checks."
+                ),
+                settled=True,
+            )
+        except ReportFailed as exc:
+            logger.error("%s ran (request %s) but the console did not take its result.", name, decided.id)
+            note = (
+                f"{_decision(name, arguments, decided, forwarded)} (The console did not record the result: "
+                "its card says the outcome is unknown.)"
+            )
+            return _Outcome(_with_note(_replayed(exc.result), note, decided, forwarded), settled=True)
+        except Locked:
+            return _Outcome(
+                _error(
+                    f"{name} was not run: a kill switch stops the {self.channel!r} channel. Nothing was forwarded; "
+                    "call again once it is released (the same call continues this request)."
+                ),
+                settled=False,
+            )
+        except WaitTimeout as exc:
+            return _Outcome(_error(f"{name} was not run: {exc} Call again to keep waiting."), settled=False)
+        except Conflict as exc:
+            return _Outcome(_error(f"{name} was not run: the console refused the request ({exc})."), settled=False)
+        except HitlError as exc:
+            logger.warning("%s: the console could not be asked: %r", name, exc)
+            return _Outcome(
+                _error(f"{name} was not run: the approval console could not be asked ({exc}). Nothing was forwarded."),
+                settled=False,
+            )
+        if not called:
+            if isinstance(value, dict) and value.get("shadow") is True and "request_id" in value:
+                text = (
+                    f"{name} was not forwarded: its channel is in shadow mode, and a person carries it out by hand "
+                    f"with {json.dumps(value.get('arguments'), sort_keys=True)}."
+                )
+                # An error result: the tool's output (and any structured content its outputSchema promises) is not
+                # there, because the tool did not run.
+                return _Outcome(_error(text), settled=True)
+            note = f"{name} was done before (request {decided.id}); it is not forwarded again. Its recorded result:"
+            return _Outcome(_with_note(_replayed(value), note, decided, None), settled=True)
+        note = _decision(name, arguments, decided, forwarded)
+        return _Outcome(_with_note(_replayed(value), note, decided, forwarded), settled=True)
+
+    def _describe(
+        self, ctx: ServerRequestContext[Any], tool: types.Tool, arguments: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The request's fields besides its arguments (also what require_approval sends again)."""
+        rationale = self.rationale(tool.name, arguments) if callable(self.rationale) else self.rationale
+        if rationale is None:
+            who = _client_name(ctx)
+            rationale = f"{who} called the MCP tool {tool.name} through the gateway (session {self.session})."
+            if tool.description:
+                rationale += f" The tool: {tool.description.strip()}"
+        return {
+            "rationale": rationale,
+            "current": self.current(tool.name, arguments) if self.current else None,
+            "risk": self.risk,
+            "display": self.display,
+            "schema": tool.input_schema if self.edits else False,
+            "expires_in": self.expires_in,
+            "on_expiry": self.on_expiry,
+        }
+
+    async def _wait(self, ctx: ServerRequestContext[Any], request: ApprovalRequest) -> ApprovalRequest:
+        """Long-polls until the request is decided, telling the client (when it asked for progress) that it waits
+        for a person: clients that reset their timeout on progress keep the call open."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        polls = 0
+        while True:
+            message = f"Waiting for a person's decision on the console (card {request.card_id}, request {request.id})."
+            try:
+                await ctx.session.report_progress(polls, None, message)
+            except Exception:  # the client went away, or takes no progress: the wait goes on regardless
+                logger.debug("Progress could not be reported.", exc_info=True)
+            seconds = self.poll if deadline is None else max(0, min(self.poll, int(deadline - time.monotonic()) + 1))
+            request = await self.console.get(request.id, wait=seconds)
+            if request.decided:
+                return request
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeout(request, self.timeout or 0)
+            polls += 1
+
+
+# --- what the client reads ---
+
+
+def _decision(name: str, asked: Mapping[str, Any], decided: ApprovalRequest, ran_with: Mapping[str, Any]) -> str:
+    who = decided.decided_by or "a reviewer"
+    said = f" Their comment: {decided.comment}" if decided.comment else ""
+    changes = _changes(asked, ran_with)
+    if changes:
+        return f"Edited by {who}: {changes}. {name} was forwarded once, with the edited arguments.{said}"
+    return f"Approved by {who}. {name} was forwarded once.{said}"
+
+
+def _changes(asked: Mapping[str, Any], approved: Mapping[str, Any]) -> str:
+    parts = []
+    for name in sorted(set(asked) | set(approved)):
+        if name not in approved:
+            parts.append(f"{name} removed")
+        elif name not in asked:
+            parts.append(f"{name} {_json(approved[name])} added")
+        elif asked[name] != approved[name]:
+            parts.append(f"{name} {_json(asked[name])} -> {_json(approved[name])}")
+    return ", ".join(parts)
+
+
+def _declined(name: str, request: ApprovalRequest) -> str:
+    if request.status is RequestStatus.REJECTED:
+        who = request.decided_by or "a reviewer"
+        why = f" (reason: {request.reason})" if request.reason else ""
+        said = f" Their comment: {request.comment}" if request.comment else ""
+        return f"Rejected by {who}{why}: {name} was not run, nothing was forwarded.{said}"
+    if request.status is RequestStatus.EXPIRED:
+        return f"Nobody approved {name} in time (the request expired): it was not run, nothing was forwarded."
+    return f"The request to run {name} was cancelled: it was not run, nothing was forwarded. {request.reason}".rstrip()
+
+
+def _with_note(
+    result: types.CallToolResult, note: str, decided: ApprovalRequest, ran_with: Mapping[str, Any] | None
+) -> types.CallToolResult:
+    """The upstream's result with the decision first: a text part, and the same as data in `_meta`."""
+    decision = {
+        "request_id": decided.id,
+        "status": decided.status.value,
+        "decided_by": decided.decided_by,
+        "edited": decided.edited,
+        "comment": decided.comment,
+        "forwarded": ran_with is not None,
+        "arguments": dict(ran_with) if ran_with is not None else decided.arguments,
+    }
+    return types.CallToolResult(
+        content=[types.TextContent(text=note), *result.content],
+        structured_content=result.structured_content,
+        is_error=result.is_error,
+        _meta={**(result.meta or {}), DECISION_META: decision},
+    )
+
+
+def _recordable(result: types.CallToolResult) -> dict[str, Any]:
+    """The upstream's result as the console records it (and gives back to a retried call)."""
+    return _without_reserved_meta(result).model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _replayed(recorded: Any) -> types.CallToolResult:
+    try:
+        return types.CallToolResult.model_validate(recorded, by_alias=True)
+    except Exception:  # recorded by something else than this gateway: shown as its JSON, not as the tool's output
+        return _error(f"The recorded result is not an MCP tool result: {_json(recorded)}")
+
+
+def _without_reserved_meta(result: types.CallToolResult) -> types.CallToolResult:
+    """The upstream's protocol-level `_meta` (its serverInfo, say) is about its connection, not this one."""
+    if not result.meta:
+        return result
+    kept = {key: value for key, value in result.meta.items() if not _reserved(key)}
+    return result.model_copy(update={"meta": kept or None})
+
+
+def _reserved(key: str) -> bool:
+    """A `_meta` key the protocol reserves (`io.modelcontextprotocol/...`, `...mcp/...`), or the SDK's own."""
+    prefix, slash, _ = key.partition("/")
+    labels = prefix.split(".") if slash else []
+    return "modelcontextprotocol" in labels or "mcp" in labels or key == "progress_token" or key == "progressToken"
+
+
+def _error(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=True)
+
+
+def _text_of(result: types.CallToolResult) -> str:
+    return " ".join(part.text for part in result.content if isinstance(part, types.TextContent))
+
+
+def _client_name(ctx: ServerRequestContext[Any]) -> str:
+    try:
+        params = ctx.session.client_params
+        if params is not None and params.client_info.name:
+            return f"The MCP client {params.client_info.name!r}"
+    except Exception:
+        pass
+    return "An MCP client"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+# --- the command ---
+
+
+async def serve(
+    upstream: str,
+    console: AsyncClient,
+    *,
+    upstream_env: Mapping[str, str] | None = None,
+    **options: Any,
+) -> None:
+    """Starts the upstream server (a command to run over stdio, or an http(s) URL of a streamable-HTTP server),
+    and serves the gateway in front of it over stdio. `options` are the Gateway's."""
+    target: StdioServerParameters | str
+    if upstream.startswith(("http://", "https://")):
+        target = upstream
+    else:
+        command = shlex.split(upstream)
+        if not command:
+            raise ValueError("--upstream is empty.")
+        target = StdioServerParameters(command=command[0], args=command[1:], env=dict(upstream_env or {}))
+    async with McpClient(target) as connected:
+        options.setdefault("instructions", connected.instructions)
+        gateway = Gateway(connected, console, **options)
+        logger.info(
+            "MCP gateway (pid %d) in front of %s: calls of %s need approval on %r (session %s).",
+            os.getpid(),
+            upstream,
+            sorted(gateway.needs_approval) if not callable(gateway.needs_approval) else "a policy",
+            gateway.channel,
+            gateway.session,
+        )
+        await gateway.serve_stdio()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hitl_client.adapters.mcp_gateway",
+        description="An MCP server over stdio in front of another MCP server: the calls of the tools named with "
+        "--approve wait for a person's sign-off on the HITL console (HITL_URL, HITL_TOKEN) and are forwarded once.",
+    )
+    parser.add_argument(
+        "--upstream",
+        required=True,
+        help="the command that starts the upstream MCP server over stdio, or its http(s) URL",
+    )
+    parser.add_argument("--channel", required=True, help="the console channel the approval requests are asked on")
+    parser.add_argument(
+        "--approve", action="append", default=[], metavar="TOOL", help="a tool whose calls need approval (repeat)"
+    )
+    parser.add_argument("--session", default="mcp-gateway", help="names this gateway's calls in their idempotency keys")
+    parser.add_argument("--name", default="hitl-mcp-gateway", help="the gateway's server name")
+    parser.add_argument("--rationale", help="what the cards say about why (default: which client called which tool)")
+    parser.add_argument("--risk", choices=["low", "medium", "high"])
+    parser.add_argument(
+        "--display",
+        action="append",
+        default=[],
+        metavar="FIELD=PATH",
+        help="the card's display, e.g. amount_minor=amount_cents (repeat)",
+    )
+    parser.add_argument(
+        "--no-edits", action="store_true", help="send no schema: reviewers may approve or reject, not edit"
+    )
+    parser.add_argument("--expires-in", type=int, help="seconds before an undecided request expires")
+    parser.add_argument("--on-expiry", choices=["reject", "escalate"])
+    parser.add_argument("--timeout", type=float, help="seconds to wait for a decision (default: until it expires)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    url, token = os.environ.get("HITL_URL"), os.environ.get("HITL_TOKEN")
+    if not url or not token:
+        parser.error("HITL_URL and HITL_TOKEN must be set (the console and an API token that may ask on the channel).")
+    if not args.approve:
+        parser.error("name at least one tool with --approve (the others pass through).")
+    display = {}
+    for item in args.display:
+        field_name, equals, path = item.partition("=")
+        if not equals or not field_name or not path:
+            parser.error(f"--display takes FIELD=PATH, not {item!r}.")
+        display[field_name] = path
+    # Logs go to stderr: stdout is the MCP connection.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The upstream server gets this environment without the console's token: it has no business with the console.
+    upstream_env = {key: value for key, value in os.environ.items() if key != "HITL_TOKEN"}
+
+    async def run() -> None:
+        async with AsyncClient(url, token) as console:
+            await serve(
+                args.upstream,
+                console,
+                upstream_env=upstream_env,
+                channel=args.channel,
+                needs_approval=frozenset(args.approve),
+                session=args.session,
+                name=args.name,
+                rationale=args.rationale,
+                risk=args.risk,
+                display=display or None,
+                edits=not args.no_edits,
+                expires_in=args.expires_in,
+                on_expiry=args.on_expiry,
+                timeout=args.timeout,
+            )
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

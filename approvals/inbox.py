@@ -5,8 +5,9 @@
   user started are never listed (separation of duties: someone else must decide them).
 - What: cards whose status is pending or escalated, ordered by (due_at, id), 50 per page with a keyset cursor
   (`?after=<due_at>~<id>`), so a later page costs what the first does.
-- Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now:
-  breached once due_at has passed, due soon within the larger of 25% of the channel's SLA and 5 minutes.
+- Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now
+  (approvals.rules.sla_state_q, the rule of approvals.rules.sla_state); each row sends the browser its seconds
+  left and its due-soon window (static/sla.js keeps the state live).
 - Counts: one grouped query over (channel, risk, workflow, SLA state) gives every facet's counts (each facet
   counted under the other facets' filters) and the total, whatever the number of cards.
 - Live: the rows and the counts are two partials of templates/approvals/inbox.html that poll every 5 s and
@@ -18,12 +19,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Subquery
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -32,59 +33,25 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
 from approvals.api import decidable_channels
-from approvals.models import (
-    AlreadyDecided,
-    Approval,
-    Decision,
-    DecisionError,
-    RejectReason,
-    StaleVersion,
-    latest_edits,
+from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
+from approvals.models import Approval, Decision, RejectReason, latest_edits
+from approvals.rules import (
+    OPEN_SLA_STATES,
+    DecisionKind,
+    due_soon_window,
+    sla_state_expression,
+    sla_state_q,
+    started_the_run,
 )
 from core.models import Channel
 
 TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
 PER_PAGE = 50
-DUE_SOON_SHARE = 0.25  # of the channel's SLA
-DUE_SOON_MIN = timedelta(minutes=5)
 
-SLA_STATES = [("on_time", "On time"), ("due_soon", "Due soon"), ("breached", "Breached")]
+SLA_STATES = [(state.value, state.label) for state in OPEN_SLA_STATES]
 REJECT_REASONS = RejectReason.choices
 FACETS = ("channel", "risk", "workflow", "sla")
-
-
-# --- the SLA state, in SQL -----------------------------------------------------------------------------------
-
-
-def due_soon_window(sla: timedelta) -> timedelta:
-    return max(sla * DUE_SOON_SHARE, DUE_SOON_MIN)
-
-
-def _due_soon_q(channels: list[Channel], now: datetime) -> Q:
-    """due_at before now + the channel's due-soon window (one range per channel, so an index can serve it)."""
-    q = Q(pk__in=[])
-    for channel in channels:
-        q |= Q(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla))
-    return q
-
-
-def sla_state_q(state: str, channels: list[Channel], now: datetime) -> Q:
-    if state == "breached":
-        return Q(due_at__lte=now)
-    if state == "due_soon":
-        return Q(due_at__gt=now) & _due_soon_q(channels, now)
-    return Q(due_at__gt=now) & ~_due_soon_q(channels, now)
-
-
-def sla_state_expression(channels: list[Channel], now: datetime) -> Case:
-    soon = [
-        When(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla), then=Value("due_soon"))
-        for channel in channels
-    ]
-    return Case(
-        When(due_at__lte=now, then=Value("breached")), *soon, default=Value("on_time"), output_field=CharField()
-    )
 
 
 # --- the inbox ------------------------------------------------------------------------------------------------
@@ -183,6 +150,8 @@ class Inbox:
         for card in rows:
             card.channel = by_id[card.channel_id]  # no join: the channels are loaded already
             card.remaining = card.due_at - self.now
+            card.remaining_seconds = int(card.remaining.total_seconds())
+            card.soon_seconds = int(due_soon_window(card.channel.sla).total_seconds())
             card.amount = _amount(card.amount_minor)
         more = len(rows) > PER_PAGE
         rows = rows[:PER_PAGE]
@@ -285,7 +254,7 @@ def render_inbox(request, channels: list[Channel]):
 
 class BulkForm(forms.Form):
     cards = forms.CharField(error_messages={"required": "Select at least one card."})
-    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    decision = forms.ChoiceField(choices=[(DecisionKind.APPROVE, "Approve"), (DecisionKind.REJECT, "Reject")])
     comment = forms.CharField(required=False, max_length=5000)
     reason = forms.ChoiceField(required=False, choices=[("", "—"), *REJECT_REASONS])
 
@@ -306,7 +275,7 @@ class BulkForm(forms.Form):
 
     def clean(self):
         data = super().clean()
-        if data.get("decision") == "reject":
+        if data.get("decision") == DecisionKind.REJECT:
             if not (data.get("comment") or "").strip():
                 self.add_error("comment", "A rejection needs a comment saying why.")
             if not data.get("reason"):
@@ -343,9 +312,9 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
         card = cards.get(pk)
         if card is None:
             results.append(BulkResult(pk, 404, "not found"))
-        elif card.run.created_by_id == user.pk:
+        elif started_the_run(user, card):
             results.append(BulkResult(pk, 403, "you started this run: someone else must decide it"))
-        elif decision == "approve" and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
+        elif decision == DecisionKind.APPROVE and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
             by = edit.actor.get_username() if edit.actor else "system"
             results.append(BulkResult(pk, 409, f"has a pending edit by {by}: open the card to approve it", True))
         else:
@@ -355,7 +324,7 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
                     user,
                     decision,
                     comment=comment,
-                    reason=reason if decision == "reject" else "",
+                    reason=reason if decision == DecisionKind.REJECT else "",
                     version=version if version is not None else card.version,
                 )
             except (AlreadyDecided, StaleVersion) as exc:

@@ -25,26 +25,23 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
+from approvals import rules
 from approvals.diff import changes, diff_json, summarize
-from approvals.forms import EditForm, RejectForm
-from approvals.models import (
-    Agreement,
+from approvals.errors import (
     AlreadyDecided,
-    Approval,
     DecisionError,
     InvalidDecision,
     NotAllowed,
-    RejectReason,
     SecondApproverNeeded,
     StaleVersion,
 )
+from approvals.forms import EditForm, RejectForm
+from approvals.models import Approval, RejectReason
+from approvals.rules import Agreement, DecisionKind
 from runs.gates import Kind
 
 TEMPLATE = "approvals/card.html"
 EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
-
-DUE_SOON_FRACTION = 0.25  # amber when less than this share of the channel's SLA remains...
-DUE_SOON_FLOOR = timedelta(minutes=5)  # ...or less than this, whichever is longer
 
 # What approve and reject mean, per kind of card.
 LABELS = {
@@ -65,7 +62,7 @@ def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval
     card = get_object_or_404(Approval.objects.select_related("channel", "run", "run__created_by"), pk=pk)
     if not request.user.has_perm("core.approve_channel", card.channel):
         raise Http404("No such card.")
-    if to_decide and card.run.created_by_id == request.user.pk:
+    if to_decide and rules.started_the_run(request.user, card):
         raise PermissionDenied("You started this run: someone else must decide its cards.")
     return card
 
@@ -74,23 +71,16 @@ def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval
 
 
 def sla(card: Approval, now: datetime | None = None) -> dict:
-    """The SLA timer as the server sees it: on_time, due_soon, breached, or decided (the timer stopped)."""
+    """The SLA timer as the server sees it (approvals.rules.sla_state: on_time, due_soon, breached, or decided:
+    the timer stopped), with what the browser needs to keep it live (static/sla.js): the seconds left and the
+    due-soon window's."""
     now = now or timezone.now()
     remaining = card.due_at - now
-    soon = max(card.channel.sla * DUE_SOON_FRACTION, DUE_SOON_FLOOR)
-    if card.status not in Approval.OPEN:
-        state = "decided"
-    elif remaining <= timedelta(0):
-        state = "breached"
-    elif remaining < soon:
-        state = "due_soon"
-    else:
-        state = "on_time"
     return {
-        "state": state,
+        "state": rules.sla_state(card.due_at, card.channel.sla, now, is_open=card.status in Approval.OPEN),
         "remaining_seconds": int(remaining.total_seconds()),
         "remaining": _duration(remaining),
-        "soon_seconds": int(soon.total_seconds()),
+        "soon_seconds": int(rules.due_soon_window(card.channel.sla).total_seconds()),
     }
 
 
@@ -153,11 +143,11 @@ def prepare(card: Approval, user, **state) -> Approval:
         decision.edit_diff = changes(card.proposed, decision.payload) if decision.payload else []
         card.decision_list.append(decision)
     card.is_open = card.status in Approval.OPEN
-    card.is_creator = card.run.created_by_id == user.pk
+    card.is_creator = rules.started_the_run(user, card)
     card.can_decide = card.is_open and not card.is_creator
     # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
     card.required_approvals = card.channel.required_approvals
-    card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
+    card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
     card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
     # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).
@@ -209,16 +199,16 @@ def decide(request, pk: int):
     try:
         if version is None:
             raise InvalidDecision("The card's version is missing: reload the card.")
-        if decision == "approve":
-            card.decide(user, "approve", comment=request.POST.get("comment", ""), version=version, **shadow)
+        if decision == DecisionKind.APPROVE:
+            card.decide(user, decision, comment=request.POST.get("comment", ""), version=version, **shadow)
             decided = True
-        elif decision == "reject":
+        elif decision == DecisionKind.REJECT:
             form = RejectForm(request.POST)
             if form.is_valid():
                 state.update(reject_form=form, opened="reject")  # shown again if the decision is refused
                 card.decide(
                     user,
-                    "reject",
+                    decision,
                     comment=form.cleaned_data["comment"],
                     reason=form.cleaned_data["reason"],
                     version=version,
@@ -227,7 +217,7 @@ def decide(request, pk: int):
                 decided = True
             else:
                 state.update(reject_form=form, opened="reject")
-        elif decision == "edit":
+        elif decision == DecisionKind.EDIT:
             if card.kind == Kind.RECONCILE:
                 raise InvalidDecision("A reconcile card is approved or rejected, not edited.")
             form = EditForm(card, request.POST)
@@ -240,7 +230,7 @@ def decide(request, pk: int):
                 state.update(edit_form=form, opened="edit")  # shown again if the decision is refused
                 card.decide(
                     user,
-                    "edit",
+                    decision,
                     comment=form.cleaned_data.get("comment", ""),
                     payload=form.cleaned_data["payload"],
                     version=version,

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from core.models import AuditEntry, Role
 from jobs.models import DeadLetter
+from runs.gates import Outcome
 from runs.models import Run, Step
 
 
@@ -38,7 +39,7 @@ def _rejected_gate(run: Run) -> Step | None:
     """The gate a person rejected just before the run failed (a workflow with on_reject="fail"), if any.
     Its cursor is already past the gate: requeueing would carry out what the person said no to."""
     step = Step.objects.filter(run=run, seq=run.cursor - 1, kind=Step.Kind.GATE, status=Step.Status.DONE).first()
-    if step is not None and isinstance(step.output, dict) and step.output.get("decision") == "rejected":
+    if step is not None and isinstance(step.output, dict) and step.output.get("decision") == Outcome.REJECTED:
         return step
     return None
 

@@ -106,7 +106,7 @@ def test_it_shows_the_diff_the_rationale_the_run_and_the_timer(client, card, bob
     assert "lookup_customer" in html and "<details>" in html
     assert 'class="card-sla card-sla-on_time"' in html
     assert card.due_at.strftime("%Y-%m-%d") in html
-    assert "static/card.js" in html or "/card.js" in html
+    assert "/sla.js" in html
     assert f'name="version" value="{card.version}"' in html
     assert "<html" in html
 
@@ -560,6 +560,27 @@ def test_two_person_rule_a_first_approval_leaves_the_card_open_for_someone_else(
     response = post(client, card, decision="approve")
     assert response.status_code == 200
     assert 'data-status="approved"' in response.content.decode()
+    assert Run.objects.get(pk=card.run_id).status == Run.Status.QUEUED
+
+
+def test_two_person_rule_an_edit_restarts_the_count_on_the_page_as_in_the_decision(client, card, bob, alice):
+    """Bob approved the proposal, then Alice edited it: what runs now is her edit, which Bob has not approved. The
+    page counts as Approval.decide does (approvals.rules.counted): 1 of 2, and Bob may approve the edit."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    card.decide(bob, "approve", version=card.version)
+    card.refresh_from_db()
+    edited = copy.deepcopy(card.proposed)
+    edited["refund"]["amount_cents"] = 4321
+    card.decide(alice, "edit", payload=edited, version=card.version)
+    client.force_login(bob)
+
+    html = client.get(f"/approvals/{card.pk}/").content.decode()
+
+    assert "1 of 2 approvals" in html
+    assert "You approved" not in html and "card-button-approve" in html
+    card.refresh_from_db()
+    response = post(client, card, decision="approve")
+    assert 'data-status="edited"' in response.content.decode()
     assert Run.objects.get(pk=card.run_id).status == Run.Status.QUEUED
 
 

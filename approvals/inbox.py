@@ -1,8 +1,8 @@
 """The reviewer inbox at `/`: the open cards of the channels the user may approve, most urgent first.
 
-- Who: users with `approve_channel` on at least one channel (guardian; superusers hold every permission): `/`
-  (console.views.home) shows them this page, and everyone else the home page's empty states. Cards of runs the
-  user started are never listed (separation of duties: someone else must decide them).
+- Who: users with `approve_channel` on at least one channel (core.access.decidable_channels): `/`
+  (console.views.home) shows them this page, and everyone else the home page's empty states. The cards are those
+  they may decide (approvals.access.cards_to_decide: never those of runs they started).
 - What: cards whose status is pending or escalated, ordered by (due_at, id), 50 per page with a keyset cursor
   (`?after=<due_at>~<id>`), so a later page costs what the first does.
 - Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now
@@ -32,7 +32,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
-from approvals.api import decidable_channels
+from approvals.access import cards_to_decide, visible_cards
 from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
 from approvals.models import Approval, Decision, RejectReason, latest_edits
 from approvals.rules import (
@@ -43,6 +43,7 @@ from approvals.rules import (
     sla_state_q,
     started_the_run,
 )
+from core.access import decidable_channels
 from core.models import Channel
 
 TEMPLATE = "approvals/inbox.html"
@@ -58,11 +59,11 @@ FACETS = ("channel", "risk", "workflow", "sla")
 
 
 def open_cards_for(user, channels: list[Channel]) -> QuerySet[Approval]:
-    """The open cards `user` may decide: of `channels` (those they may approve), not of runs they started, and
-    not those they approved already (an open card they decided waits for a second person: two-person rule)."""
+    """The open cards `user` may decide (approvals.access.cards_to_decide, of `channels`: those they may approve),
+    without those they answered already (an open card they decided waits for a second person: two-person rule)."""
     return (
-        Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels])
-        .exclude(run_created_by=user)
+        cards_to_decide(user, channels)
+        .filter(status__in=Approval.OPEN)
         .exclude(Exists(Decision.objects.filter(approval=OuterRef("pk"), actor=user)))
     )
 
@@ -298,10 +299,10 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
     judgement about one kind of action. Cards they may not see are reported as not found. A card with a pending
     edit (two-person rule) is not approved here: what runs is the edit, which the inbox row does not show in
     full, so it is approved on the card, where the edit and its diffs are shown."""
-    allowed = {c.pk for c in approvable_channels(user)}
     cards = {
         card.pk: card
-        for card in Approval.objects.filter(pk__in=picked, channel_id__in=allowed)
+        for card in visible_cards(user)
+        .filter(pk__in=picked)
         .select_related("run", "channel")
         .prefetch_related("decisions__actor")
     }

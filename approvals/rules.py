@@ -24,6 +24,7 @@ from approvals.errors import (
     SecondApproverNeeded,
     StaleVersion,
 )
+from core.access import may_approve
 from runs.gates import Kind, Outcome
 
 if TYPE_CHECKING:
@@ -107,11 +108,12 @@ def started_the_run(user, card: Approval) -> bool:
 
 def decider_refusal(actor, card: Approval) -> str:
     """Why `actor` may not decide `card`, or "" when they may. Who may decide a card: a person with
-    `approve_channel` on its channel (a guardian object permission; a superuser holds it everywhere) who did not
-    start its run. The system (no actor: the SLA policy) always may. Approval.decide applies it to every caller."""
+    `approve_channel` on its channel (core.access.may_approve; a superuser holds it everywhere) who did not start
+    its run. The system (no actor: the SLA policy) always may. Approval.decide applies it to every caller; the
+    pages and the API ask approvals.access.card_for, which applies it too."""
     if actor is None:
         return ""
-    if not actor.has_perm("core.approve_channel", card.channel):
+    if not may_approve(actor, card.channel):
         return f"you may not decide cards on {card.channel.name} (no approve_channel there)"
     if started_the_run(actor, card):
         return "you started this run: someone else must decide its cards"

@@ -1,10 +1,8 @@
 """The card page: the diff, the rationale, the run's context, the SLA timer, and the decisions.
 
-Who may do what, checked here on the server (the API applies the same rules in approvals/api.py):
-- a card is seen and decided by users with `approve_channel` on its channel (guardian object permission;
-  superusers have every permission); anyone else gets 404, for the page and for a decision alike;
-- nobody decides a card of a run they started (separation of duties): they see it, and get 403 on a decision.
-The decision itself (locking, version check, audit, resuming the run) is `Approval.decide`.
+Who may see and decide a card: approvals.access.card_for, as for the API (404 for those who may not see it, 403
+for a decision on a run they started). The decision itself (locking, the rules, audit, resuming the run) is
+`Approval.decide`.
 
 The card's body is the `card` partial of templates/approvals/card.html. Other pages (the inbox) can show it:
 `prepare(card, user)` then `{% include "approvals/card.html#card" %}` with `card` in the context, or fetch it with
@@ -18,14 +16,15 @@ from datetime import datetime, timedelta
 from urllib.parse import urlparse
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.http import HttpResponse
+from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
 from approvals import rules
+from approvals.access import card_for
 from approvals.diff import changes, diff_json, summarize
 from approvals.errors import (
     AlreadyDecided,
@@ -51,20 +50,6 @@ LABELS = {
 }
 # On a shadow card nothing is sent: the reviewer does the action by hand, and the decision says what they did.
 SHADOW_LABELS = {"approve": "I did it as proposed", "edit": "I did it differently", "reject": "I did not do it"}
-
-
-# --- access ------------------------------------------------------------------------------------------------
-
-
-def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval:
-    """The card `pk`: 404 when the user may not see it (no `approve_channel` on its channel), PermissionDenied
-    when they are about to decide the card of a run they started."""
-    card = get_object_or_404(Approval.objects.select_related("channel", "run", "run__created_by"), pk=pk)
-    if not request.user.has_perm("core.approve_channel", card.channel):
-        raise Http404("No such card.")
-    if to_decide and rules.started_the_run(request.user, card):
-        raise PermissionDenied("You started this run: someone else must decide its cards.")
-    return card
 
 
 # --- what the card shows -----------------------------------------------------------------------------------
@@ -175,7 +160,7 @@ def _render(request, card: Approval, status: int = 200) -> HttpResponse:
 @require_GET
 @vary_on_headers("HX-Request")
 def card(request, pk: int):
-    card = _get_card_for_user(request, pk)
+    card = card_for(request.user, pk)
     return _render(request, prepare(card, request.user))
 
 
@@ -188,7 +173,7 @@ def _version(request) -> int | None:
 
 @require_POST
 def decide(request, pk: int):
-    card = _get_card_for_user(request, pk, to_decide=True)
+    card = card_for(request.user, pk, to_decide=True)
     decision, version, user = request.POST.get("decision", ""), _version(request), request.user
     state: dict = {}
     # Shadow cards only (Approval.decide refuses them elsewhere, and requires the agreement there).
@@ -240,7 +225,7 @@ def decide(request, pk: int):
         else:
             raise InvalidDecision("Choose approve, edit or reject.")
     except (AlreadyDecided, StaleVersion) as exc:
-        card = _get_card_for_user(request, pk)
+        card = card_for(user, pk)
         return _render(request, prepare(card, user, conflict=_conflict_message(exc)), status=409)
     except NotAllowed as exc:
         raise PermissionDenied(str(exc)) from exc
@@ -254,7 +239,7 @@ def decide(request, pk: int):
     if decided:
         if not request.htmx:
             return redirect("card", pk=pk)
-        response = _render(request, prepare(_get_card_for_user(request, pk), user))
+        response = _render(request, prepare(card_for(user, pk), user))
         trigger_client_event(response, EVENT, after="settle")
         return response
     refused = bool(state.get("error") or any(f.errors for k, f in state.items() if k.endswith("_form")))

@@ -12,6 +12,7 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer
 
 from core import safe_input
+from core.access import Denied
 from core.api_errors import ERRORS
 from core.models import ApiToken
 from core.safe_input import UnsafeJson
@@ -90,6 +91,14 @@ _ERROR_CODES = {
 @api.exception_handler(Http404)
 def _not_found(request, exc):
     return error(request, 404, "not_found", "Not found.")
+
+
+@api.exception_handler(Denied)
+def _denied(request, exc):
+    # Who may (core.access): a 404 says nothing of the thing, not even that it exists; a 403 says why.
+    if exc.status == 404:
+        return error(request, 404, "not_found", "Not found.")
+    return error(request, 403, "forbidden", str(exc))
 
 
 @api.exception_handler(RequestDataTooBig)

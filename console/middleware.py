@@ -7,12 +7,14 @@ import uuid
 
 import structlog
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.core.handlers.exception import response_for_exception
 from django.core.signals import got_request_exception
 from django.db import DataError, InterfaceError, OperationalError
-from django.http import HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.utils.html import escape
 
+from core.access import Denied
 from core.safe_input import unsafe_char
 
 log = structlog.get_logger("console.request")
@@ -210,3 +212,21 @@ class DatabaseUnavailableMiddleware:
             response = HttpResponse(_UNAVAILABLE_PAGE, status=503, content_type="text/html; charset=utf-8")
         response["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
+
+
+class AccessDeniedMiddleware:
+    """Answers a page's access.Denied (core.access: who may do what) as Django answers Http404 and
+    PermissionDenied: with its 404 page (NotVisible) or its 403 page (Forbidden). The API answers the same
+    exception in JSON (console.api)."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not isinstance(exception, Denied):
+            return None
+        answer = Http404(str(exception)) if exception.status == 404 else PermissionDenied(str(exception))
+        return response_for_exception(request, answer)

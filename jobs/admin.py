@@ -20,6 +20,7 @@ from django.utils.timesince import timesince
 
 from jobs.models import DeadLetter
 from runs import dead_letters
+from runs.access import may_requeue_dead_letters, may_resolve_dead_letters
 from runs.dead_letters import DeadLetterError
 
 BOTH = [ActionLocation.CHANGE_LIST, ActionLocation.CHANGE_FORM]
@@ -78,12 +79,12 @@ class DeadLetterAdmin(admin.ModelAdmin):
     readonly_fields = [field for _, options in fieldsets for field in options["fields"]]
     actions = ["requeue", "resolve"]
 
-    # Who sees the queue and who acts on it: DESIGN's roles, not model permissions (runs.dead_letters).
+    # Who sees the queue and who acts on it: DESIGN's roles, not model permissions (runs.access).
     def has_module_permission(self, request):
-        return dead_letters.can_requeue(request.user)
+        return may_requeue_dead_letters(request.user)
 
     def has_view_permission(self, request, obj=None):
-        return dead_letters.can_requeue(request.user)
+        return may_requeue_dead_letters(request.user)
 
     def has_add_permission(self, request):
         return False  # only the engine writes dead letters
@@ -95,10 +96,10 @@ class DeadLetterAdmin(admin.ModelAdmin):
         return False
 
     def has_requeue_permission(self, request):
-        return dead_letters.can_requeue(request.user)
+        return may_requeue_dead_letters(request.user)
 
     def has_resolve_permission(self, request):
-        return dead_letters.can_resolve(request.user)
+        return may_resolve_dead_letters(request.user)
 
     @admin.display(description="error", ordering="error")
     def short_error(self, letter: DeadLetter) -> str:

@@ -16,6 +16,7 @@ from core.models import AuditEntry
 from demo import sandbox
 from jobs.models import DeadLetter
 from runs import dead_letters, submission
+from runs.access import may_requeue_dead_letters, may_resolve_dead_letters
 from runs.dead_letters import DeadLetterError
 from runs.models import Run, Step
 from runs.workflow import Retryable
@@ -186,8 +187,8 @@ def test_resolving_needs_a_note(letter, alice, note):
 )
 def test_who_may_requeue_and_resolve(letter, request, user, requeue, resolve):
     actor = request.getfixturevalue(user)
-    assert dead_letters.can_requeue(actor) is requeue
-    assert dead_letters.can_resolve(actor) is resolve
+    assert may_requeue_dead_letters(actor) is requeue
+    assert may_resolve_dead_letters(actor) is resolve
     if not resolve:
         with pytest.raises(PermissionDenied):
             dead_letters.resolve(letter, actor, "a note")

@@ -17,11 +17,8 @@ from core.models import Channel
 
 
 def may_see_card(user, card: Approval) -> bool:
+    """Whoever may approve the card's channel (and decide the card, unless they started its run)."""
     return may_approve(user, card.channel)
-
-
-def may_decide_card(user, card: Approval) -> bool:
-    return not decider_refusal(user, card)
 
 
 def card_for(user, pk: int, *, to_decide: bool = False) -> Approval:

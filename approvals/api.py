@@ -11,7 +11,7 @@ from pydantic import ConfigDict
 
 from approvals.diff import changes
 from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import Channel
 from core.safe_input import NOT_BLANK
 

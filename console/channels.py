@@ -26,7 +26,7 @@ from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
 from core.safe_input import NOT_BLANK
 from runs.models import Run

@@ -9,7 +9,7 @@ from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import Role
 from runs import submission
 from runs import workflow as workflows

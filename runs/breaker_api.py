@@ -16,7 +16,7 @@ from django.http import Http404
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
 from core.safe_input import NOT_BLANK
 from runs import breakers

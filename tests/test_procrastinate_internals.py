@@ -14,16 +14,18 @@ from django.apps import apps
 from django.conf import settings
 from django.db import connection
 from procrastinate import worker as procrastinate_worker
+from procrastinate.contrib.django import app
 from procrastinate.contrib.django.models import ProcrastinateWorker
 
 from jobs import internals
 from jobs.internals import InternalsMismatch
+from jobs.worker import Worker
 
 
 def test_the_installed_procrastinate_has_every_python_internal_we_rely_on():
     assert internals.installed_version() == internals.PINNED_VERSION
-    assert internals.python_problems() == []
-    internals.check_python()
+    assert internals.python_problems(Worker) == []
+    check_python()
 
 
 def test_the_database_has_every_sql_internal_we_rely_on(db):
@@ -33,6 +35,10 @@ def test_the_database_has_every_sql_internal_we_rely_on(db):
 def test_the_pinned_version_is_the_one_pyproject_pins():
     pyproject = tomllib.loads((Path(settings.BASE_DIR) / "pyproject.toml").read_text())
     assert f"procrastinate[django]=={internals.PINNED_VERSION}" in pyproject["project"]["dependencies"]
+
+
+def check_python() -> None:
+    internals.check_python(Worker)
 
 
 def _mismatch(call) -> str:
@@ -47,7 +53,7 @@ def _mismatch(call) -> str:
 def test_a_worker_method_gone_stops_start_up(monkeypatch):
     monkeypatch.delattr(procrastinate_worker.Worker, "_shutdown")
 
-    message = _mismatch(internals.check_python)
+    message = _mismatch(check_python)
 
     assert "procrastinate.worker.Worker._shutdown is missing (used by jobs/worker.py" in message
 
@@ -58,7 +64,7 @@ def test_a_worker_method_with_other_parameters_stops_start_up(monkeypatch):
 
     monkeypatch.setattr(procrastinate_worker.Worker, "_persist_job_status", persist)
 
-    message = _mismatch(internals.check_python)
+    message = _mismatch(check_python)
 
     assert (
         "procrastinate.worker.Worker._persist_job_status is async (self, job, status, retry_decision, context), "
@@ -69,7 +75,7 @@ def test_a_worker_method_with_other_parameters_stops_start_up(monkeypatch):
 def test_a_method_that_is_no_longer_a_coroutine_stops_start_up(monkeypatch):
     monkeypatch.setattr(procrastinate_worker.Worker, "_shutdown", lambda self, side_tasks: None)
 
-    assert "_shutdown is (self, side_tasks), expected async (self, side_tasks)" in _mismatch(internals.check_python)
+    assert "_shutdown is (self, side_tasks), expected async (self, side_tasks)" in _mismatch(check_python)
 
 
 def test_a_stop_event_procrastinate_no_longer_sets_stops_start_up(monkeypatch):
@@ -81,7 +87,7 @@ def test_a_stop_event_procrastinate_no_longer_sets_stops_start_up(monkeypatch):
 
     monkeypatch.setattr(procrastinate_worker.Worker, "__init__", without_stop_event)
 
-    message = _mismatch(internals.check_python)
+    message = _mismatch(check_python)
 
     assert "procrastinate.worker.Worker()._stop_event is missing (used by jobs/worker.py, runs/tasks.py" in message
 
@@ -89,16 +95,12 @@ def test_a_stop_event_procrastinate_no_longer_sets_stops_start_up(monkeypatch):
 def test_a_name_of_ours_that_procrastinate_now_has_too_stops_start_up(monkeypatch):
     monkeypatch.setattr(procrastinate_worker.Worker, "_reconcile", lambda self: None, raising=False)
 
-    message = _mismatch(internals.check_python)
+    message = _mismatch(check_python)
 
     assert "procrastinate.worker.Worker._reconcile now exists, and jobs.worker.Worker._reconcile replaces it" in message
 
 
 def test_the_names_our_worker_adds_are_the_ones_the_check_knows():
-    from procrastinate.contrib.django import app
-
-    from jobs.worker import Worker
-
     ours = set(vars(Worker(app=app))) - set(vars(procrastinate_worker.Worker(app=app)))
     assert ours == set(internals.OUR_WORKER_ATTRIBUTES)
 
@@ -113,7 +115,7 @@ def test_an_upgraded_procrastinate_is_named_in_the_message(monkeypatch):
     monkeypatch.setattr(internals, "installed_version", lambda: "3.11.0")
     monkeypatch.delattr(procrastinate_worker.Worker, "_log_extra")
 
-    message = _mismatch(internals.check_python)
+    message = _mismatch(check_python)
 
     assert message.startswith("procrastinate 3.11.0 is installed; this app is pinned to procrastinate==3.10.0")
 

@@ -1,8 +1,8 @@
 """The dead-letter queue in Django admin: list, detail, filters, and the actions "requeue" and "resolve".
 
-An admin module is a view: it sits on top of the apps, so it may call `runs.dead_letters`, which does what a
-letter means for its run (jobs' models and worker glue never import runs). Procrastinate's own job admin is
-registered by `procrastinate.contrib.django` (Django admin: "Procrastinate")."""
+Registered by the runs app (runs.admin imports this module), though `jobs.DeadLetter` is the jobs app's model:
+its actions are what a letter means for its run (`runs.dead_letters`), and jobs sits below runs, never importing
+it. Procrastinate's own job admin is registered by `procrastinate.contrib.django` (Django admin: "Procrastinate")."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from django.http import HttpResponse, JsonResponse
 from django.utils.html import escape
 
 from core.safe_input import unsafe_char
+from jobs.worker import is_connection_error
 
 log = structlog.get_logger("console.request")
 
@@ -162,8 +163,6 @@ RETRY_AFTER_SECONDS = 5
 
 
 def _database_unavailable(exc: BaseException) -> bool:
-    from jobs.worker import is_connection_error
-
     # Django's InterfaceError ("connection already closed") may carry no driver error to look into.
     return isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc))
 

@@ -13,6 +13,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher, make_password
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection, connections
+from django.db.backends.postgresql.operations import DatabaseOperations
 from guardian.shortcuts import assign_perm
 
 from core.models import Channel, Role
@@ -34,8 +35,6 @@ def _allow_audit_truncate_in_flush() -> None:
     """The flush after a transactional test TRUNCATEs every table, which the audit log's trigger refuses
     (migration console.0009) unless the table's owner asks for it in the flush's transaction. Only the flush is
     let through: any other TRUNCATE of the log in a test is refused as in production."""
-    from django.db.backends.postgresql.operations import DatabaseOperations
-
     flush = DatabaseOperations.execute_sql_flush
 
     def execute_sql_flush(self, sql_list):
@@ -124,7 +123,7 @@ CHROMIUM_ARGS = [
 @pytest.fixture(scope="session")
 def browser():
     """Debian's Chromium driven by Playwright (Playwright's own browser download cannot work here)."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright  # noqa: PLC0415 - only browser tests pay for it
 
     # Django keeps a connection per context, and Playwright's sync API switches contexts (greenlets) on
     # entry and exit: close the connections of each side, or one stays open and the test database cannot be

@@ -10,10 +10,14 @@ import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.models import Approval, InvalidDecision
 from core.models import Channel
 from demo.models import SandboxCall
+from demo.workflows import OrderRefund, _needs_a_person
+from jobs.models import DeadLetter
 from runs import submission
 from runs.models import Run, Step
+from runs.workflow import Retryable
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
+from tests.openai_stub import error, text, tool_calls
 
 
 @pytest.fixture
@@ -187,8 +191,6 @@ def test_an_approval_policy_sees_what_the_run_already_did(agent, bob):
 
 
 def test_the_demo_refund_policy_counts_the_runs_refunds_so_far(settings):
-    from demo.workflows import OrderRefund, _needs_a_person
-
     settings.AUTO_APPROVE_CENTS = 2_000
     refund = OrderRefund(customer_id="c1", order_id="o1", amount_cents=1_999, currency="EUR", reason="late")
     done = {"tool": "refund_order", "call_id": "1", "arguments": refund.model_dump(), "result": {"id": "pa_1"}}
@@ -250,8 +252,6 @@ def test_a_model_error_in_a_turn_is_retried_without_repeating_done_tool_calls(ag
         def chat(self, messages, tools):
             if len(messages) > 2 and not FlakyOnce.failed:
                 FlakyOnce.failed = True
-                from runs.workflow import Retryable
-
                 raise Retryable("model answered 503")
             return super().chat(messages, tools)
 
@@ -286,8 +286,6 @@ def agent_on_stub(db, settings, openai_stub):
 
 
 def test_a_loop_on_an_openai_compatible_endpoint_records_tokens_and_cost(agent_on_stub):
-    from tests.openai_stub import text, tool_calls
-
     agent_on_stub.script(
         tool_calls([("lookup_customer", {"customer_id": "c9"})], prompt_tokens=1_000, completion_tokens=50),
         tool_calls([("pay", '{"customer_id": "c9", "amount_cents": "lots"}')], content="Refunding."),
@@ -311,9 +309,6 @@ def test_a_loop_on_an_openai_compatible_endpoint_records_tokens_and_cost(agent_o
 
 
 def test_a_429_in_a_turn_is_retried_and_a_400_is_fatal(agent_on_stub):
-    from jobs.models import DeadLetter
-    from tests.openai_stub import error, text
-
     agent_on_stub.script(error(429), text("fine"))
     run = submit()
     with pytest.raises(Exception, match="429"):

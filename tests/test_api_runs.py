@@ -8,6 +8,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+from io import StringIO
 
 import pytest
 from django.conf import settings
@@ -146,8 +147,6 @@ def test_a_token_starts_runs_for_its_own_tenants_only(client, demo, tenants, ten
 
 
 def test_create_api_token_takes_tenants(demo):
-    from io import StringIO
-
     out = StringIO()
     call_command("create_api_token", "agent", "--tenant", "acme", "--tenant", "globex", stdout=out)
     assert ApiToken.objects.get(prefix=out.getvalue().strip()[5:13]).tenants == ["acme", "globex"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib import admin
 from django.contrib.auth.models import Group, Permission
 from django.core.management import call_command
+from django.db import transaction
 from guardian.shortcuts import assign_perm, get_group_perms, get_user_perms
 
 from core.models import AuditEntry, Channel
@@ -116,8 +118,6 @@ def test_saving_unchanged_permissions_writes_nothing(admin_client, payments, bob
 
 
 def test_the_audit_log_is_read_only_in_admin(admin_client, bob):
-    from django.db import transaction
-
     with transaction.atomic():
         entry = AuditEntry.record("test.action", actor=bob, data={"comment": "hello"})
     assert admin_client.get("/admin/core/auditentry/").status_code == 200
@@ -218,8 +218,6 @@ def test_creating_and_deleting_users_and_groups_is_audited(admin_client, carol):
 
 
 def test_editing_a_channel_does_not_undo_a_kill_switch_flipped_meanwhile(rf, alice, carol, payments):
-    from django.contrib import admin
-
     stale = Channel.objects.get(pk=payments.pk)  # what the change form loaded: switch released
     Channel.objects.get(pk=payments.pk).engage_kill_switch(carol, "refunds look wrong")
     model_admin = admin.site._registry[Channel]

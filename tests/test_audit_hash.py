@@ -19,6 +19,8 @@ import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command, execute_from_command_line
 from django.db import DatabaseError, connection, transaction
+from django.db.backends.base.operations import BaseDatabaseOperations
+from django.db.backends.postgresql.operations import DatabaseOperations
 
 from core.models import AuditEntry, audit_key_id
 
@@ -176,9 +178,6 @@ def test_the_waiver_gives_a_role_that_does_not_own_the_table_nothing(db):
 
 
 def test_manage_py_flush_is_refused_unless_waived(db, monkeypatch):
-    from django.db.backends.base.operations import BaseDatabaseOperations
-    from django.db.backends.postgresql.operations import DatabaseOperations
-
     _record(2)
     # Django's own flush, without the test suite's waiver (tests/conftest.py).
     monkeypatch.setattr(DatabaseOperations, "execute_sql_flush", BaseDatabaseOperations.execute_sql_flush)

@@ -4,9 +4,11 @@ import pytest
 from django.core.management import CommandError, call_command, execute_from_command_line
 from django.db import DatabaseError, connection, transaction
 
+from approvals.models import Approval
 from core.models import AuditEntry
 from runs import submission
 from tests.conftest import approves_every_channel
+from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
 
 def _record(n: int, **extra) -> list[AuditEntry]:
@@ -90,9 +92,6 @@ def test_audit_verify_exits_non_zero(db):
 
 
 def test_every_decision_is_audited_with_the_person_as_actor(db, bob):
-    from approvals.models import Approval
-    from tests.engine_helpers import REFUND, drive
-
     call_command("demo_setup", verbosity=0)
     approves_every_channel(bob)
     run = drive(submission.submit(workflow="refund", input=REFUND)[0])
@@ -105,8 +104,6 @@ def test_every_decision_is_audited_with_the_person_as_actor(db, bob):
 
 
 def test_cancel_and_dead_letters_are_audited(db, carol):
-    from tests.engine_helpers import REFUND, SMALL_REFUND, drive
-
     call_command("demo_setup", verbosity=0)
     run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     run.cancel(by=carol)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
@@ -218,8 +219,6 @@ def test_a_tool_wraps_its_own_calls(demo):
 
 
 def _ops():
-    from django.contrib.auth.models import User
-
     return User.objects.get(username="ops")
 
 
@@ -259,8 +258,6 @@ def test_a_reason_is_required(demo, client):
 
 @pytest.mark.parametrize(("user", "status"), [("reviewer", 404), ("outsider", 404), ("admin_only", 403)])
 def test_others_may_not_force_it_and_nothing_changes(demo, client, user, status):
-    from django.contrib.auth.models import Group, User
-
     if user == "admin_only":
         person = User.objects.create_user("ada")
         person.groups.add(Group.objects.get(name="admin"))

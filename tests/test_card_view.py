@@ -9,12 +9,16 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.template.loader import render_to_string
+from django.test import Client
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
+import tests.workflows  # noqa: F401 - registers test_reject_fails
 from approvals.models import Approval, Decision, RejectReason
-from approvals.views import sla
+from approvals.views import prepare, sla
 from core.models import AuditEntry, Channel
+from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
@@ -208,8 +212,6 @@ def test_decide_needs_post(client, card, bob):
 
 
 def test_decide_needs_the_csrf_token(card, bob):
-    from django.test import Client
-
     client = Client(enforce_csrf_checks=True)
     client.force_login(bob)
     before = snapshot(card)
@@ -375,8 +377,6 @@ def test_a_confirmed_edit_is_the_payload_that_runs(client, card, bob):
     assert 'data-status="edited"' in response.content.decode()
     run = drive(Run.objects.get(pk=card.run_id))
     assert run.status == Run.Status.SUCCEEDED
-    from demo.models import SandboxCall
-
     assert SandboxCall.objects.get(system="payments").payload["amount_cents"] == 4321
 
 
@@ -415,8 +415,6 @@ def test_a_tampered_confirmation_cannot_change_fields_that_are_not_editable(clie
 
 def _generic_card(agent, proposed, current=None, kind="action") -> Approval:
     """A card of a gate that declares nothing (tests.workflows' test_reject_fails): any values, same shape."""
-    import tests.workflows  # noqa: F401 - registers test_reject_fails
-
     card = park(agent)
     Run.objects.filter(pk=card.run_id).update(workflow="test_reject_fails")
     # Its gate is that workflow's first step (a card whose step cannot be found refuses every edit).
@@ -567,10 +565,6 @@ def test_two_person_rule_a_first_approval_leaves_the_card_open_for_someone_else(
 
 
 def test_other_pages_can_include_the_card_partial(rf, card, bob):
-    from django.template.loader import render_to_string
-
-    from approvals.views import prepare
-
     request = rf.get("/")
     request.user = bob
     html = render_to_string("approvals/card.html#card", {"card": prepare(card, bob)}, request=request)

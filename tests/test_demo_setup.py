@@ -5,7 +5,10 @@ from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from guardian.models import UserObjectPermission
 
+from approvals.models import Approval
 from core.models import Channel
+from runs.models import Run
+from tests.engine_helpers import drive
 
 
 def _state():
@@ -66,10 +69,6 @@ def test_ops_can_reach_the_dead_letter_queue_in_admin(client, db):
 def test_the_make_run_seed_has_both_demo_workflows_with_cards_in_the_inbox(client, db):
     """What `serve` (make run) seeds a new database with: refund and support_agent runs, whose cards a reviewer
     finds in the inbox once the worker has driven them."""
-    from approvals.models import Approval
-    from runs.models import Run
-    from tests.engine_helpers import drive
-
     call_command("demo_setup", verbosity=0)
     call_command("demo_traffic", runs=8, seed=1, workflow="all", verbosity=0)
     assert sorted(Run.objects.values_list("workflow", flat=True)) == ["refund"] * 4 + ["support_agent"] * 4
@@ -86,7 +85,5 @@ def test_the_make_run_seed_has_both_demo_workflows_with_cards_in_the_inbox(clien
 
 
 def test_demo_traffic_submits_refunds_by_default(db):
-    from runs.models import Run
-
     call_command("demo_traffic", runs=3, seed=2, no_gates=True, verbosity=0)
     assert set(Run.objects.values_list("workflow", flat=True)) == {"refund"}

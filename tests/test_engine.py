@@ -18,7 +18,7 @@ from jobs.models import DeadLetter
 from runs import ownership, submission
 from runs.errors import IdempotencyConflict
 from runs.models import Receipt, Run, Step
-from runs.workflow import Ambiguous, InvalidInput, Retryable
+from runs.workflow import Ambiguous, InvalidInput, Retryable, Workflow, register
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
 
@@ -421,8 +421,6 @@ def test_an_ambiguous_write_on_the_last_attempt_is_reconciled_not_dead_lettered(
 
 
 def test_two_effects_in_one_step_are_two_writes(demo):
-    from runs.workflow import Workflow, register
-
     double = register(Workflow("test_double_email"))
 
     @double.effect("email")

@@ -6,7 +6,7 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -149,8 +149,6 @@ def test_it_lists_only_open_cards_most_urgent_first(client, reviewers, payments)
 
 
 def test_an_escalated_card_names_its_group(client, reviewers, payments):
-    from django.contrib.auth.models import Group
-
     c = card(payments, status="escalated")
     Approval.objects.filter(pk=c.pk).update(assigned_group=Group.objects.create(name="payments-leads"))
     client.force_login(reviewers["bob"])

@@ -13,7 +13,7 @@ from django.db.models import Count
 from django.test import Client
 from guardian.shortcuts import assign_perm
 
-from core.models import GLOBAL_SWITCH, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
+from core.models import GLOBAL_SWITCH, ApiToken, AuditEntry, Channel, GlobalKillSwitch, ReasonRequired, Role
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import engine, ownership, submission
@@ -481,8 +481,6 @@ def test_the_page_is_a_get_and_the_flip_a_post(demo, ops):
 
 
 def bearer(user) -> dict:
-    from core.models import ApiToken
-
     return {"Authorization": f"Bearer {ApiToken.issue(user)[1]}"}
 
 

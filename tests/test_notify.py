@@ -10,6 +10,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.test import Client
@@ -250,8 +251,6 @@ def test_a_real_worker_retries_a_failing_webhook_until_it_gives_up(start_worker,
     with backoff, and the row ends `failed` while the escalation stands."""
     call_command("demo_setup", verbosity=0)
     r = receiver(statuses=(500,))
-    from django.conf import settings
-
     settings_backup = (settings.NOTIFY_BACKENDS, settings.NOTIFY_WEBHOOK_URL)
     settings.NOTIFY_BACKENDS, settings.NOTIFY_WEBHOOK_URL = ["webhook"], r.url
     try:

@@ -4,14 +4,16 @@ worker's job is `engine.advance`), on a real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import threading
+import uuid
 from datetime import timedelta
 from decimal import Decimal
 
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from procrastinate import psycopg_connector
@@ -29,7 +31,7 @@ from runs import ownership, recovery, submission
 from runs.errors import OwnershipLost, TransitionRefused
 from runs.models import Receipt, Run, Step
 from runs.tasks import requeue_stalled_jobs
-from runs.workflow import Ambiguous, Retryable
+from runs.workflow import Ambiguous, Retryable, Usage
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, queued_jobs
 from tests.worker import database_url, wait_until
@@ -98,7 +100,6 @@ def test_it_refuses_every_step_write_of_a_job_that_lost_the_run(demo):
     # Job b takes over (job a's session ended, or b would not hold the lock).
     taken, took_over = _claim(run.pk, "job-b")
     assert took_over and taken.owner == "job-b"
-    from runs.workflow import Usage
 
     with transaction.atomic(), pytest.raises(OwnershipLost):
         claimed.checkpoint(0, Usage(), **_step_fields())
@@ -119,8 +120,6 @@ def test_a_job_whose_session_ended_writes_nothing_though_its_token_is_still_on_t
     """A token is not a lock: the job's session ends (a PostgreSQL restart, a partition, pg_terminate_backend),
     taking the run's lock with it, and Django opens a new session for the job's next statement. Every write the
     job still tries is refused there, although the run still names it as its owner."""
-    from runs.workflow import Usage
-
     call_command("demo_setup", verbosity=0)
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
@@ -161,8 +160,6 @@ def _step_fields(**overrides) -> dict:
 
 
 def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo, django_assert_num_queries):
-    from runs.workflow import Usage
-
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     usage = Usage(counted_for=(claimed, "classify"))
@@ -195,10 +192,6 @@ def test_a_checkpoint_is_one_statement_that_checks_the_owner_and_the_cursor(demo
 
 
 def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_output_as_stored(demo):
-    import datetime
-
-    from runs.workflow import Usage
-
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     Step.objects.create(
@@ -229,8 +222,6 @@ def test_a_checkpoint_completes_the_row_an_earlier_attempt_left_and_returns_the_
 
 
 def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_waiting_for_a_slot(demo, settings):
-    from runs.workflow import Usage
-
     settings.TENANT_MAX_RUNNING = 1
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND, tenant="acme")
     claimed, _ = _claim(run.pk, "job-a")
@@ -272,8 +263,6 @@ def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_w
 
 
 def test_a_cancel_committed_while_the_last_step_ran_ends_the_run_cancelled_in_its_checkpoint(demo):
-    from runs.workflow import Usage
-
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
     claimed, _ = _claim(run.pk, "job-a")
     Run.objects.get(pk=run.pk).cancel()
@@ -334,7 +323,6 @@ def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, mon
         claimed, took_over = Run.claim(run.pk, "job-a")
     assert (claimed.status, claimed.owner, took_over) == ("running", "job-a", False)
     assert Run.objects.values_list("status", "owner").get(pk=run.pk) == ("running", "job-a")
-    from runs.workflow import Usage
 
     with transaction.atomic():  # the last checkpoint's wake-up count, on its own too
         claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result=None)
@@ -347,7 +335,6 @@ def test_the_claim_sends_its_start_on_its_own_with_server_side_binding(demo, mon
 
 def test_a_running_run_must_have_an_owner(demo):
     run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
-    from django.db import IntegrityError
 
     with transaction.atomic(), pytest.raises(IntegrityError):
         Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING)
@@ -626,8 +613,6 @@ def test_the_sweep_recovers_every_ownerless_run_oldest_first_past_its_batch(demo
 
 
 def test_two_runs_never_share_a_lock_unless_their_ids_share_64_bits():
-    import uuid
-
     a = uuid.UUID("12345678-9abc-def0-0000-000000000001")
     b = uuid.UUID("12345678-9abc-def0-ffff-ffffffffffff")  # the same first 64 bits: the same lock
     c = uuid.UUID("12345678-9abc-def1-0000-000000000001")

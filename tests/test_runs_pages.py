@@ -6,7 +6,7 @@ import re
 import uuid
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection
 from django.template.defaultfilters import floatformat
@@ -14,7 +14,8 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import assign_perm
 
-from approvals.models import Approval
+from approvals import policy
+from approvals.models import Approval, Notification
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
@@ -212,11 +213,6 @@ def test_cancel_is_post_only(world):
 
 
 def test_the_run_page_shows_an_escalation_and_a_failed_notification(world, settings):
-    from django.contrib.auth.models import Group
-
-    from approvals import policy
-    from approvals.models import Notification
-
     settings.NOTIFY_BACKENDS = ["email"]
     leads = Group.objects.create(name="payments-leads")
     Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=leads)

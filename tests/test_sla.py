@@ -15,13 +15,14 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals import policy
 from approvals.models import AlreadyDecided, Approval, Decision, Notification
-from approvals.tasks import card_due, sla_sweep
+from approvals.tasks import card_due, send_notification, sla_sweep
 from core.models import AuditEntry, Channel
 from demo import sandbox
 from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
+from tests.worker import wait_until
 
 SECOND = timedelta(seconds=1)
 
@@ -340,7 +341,6 @@ def test_the_escalation_email_goes_to_the_group(demo, leads, settings):
     payments(escalation_policy="escalate", escalation_group=leads)
     card = parked_card()
     policy.apply_sla(card.pk, card.due_at + SECOND)
-    from approvals.tasks import send_notification
 
     assert send_notification(notification_id=Notification.objects.get().pk) == "sent"
     assert len(mail.outbox) == 1
@@ -353,8 +353,6 @@ def test_a_real_worker_fires_the_timer_from_the_database(start_worker):
     """Durable: the timer is a job row, so a worker started after the card opened (a restart) still fires it,
     and the run then ends as its workflow ends a rejection. (The deadline is one second away: no time is
     moved here, the worker's clock runs.)"""
-    from tests.worker import wait_until
-
     call_command("demo_setup", verbosity=0)
     payments(escalation_policy="safe_default", sla=timedelta(seconds=1))
     card = parked_card()

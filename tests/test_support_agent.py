@@ -13,9 +13,11 @@ from approvals.models import Approval
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import submission
+from runs.api import _workflow_inputs, run_out
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import drive
+from tests.openai_stub import text, tool_calls
 
 CUSTOMER = "cus_2077"
 
@@ -139,8 +141,6 @@ def test_an_injected_model_fault_is_retried_without_repeating_tool_calls(demo):
 
 
 def test_the_api_names_the_agent_step_at_the_cursor_and_documents_the_input(demo):
-    from runs.api import _workflow_inputs, run_out
-
     run = drive(submit("Order never arrived, I want my money back."))
     assert run_out(run)["current_step"] == "support_agent.turn3.1.refund_order"
     schema = _workflow_inputs()["support_agent"]
@@ -187,8 +187,6 @@ def test_the_run_page_shows_who_edited_and_approved(demo, alice, bob, client):
 def test_it_runs_on_an_openai_compatible_endpoint(demo, bob, settings, openai_stub):
     """The same workflow on a real chat-completions API (a local stub through the openai SDK): the model decides
     from the tool results it is sent, as a real one would."""
-    from tests.openai_stub import text, tool_calls
-
     settings.MODEL_NAME = "gpt-4o-mini"
 
     def model(request: dict) -> dict:

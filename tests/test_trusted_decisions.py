@@ -13,6 +13,7 @@ from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
+import tests.workflows  # noqa: F401 - registers test_float_gate
 from approvals.models import Approval, Decision
 from core.models import Channel
 from demo import sandbox
@@ -180,8 +181,6 @@ def test_a_reconcile_card_is_not_edited(client, demo):
 def test_an_edit_holding_an_awkward_float_leaves_the_audit_log_verifiable(client, demo, number):
     """jsonb rewrites numbers (1e-07 comes back as 0.0000001): the chain must hash what is stored. (1e16, which
     it also rewrites, is refused at the API, beyond ±2**53: tests/test_bad_input.py.)"""
-    import tests.workflows  # noqa: F401 - registers test_float_gate
-
     run = drive(submission.submit(workflow="test_float_gate", input={})[0])
     card = Approval.objects.get(run=run)
     response = decide(client, demo["reviewer"], card, decision="edit", comment="", payload={"factor": number})

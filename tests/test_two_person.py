@@ -12,6 +12,7 @@ from guardian.shortcuts import assign_perm
 from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
 from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
+from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
@@ -99,7 +100,6 @@ def test_an_edit_then_an_approval_executes_the_edit(demo, rita):
     card.refresh_from_db()
     assert card.status == "edited"
     drive(run)
-    from demo.models import SandboxCall
 
     payment = SandboxCall.objects.get(system="payments")
     assert payment.payload["amount_cents"] == 3_000

@@ -21,6 +21,9 @@ import urllib.request
 import psycopg
 import pytest
 from django.conf import settings
+from django.db import connection
+from django.test import Client
+from procrastinate import App, SyncPsycopgConnector
 from procrastinate.contrib.django import app
 
 from tests.worker import FAST_WORKER_ENV, PrivatePostgres, Worker, wait_until
@@ -44,8 +47,6 @@ class PrivateServer(PrivatePostgres):
 
     def defer(self, tag: str) -> int:
         # The test process's procrastinate app is on the test database: defer through a throwaway one.
-        from procrastinate import App, SyncPsycopgConnector
-
         private = App(connector=SyncPsycopgConnector(conninfo=self.url, min_size=1, max_size=1))
         with private.open():
             return private.configure_task("test_worker.noop", queue="test_worker").defer(tag=tag)
@@ -164,7 +165,7 @@ def _get(url: str) -> tuple[int, dict]:
 
 
 def test_readyz_is_503_while_the_database_is_down_and_200_once_it_is_back(private_server, tmp_path):
-    from tests.conftest import ConsoleServer
+    from tests.conftest import ConsoleServer  # noqa: PLC0415 - workers import this module: keep conftest out
 
     server = private_server
     worker = Worker(_env(server.url), tmp_path / "worker.log")  # /readyz also wants a fresh heartbeat
@@ -196,8 +197,6 @@ MIDDLEWARE_WITH_OUTAGE = [
 def unreachable_database(transactional_db, django_db_blocker):
     """Point Django's connection at a socket where no server listens (a real connection failure in the driver);
     `come_back()` points it back. (connection.settings_dict is settings.DATABASES["default"] itself.)"""
-    from django.db import connection
-
     with django_db_blocker.unblock():
         connection.close()
         saved = dict(connection.settings_dict)
@@ -227,8 +226,6 @@ def unreachable_database(transactional_db, django_db_blocker):
 def test_requests_get_a_503_while_the_database_is_unreachable_then_recover(
     unreachable_database, settings, path, headers, json_body
 ):
-    from django.test import Client
-
     settings.MIDDLEWARE = MIDDLEWARE_WITH_OUTAGE
     client = Client(raise_request_exception=False)
     client.cookies["sessionid"] = "a" * 32

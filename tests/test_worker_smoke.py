@@ -2,13 +2,14 @@ from __future__ import annotations
 
 import pytest
 from django.core.management import call_command
+from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals.models import Approval
 from demo import sandbox
 from runs import submission
-from runs.models import Run
+from runs.models import Run, Step
 from tests.conftest import approves_every_channel
-from tests.engine_helpers import REFUND
+from tests.engine_helpers import REFUND, SMALL_REFUND
 from tests.worker import wait_until
 
 pytestmark = pytest.mark.slow
@@ -26,11 +27,6 @@ def test_a_real_worker_parks_and_finishes_a_refund(start_worker, bob):
 
 
 def test_a_real_worker_retries_a_retryable_fault_with_backoff_then_succeeds(start_worker):
-    from procrastinate.contrib.django.models import ProcrastinateJob
-
-    from runs.models import Step
-    from tests.engine_helpers import SMALL_REFUND
-
     call_command("demo_setup", verbosity=0)
     start_worker()
     run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429", "5xx"]}})

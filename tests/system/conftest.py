@@ -32,6 +32,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection, connections
+from django.db.models import Q
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
@@ -319,8 +320,6 @@ def effects_per_run(run_ids: list[str], system: str) -> Counter:
 def jobs_doing() -> list[tuple]:
     """Jobs left `doing`: any run's job, and any job whose worker is gone or silent (a periodic sweep that
     a live worker is running right now is not left behind)."""
-    from django.db.models import Q
-
     silent = timezone.now() - timedelta(seconds=STALLED_AFTER)
     return list(
         ProcrastinateJob.objects.filter(status="doing")

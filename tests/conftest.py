@@ -105,6 +105,30 @@ def dave(db):
 
 
 @pytest.fixture
+def admin_client(client, alice):
+    """A client logged in as Alice (in place of pytest-django's, whose `admin` the demo's would clash with)."""
+    client.force_login(alice)
+    return client
+
+
+@pytest.fixture
+def demo(db):
+    """The demo (`manage.py demo_setup`): channels payments, email and crm; users admin, reviewer (approves on
+    every channel), ops (operates every channel), outsider and agent, by username."""
+    call_command("demo_setup", verbosity=0)
+    return {user.username: user for user in User.objects.all()}
+
+
+@pytest.fixture
+def rita(demo):
+    """A second reviewer of every demo channel, to race or follow the demo's `reviewer` (two-person rule)."""
+    user = User.objects.create_user("rita")
+    for channel in Channel.objects.all():
+        assign_perm("core.approve_channel", user, channel)
+    return user
+
+
+@pytest.fixture
 def payments(db):
     return Channel.objects.create(name="payments")
 

@@ -10,32 +10,15 @@ import urllib.request
 
 import pytest
 from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.db import connection
 from django.test import Client
-from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from core.models import ApiToken, Channel
+from core.models import ApiToken
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
-
-
-@pytest.fixture
-def second_reviewer(demo):
-    """Another reviewer of every demo channel, to race or follow the demo's `reviewer`."""
-    user = User.objects.create_user("rita")
-    for channel in Channel.objects.all():
-        assign_perm("core.approve_channel", user, channel)
-    return user
 
 
 def bearer(user) -> dict:
@@ -167,12 +150,12 @@ def test_ops_without_approve_permission_sees_no_cards(client, demo, parked):
     assert client.get("/api/approvals", headers=bearer(demo["ops"])).json() == []
 
 
-def test_a_reviewer_does_not_see_the_cards_of_runs_they_started(client, demo, second_reviewer):
+def test_a_reviewer_does_not_see_the_cards_of_runs_they_started(client, demo, rita):
     _, theirs = start_parked_run(client, demo["reviewer"])
     _, agents = start_parked_run(client, demo["agent"], {**REFUND, "customer_id": "cus_2001"})
 
     seen_by_reviewer = client.get("/api/approvals?status=pending", headers=bearer(demo["reviewer"])).json()
-    seen_by_rita = client.get("/api/approvals?status=pending", headers=bearer(second_reviewer)).json()
+    seen_by_rita = client.get("/api/approvals?status=pending", headers=bearer(rita)).json()
 
     assert [c["id"] for c in seen_by_reviewer] == [agents.pk]
     assert sorted(c["id"] for c in seen_by_rita) == sorted([theirs.pk, agents.pk])
@@ -289,13 +272,13 @@ def test_a_stale_version_is_refused_with_409(client, demo, parked):
     assert snapshot(card) == before
 
 
-def test_a_second_decision_is_refused_and_names_who_decided(client, demo, second_reviewer, parked):
+def test_a_second_decision_is_refused_and_names_who_decided(client, demo, rita, parked):
     run, card = parked
     assert decide(client, demo["reviewer"], card, decision="approve").status_code == 200
     card.refresh_from_db()
     before = snapshot(card)
 
-    response = decide(client, second_reviewer, card, decision="reject", comment="too late?")
+    response = decide(client, rita, card, decision="reject", comment="too late?")
 
     assert response.status_code == 409
     assert response.json()["error"] == "conflict"
@@ -418,10 +401,10 @@ def race(n: int, work) -> list:
     return results
 
 
-def test_two_reviewers_deciding_at_once_make_one_decision(transactional_db, second_reviewer):
+def test_two_reviewers_deciding_at_once_make_one_decision(transactional_db, rita):
     client = Client()
     run, card = start_parked_run(client, User.objects.get(username="agent"))
-    reviewers = [bearer(User.objects.get(username="reviewer")), bearer(second_reviewer)]
+    reviewers = [bearer(User.objects.get(username="reviewer")), bearer(rita)]
     decisions = [{"decision": "approve"}, {"decision": "reject", "comment": "no"}]
 
     answers = race(2, lambda i: decide(Client(), reviewers[i], card, **decisions[i]))
@@ -436,9 +419,9 @@ def test_two_reviewers_deciding_at_once_make_one_decision(transactional_db, seco
 
 
 @pytest.mark.slow
-def test_two_reviewers_deciding_at_once_on_the_real_server_make_one_decision(console_server, second_reviewer):
+def test_two_reviewers_deciding_at_once_on_the_real_server_make_one_decision(console_server, rita):
     run, card = start_parked_run(Client(), User.objects.get(username="agent"))
-    tokens = [bearer(User.objects.get(username="reviewer")), bearer(second_reviewer)]
+    tokens = [bearer(User.objects.get(username="reviewer")), bearer(rita)]
     body = json.dumps({"decision": "approve", "version": card.version}).encode()
 
     def post(i: int) -> tuple[int, dict]:

@@ -44,12 +44,6 @@ DESIGN_RUN_FIELDS = {
 }
 
 
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
-
-
 def bearer(user) -> dict:
     _, raw = ApiToken.issue(user)
     return {"Authorization": f"Bearer {raw}"}

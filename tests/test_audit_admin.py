@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from django.contrib import admin
 from django.contrib.auth.models import Group, Permission
 from django.core.management import call_command
@@ -10,12 +9,6 @@ from django.db import transaction
 from guardian.shortcuts import assign_perm, get_group_perms, get_user_perms
 
 from core.models import AuditEntry, Channel
-
-
-@pytest.fixture
-def admin_client(client, alice):
-    client.force_login(alice)
-    return client
 
 
 def _form(channel: Channel, **changes) -> dict:

@@ -6,16 +6,9 @@ from __future__ import annotations
 import json
 from io import StringIO
 
-import pytest
 from django.core.management import call_command
 
 from core.models import ApiToken, AuditEntry
-
-
-@pytest.fixture
-def admin_client(client, alice):
-    client.force_login(alice)
-    return client
 
 
 def _everything_in(entry: AuditEntry) -> str:

@@ -47,12 +47,6 @@ def erin(db):
     return user
 
 
-@pytest.fixture
-def admin_client(client, alice):
-    client.force_login(alice)
-    return client
-
-
 # Who may read it
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.db import DataError
 from django.http import HttpResponse
 from django.test import RequestFactory
@@ -23,12 +21,6 @@ from runs.models import Run
 from tests.engine_helpers import REFUND, drive
 
 REFUND_JSON = json.dumps(REFUND)
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
 
 
 def bearer(user) -> dict:

@@ -30,11 +30,6 @@ def _sensitive_breakers(settings):
     settings.BREAKER_COOLDOWN_SECONDS = 30
 
 
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-
-
 def _submit(faults: dict | None = None) -> Run:
     return submission.submit(workflow="refund", input={**SMALL_REFUND, **({"faults": faults} if faults else {})})[0]
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
 from approvals.inbox import decide_cards
@@ -24,12 +22,6 @@ from tests.test_api_approvals import decide, snapshot
 
 # The refund's classify step costs 0.000034, its draft 0.000160 (the scripted model's tokens at the demo price).
 CEILING = Decimal("0.0001")
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
@@ -19,11 +18,6 @@ from runs.models import Run
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
 URL = "/dashboard/"
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 def _state(response, signal: str) -> str:

@@ -7,7 +7,6 @@ from datetime import timedelta
 
 import pytest
 from django.core.exceptions import PermissionDenied
-from django.core.management import call_command
 from django.db import connection
 
 import tests.workflows  # noqa: F401 - registers the test workflows
@@ -23,11 +22,6 @@ from tests.conftest import approves_every_channel
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls, queued_jobs
 
 CHANGELIST = "/admin/jobs/deadletter/"
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 @pytest.fixture

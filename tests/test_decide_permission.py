@@ -8,7 +8,6 @@ import copy
 
 import pytest
 from django.contrib.auth.models import Group, User
-from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed
@@ -16,12 +15,6 @@ from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive, queued_jobs
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -21,11 +20,6 @@ from runs.models import Receipt, Run, Step
 from runs.workflow import Ambiguous, InvalidInput, Retryable, Workflow, register
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive, model_calls, queued_jobs
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 @pytest.fixture

@@ -24,13 +24,6 @@ from tests.worker import wait_until
 
 
 @pytest.fixture
-def demo(db):
-    """Channels payments, email, crm; users admin, reviewer, ops (operate_channel everywhere), outsider."""
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
-
-
-@pytest.fixture
 def ops(demo):
     return demo["ops"]
 

@@ -7,7 +7,6 @@ from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.core.management import call_command
 from django.db import connection
 from django.db.models import Sum
 from django.utils import timezone
@@ -22,11 +21,6 @@ from runs import dead_letters, engine, submission
 from runs.models import Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 class Scrape:

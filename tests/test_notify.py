@@ -87,11 +87,6 @@ def escalated_card(**settings_changes) -> Approval:
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-
-
-@pytest.fixture
 def webhook_settings(settings, receiver):
     def configure(statuses=(200,)) -> Receiver:
         r = receiver(statuses)

@@ -10,8 +10,6 @@ import sys
 
 import jsonschema_rs
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
 
 from approvals.models import Approval, Decision
 from console.api import api
@@ -23,13 +21,11 @@ from tests.engine_helpers import REFUND, drive
 
 
 @pytest.fixture
-def demo(db):
+def demo(demo):
     """The demo's users, each with an API token (issued now: issuing one is audited)."""
-    call_command("demo_setup", verbosity=0)
-    users = {user.username: user for user in User.objects.all()}
-    for user in users.values():
+    for user in demo.values():
         user.headers = {"Authorization": f"Bearer {ApiToken.issue(user)[1]}"}
-    return users
+    return demo
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
-from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
 from core.models import AuditEntry, Channel
@@ -25,13 +22,10 @@ EDITED_CENTS = 12_345  # the agent proposes 12 500; the refund gate allows lower
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
+def demo(demo, rita):
+    """The demo's users and Rita; payments needs two people."""
     Channel.objects.filter(name="payments").update(required_approvals=2)
-    rita = User.objects.create_user("rita")
-    for channel in Channel.objects.all():
-        assign_perm("core.approve_channel", rita, channel)
-    return {user.username: user for user in User.objects.all()}
+    return {**demo, "rita": rita}
 
 
 def edit_amount(card: Approval, cents: int = EDITED_CENTS) -> dict:

@@ -38,11 +38,6 @@ from tests.worker import database_url, wait_until
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-
-
-@pytest.fixture
 def bob(bob, demo):
     """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
     return approves_every_channel(bob)

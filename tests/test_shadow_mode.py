@@ -9,8 +9,6 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.utils import timezone
 
 from approvals.models import Approval, Decision
@@ -21,12 +19,6 @@ from runs.models import Receipt, Run, ShadowEffect
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
 
 HTMX = {"HX-Request": "true"}
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {u.username: u for u in User.objects.all()}
 
 
 @pytest.fixture

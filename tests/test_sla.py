@@ -28,11 +28,6 @@ SECOND = timedelta(seconds=1)
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-
-
-@pytest.fixture
 def bob(bob, demo):
     """The reviewer, with approve_channel on every channel of these tests (Approval.decide checks it)."""
     return approves_every_channel(bob)

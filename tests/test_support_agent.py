@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.core.management import call_command
 
 from approvals.models import Approval
 from demo import sandbox
@@ -20,11 +19,6 @@ from tests.engine_helpers import drive
 from tests.openai_stub import text, tool_calls
 
 CUSTOMER = "cus_2077"
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
 from django.db.models import F
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
@@ -17,11 +16,6 @@ from runs.models import ModelUsage, Run, TenantThrottle
 from runs.workflow import Retryable
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls
 from tests.test_metrics import scrape
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
 
 
 @pytest.fixture

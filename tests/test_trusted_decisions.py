@@ -8,9 +8,7 @@ import json
 from io import StringIO
 
 import pytest
-from django.contrib.auth.models import User
 from django.core.management import call_command
-from guardian.shortcuts import assign_perm
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 import tests.workflows  # noqa: F401 - registers test_float_gate
@@ -27,12 +25,9 @@ from tests.test_api_approvals import bearer, decide, snapshot
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    rita = User.objects.create_user("rita")
-    for channel in Channel.objects.all():
-        assign_perm("core.approve_channel", rita, channel)
-    return {user.username: user for user in User.objects.all()}
+def demo(demo, rita):
+    """The demo's users and Rita."""
+    return {**demo, "rita": rita}
 
 
 def parked_refund(amount_cents: int = 12_500) -> tuple[Run, Approval]:

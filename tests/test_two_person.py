@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
-from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
 from core.models import ApiToken, AuditEntry, Channel
@@ -19,18 +16,10 @@ from tests.engine_helpers import REFUND, drive, queued_jobs
 
 
 @pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
+def demo(demo):
+    """The demo's users; payments needs two people."""
     Channel.objects.filter(name="payments").update(required_approvals=2)
-    return {user.username: user for user in User.objects.all()}
-
-
-@pytest.fixture
-def rita(demo):
-    user = User.objects.create_user("rita")
-    for channel in Channel.objects.all():
-        assign_perm("core.approve_channel", user, channel)
-    return user
+    return demo
 
 
 def parked() -> tuple[Run, Approval]:

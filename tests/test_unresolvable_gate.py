@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -25,12 +23,6 @@ from runs.models import Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
 from tests.test_api_approvals import decide, snapshot
-
-
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-    return {user.username: user for user in User.objects.all()}
 
 
 def parked_refund() -> tuple[Run, Approval]:

@@ -38,11 +38,6 @@ def _demo_secret(settings):
     settings.WEBHOOK_SECRETS = {"demo": [SECRET]}
 
 
-@pytest.fixture
-def demo(db):
-    call_command("demo_setup", verbosity=0)
-
-
 def signature(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
     """What a provider computes (Standard Webhooks), worked out here apart from the code under test: `v1,` and
     the base64 HMAC-SHA256 of "<id>.<timestamp>.<body>" under the key (a `whsec_` secret's decoded bytes, else

@@ -17,7 +17,7 @@ from django.conf import settings
 
 from console import embedded_db
 from console.management.commands import serve
-from tests.test_make_run import _free_port, _get, _wait_for
+from tests.system.test_make_run import _free_port, _get, _wait_for
 
 
 def test_backoff_doubles_up_to_a_cap_and_resets_after_a_stable_run():

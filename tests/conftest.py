@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
@@ -29,6 +30,27 @@ def pytest_configure(config):
     # before any collectstatic. Tests that need the collected files run collectstatic themselves.
     django_settings.STATIC_ROOT.mkdir(exist_ok=True)
     _allow_audit_truncate_in_flush()
+
+
+TESTS = Path(__file__).resolve().parent
+# Fixtures that give a test the database; a test under tests/unit takes none of them.
+DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The markers follow the folders: tests/unit (no database), tests/integration (the database, in-process),
+    tests/system (real processes: workers, the web server, PostgreSQL servers of their own) and tests/browser
+    (Playwright). Everything under system and browser is `slow` (`make test-fast`, `-m 'not slow'`, skips it), and
+    browser tests are `browser` too. A unit test that asks for the database is an error: it belongs in
+    integration."""
+    for item in items:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier in ("system", "browser"):
+            item.add_marker(pytest.mark.slow)
+        if tier == "browser":
+            item.add_marker(pytest.mark.browser)
+        if tier == "unit" and (DATABASE_FIXTURES & set(item.fixturenames) or item.get_closest_marker("django_db")):
+            raise pytest.UsageError(f"{item.nodeid} uses the database: move it to tests/integration")
 
 
 def _allow_audit_truncate_in_flush() -> None:

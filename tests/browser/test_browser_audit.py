@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import pytest
 from django.db import transaction
 
 from core.models import AuditEntry
 from tests.conftest import log_in, set_production_password
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def _shown(page) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 from datetime import timedelta
 
-import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import expect
@@ -19,8 +18,6 @@ from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
 from tests.worker import wait_until
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 XSS_SCRIPT = "<script>alert(1)</script>"
 XSS_IMG = '"><img src=x onerror=alert(1)>'

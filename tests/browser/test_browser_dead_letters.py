@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 from django.core.management import call_command
 
 from core.models import AuditEntry
@@ -9,8 +8,6 @@ from runs import submission
 from runs.models import Run
 from tests.conftest import log_in, set_production_password
 from tests.engine_helpers import SMALL_REFUND, drive
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_an_admin_requeues_a_dead_letter_from_django_admin(console_server, page, alice):

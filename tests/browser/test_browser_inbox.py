@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
@@ -12,8 +11,6 @@ from runs import submission
 from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def park(amount: int = 12_500) -> Approval:

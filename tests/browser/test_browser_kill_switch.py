@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 from playwright.sync_api import expect
 
 from core.models import AuditEntry, Channel
 from tests.conftest import log_in, set_production_password
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_ops_engages_and_releases_a_switch_with_a_reason(console_server, page, carol):

@@ -1,10 +1,6 @@
 from __future__ import annotations
 
-import pytest
-
 from tests.conftest import set_production_password
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_a_reviewer_logs_in_and_sees_the_empty_inbox(console_server, page, bob):

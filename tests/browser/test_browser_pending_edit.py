@@ -20,8 +20,6 @@ from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import REFUND, drive
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
 EDITED_CENTS = 12_345  # the agent proposes 12 500; the refund gate allows lowering it
 
 

@@ -4,7 +4,6 @@ its email card, and the run page shows the conversation."""
 
 from __future__ import annotations
 
-import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from playwright.sync_api import expect
@@ -16,8 +15,6 @@ from runs.models import Run
 from tests.conftest import log_in
 from tests.engine_helpers import drive
 from tests.worker import wait_until
-
-pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_support_agent_cards_are_in_the_inbox_and_the_card_shows_the_diff(console_server, page, reviewer, start_worker):

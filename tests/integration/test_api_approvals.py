@@ -1,12 +1,11 @@
-"""The approvals API: GET /api/approvals and POST /api/approvals/{id}/decision."""
+"""The approvals API: GET /api/approvals and POST /api/approvals/{id}/decision. On the production server:
+tests/system/test_api_approvals_server.py."""
 
 from __future__ import annotations
 
 import copy
 import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 from django.contrib.auth.models import User
@@ -415,33 +414,4 @@ def test_two_reviewers_deciding_at_once_make_one_decision(transactional_db, rita
     card.refresh_from_db()
     assert card.status == ("approved", "rejected")[winner]
     assert card.version == 2
-    assert queued_jobs(run) == 1
-
-
-@pytest.mark.slow
-def test_two_reviewers_deciding_at_once_on_the_real_server_make_one_decision(console_server, rita):
-    run, card = start_parked_run(Client(), User.objects.get(username="agent"))
-    tokens = [bearer(User.objects.get(username="reviewer")), bearer(rita)]
-    body = json.dumps({"decision": "approve", "version": card.version}).encode()
-
-    def post(i: int) -> tuple[int, dict]:
-        request = urllib.request.Request(
-            f"{console_server.url}/api/approvals/{card.pk}/decision",
-            data=body,
-            headers={**tokens[i], "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status, json.load(response)
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.load(exc)
-
-    answers = race(2, post)
-
-    assert sorted(status for status, _ in answers) == [200, 409]
-    assert Decision.objects.filter(approval=card).count() == 1
-    refused = next(answer for status, answer in answers if status == 409)
-    winner = Decision.objects.get().actor.username
-    assert f"approved by {winner}" in refused["detail"]
-    assert Run.objects.get(pk=run.pk).status == Run.Status.QUEUED
     assert queued_jobs(run) == 1

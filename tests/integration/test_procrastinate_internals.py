@@ -1,7 +1,8 @@
 """The start-up check of the procrastinate internals we rely on (jobs/internals.py): it passes on the installed
 procrastinate, and a mismatch (a method gone or reshaped, an attribute its Worker no longer sets, a name of ours
 that now shadows one of its, an SQL function or type that changed) stops start-up with a message naming the
-installed version, the pinned one and what differs."""
+installed version, the pinned one and what differs. A real worker refusing to start:
+tests/system/test_procrastinate_internals_worker.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from django.conf import settings
 from django.db import connection
 from procrastinate import worker as procrastinate_worker
 from procrastinate.contrib.django import app
-from procrastinate.contrib.django.models import ProcrastinateWorker
 
 from jobs import internals
 from jobs.internals import InternalsMismatch
@@ -161,23 +161,3 @@ def test_design_notes_list_every_internal_the_check_knows():
     expected |= set(internals.SQL_FUNCTIONS) | set(internals.SQL_TYPES) | set(internals.SQL_ENUMS)
     expected |= set(internals.SQL_COLUMNS)
     assert expected - named == set()
-
-
-@pytest.mark.slow
-def test_a_worker_does_not_start_on_a_database_whose_procedure_changed(start_worker):
-    """`manage.py worker` checks the SQL once at start, before it registers: a procedure it calls that is not
-    there stops it with the message, and no job is taken."""
-    signature = "procrastinate_finish_job_v1(bigint, procrastinate_job_status, boolean)"
-    with connection.cursor() as cursor:
-        cursor.execute(f"ALTER FUNCTION {signature} RENAME TO procrastinate_finish_job_v1_elsewhere")
-    try:
-        worker = start_worker()
-        assert worker.wait(timeout=60) != 0
-    finally:
-        with connection.cursor() as cursor:
-            renamed = signature.replace("finish_job_v1(", "finish_job_v1_elsewhere(")
-            cursor.execute(f"ALTER FUNCTION {renamed} RENAME TO procrastinate_finish_job_v1")
-    log = worker.log()
-    assert "pinned to procrastinate==3.10.0" in log, log[-3000:]
-    assert "SQL function procrastinate_finish_job_v1(" in log and "found no such function" in log
-    assert not ProcrastinateWorker.objects.exists()  # it never registered

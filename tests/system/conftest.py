@@ -1,4 +1,7 @@
-"""System tests: the whole product as it is deployed, on a fresh database.
+"""System tests: real processes (workers, the production web server, `manage.py serve`, PostgreSQL servers of a
+test's own), all `slow` (tests/conftest.py marks this folder). Most start what they need through the fixtures of
+tests/conftest.py and tests/worker.py; the scenarios below run the whole product as it is deployed, on a fresh
+database (the `system` fixture).
 
 The production web server (`python -m console.webserver`) and standalone worker processes run against the
 test database; the tests drive them only as agents, reviewers and operators do: over HTTP with API tokens,

@@ -45,8 +45,6 @@ from django.db import connections
 import tests.worker as worker_helpers
 from tests.system.conftest import SYSTEM_ENV, Api, WebServer, Workers, env_int, report
 
-pytestmark = pytest.mark.slow
-
 RUNS = env_int("DBRESTART_RUNS", 40)
 DOWN_SECONDS = float(os.environ.get("DBRESTART_DOWN_SECONDS", 2))
 BOUND_SECONDS = env_int("DBRESTART_BOUND_SECONDS", 90)

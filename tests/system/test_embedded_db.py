@@ -16,8 +16,6 @@ from django.conf import settings
 
 from console import embedded_db
 
-pytestmark = pytest.mark.slow
-
 HOLDER = """
 import sys, time
 from pathlib import Path

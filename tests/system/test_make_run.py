@@ -13,12 +13,9 @@ import urllib.request
 
 import psutil
 import psycopg
-import pytest
 from django.conf import settings
 
 from console import embedded_db
-
-pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:

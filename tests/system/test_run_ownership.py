@@ -24,8 +24,6 @@ from runs.tasks import advance_run
 from tests.engine_helpers import SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs
 
-pytestmark = pytest.mark.slow
-
 STEPS = ["classify", "lookup_customer", "draft_refund", "approve_refund", "issue_refund", "notify_customer"]
 WAITED = "the run is driven by another live job: trying again later"
 

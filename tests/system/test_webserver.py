@@ -10,12 +10,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 from django.conf import settings
 
 from tests.conftest import _free_port
-
-pytestmark = pytest.mark.slow
 
 
 def test_kept_alive_requests_do_not_wait_for_delayed_acks():

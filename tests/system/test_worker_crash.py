@@ -23,8 +23,6 @@ from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND, model_calls
 from tests.worker import settles_as, wait_with_logs, worker_logs
 
-pytestmark = pytest.mark.slow
-
 STEPS = ["classify", "lookup_customer", "draft_refund", "approve_refund", "issue_refund", "notify_customer"]
 
 

@@ -15,8 +15,6 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from tests.worker import wait_with_logs
 
-pytestmark = pytest.mark.slow
-
 QUEUE = "test_worker"
 THIS_MODULE = __name__
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
 from django.db import connection
 from procrastinate import sql
 from procrastinate.contrib.django import app
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from tests.worker import FAST_WORKER_ENV, wait_with_logs, worker_logs
-
-pytestmark = pytest.mark.slow
 
 STALLED_AFTER = float(FAST_WORKER_ENV["STALLED_AFTER_SECONDS"])
 HEARTBEAT = float(FAST_WORKER_ENV["WORKER_HEARTBEAT_INTERVAL"])

@@ -28,8 +28,6 @@ from procrastinate.contrib.django import app
 
 from tests.worker import FAST_WORKER_ENV, PrivatePostgres, Worker, wait_until
 
-pytestmark = pytest.mark.slow
-
 DOWN_SECONDS = 2.0
 
 

@@ -21,8 +21,6 @@ from runs.models import Receipt, Run, Step
 from tests.engine_helpers import SMALL_REFUND, model_calls, queued_jobs
 from tests.worker import FAST_WORKER_ENV, settles_as, wait_with_logs, worker_logs
 
-pytestmark = pytest.mark.slow
-
 GRACEFUL_TIMEOUT = float(FAST_WORKER_ENV["WORKER_SHUTDOWN_GRACEFUL_TIMEOUT"])
 STEPS = ["classify", "lookup_customer", "draft_refund", "approve_refund", "issue_refund", "notify_customer"]
 

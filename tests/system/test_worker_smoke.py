@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 from django.core.management import call_command
 from procrastinate.contrib.django.models import ProcrastinateJob
 
@@ -11,8 +10,6 @@ from runs.models import Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, SMALL_REFUND
 from tests.worker import wait_until
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_real_worker_parks_and_finishes_a_refund(start_worker, bob):

@@ -1,6 +1,6 @@
 """The web server's database connection pool (DATABASE_POOL, console/settings.py): on by default for `python -m
-console.webserver`, off for everything else and never for a worker, exclusive with kept connections; and the
-production server really keeps its connections in it."""
+console.webserver`, off for everything else and never for a worker, exclusive with kept connections. That the
+production server really keeps its connections in it: tests/system/test_db_pool_server.py."""
 
 from __future__ import annotations
 
@@ -8,17 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 from django.conf import settings
-from django.contrib.auth.models import User
-from django.core.management import call_command
-from django.db import connection
 
 from console import webserver
-from core.models import ApiToken
-from tests.conftest import ConsoleServer
 
 SHOW = (
     "import json, django; django.setup(); from django.conf import settings as s; "
@@ -92,36 +86,3 @@ def test_the_web_server_turns_it_on_by_default(monkeypatch, env, expected):
         monkeypatch.setenv(name, value)
     webserver.use_pool_by_default()
     assert os.environ.get("DATABASE_POOL") == expected
-
-
-@pytest.mark.slow
-def test_the_production_server_keeps_its_connections_in_the_pool(_console_env, transactional_db):
-    call_command("demo_setup", verbosity=0)
-    _, token = ApiToken.issue(User.objects.get(username="agent"))
-    env = {k: v for k, v in _console_env.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN_MAX_AGE"))}
-    url = env["DATABASE_URL"]
-    server = ConsoleServer({**env, "DATABASE_URL": url + ("&" if "?" in url else "?") + "application_name=pooltest"})
-    try:
-        _post_runs(server.url, token)
-    finally:
-        server.stop()
-
-
-def _post_runs(url: str, token: str) -> None:
-    body = json.dumps(
-        {"workflow": "refund", "input": {"customer_id": "c1", "amount_cents": 900, "currency": "EUR", "reason": "x"}}
-    ).encode()
-    for _ in range(20):
-        request = urllib.request.Request(
-            url + "/api/runs",
-            data=body,
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert response.status == 202
-    # Without a pool each request's connection is closed at its end; with one, they stay open, idle, and fewer
-    # than the requests (a pool of at most 8 per process).
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pooltest'")
-        (kept,) = cursor.fetchone()
-    assert 1 <= kept <= 8

@@ -11,7 +11,7 @@ from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
 from approvals.models import Approval
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.safe_input import NOT_BLANK
 
 router = Router(tags=["approvals"])

@@ -11,11 +11,16 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
 
+from approvals.api import router as approvals_router
+from console.channels import router as channels_router
 from core import safe_input
 from core.access import Denied
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import ApiToken
 from core.safe_input import UnsafeJson
+from runs.api import router as runs_router
+from runs.breaker_api import router as breakers_router
+from runs.webhook_api import router as webhooks_router
 
 
 class BearerToken(HttpBearer):
@@ -114,16 +119,11 @@ def _data_error(request, exc):
 
 
 def _mount_app_routers() -> None:
-    from approvals.api import router as approvals_router
-    from console.channels import router as channels_router
-    from runs.api import router as runs_router
-    from runs.breaker_api import router as breakers_router
-
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)
     api.add_router("/", channels_router)
     api.add_router("/", breakers_router)
-    api.add_router("/", "runs.webhook_api.router")  # signed, no bearer token (auth=None on its route)
+    api.add_router("/", webhooks_router)  # signed, no bearer token (auth=None on its route)
 
 
 class Me(Schema):

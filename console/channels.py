@@ -23,7 +23,7 @@ from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
 from core.access import channel_for, global_switch_for, operable_channels, operates, visible_channels
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired
 from core.safe_input import NOT_BLANK
 from runs.models import Run

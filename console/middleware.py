@@ -16,6 +16,7 @@ from django.utils.html import escape
 
 from core.access import Denied
 from core.safe_input import unsafe_char
+from jobs.worker import is_connection_error
 
 log = structlog.get_logger("console.request")
 
@@ -164,8 +165,6 @@ RETRY_AFTER_SECONDS = 5
 
 
 def _database_unavailable(exc: BaseException) -> bool:
-    from jobs.worker import is_connection_error
-
     # Django's InterfaceError ("connection already closed") may carry no driver error to look into.
     return isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc))
 

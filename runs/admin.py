@@ -10,6 +10,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.urls import reverse
 from django.utils.html import format_html
 
+import runs.dead_letter_admin  # noqa: F401 - registers the dead-letter queue (jobs.DeadLetter)
 from core.access import oversees
 from runs.models import Receipt, Run, ShadowEffect, Step, WebhookDelivery
 

@@ -8,7 +8,7 @@ from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from runs import submission
 from runs import workflow as workflows
 from runs.access import run_for

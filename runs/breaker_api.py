@@ -14,7 +14,7 @@ from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
 from core.access import NotVisible
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired
 from core.safe_input import NOT_BLANK
 from runs import breakers

@@ -56,9 +56,13 @@ test: install browser
 test-fast: install
 	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
 
+# ruff (style, and imports at the top: PLC0415), then import-linter: the floors of pyproject.toml's
+# [tool.importlinter] (console on top, core at the bottom, the engine's floors inside runs, no circle in an app,
+# nothing below the views importing django.http or ninja).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff check --fix .

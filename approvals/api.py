@@ -3,16 +3,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from django.shortcuts import get_object_or_404
-from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
+from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
-from approvals.models import AlreadyDecided, Approval, DecisionError, InvalidDecision
-from core.api_errors import ERRORS
-from core.models import Channel
+from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
+from approvals.models import Approval
+from core.api import ERRORS
 from core.safe_input import NOT_BLANK
 
 router = Router(tags=["approvals"])
@@ -127,31 +126,19 @@ class DecisionIn(Schema):
     )
 
 
-def decidable_channels(user):
-    return get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
-
-
-def _get_card_for_user(request, card_id: int) -> Approval:
-    """404 for a card the user may not see (no approve_channel on its channel)."""
-    card = get_object_or_404(Approval.objects.select_related("channel", "run"), pk=card_id)
-    if not request.user.has_perm("core.approve_channel", card.channel):
-        raise HttpError(404, "Not found.")
-    return card
-
-
-CardStatus = Literal["pending", "approved", "edited", "rejected", "expired", "escalated", "cancelled", "all"]
+CardStatus = Literal[(*Approval.Status.values, "all")]  # a card's status, or all of them
 
 
 @router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
-def list_cards(request, status: CardStatus = "pending"):
+def list_cards(request, status: CardStatus = Approval.Status.PENDING.value):
     cards = (
-        Approval.objects.filter(channel__in=decidable_channels(request.user))
+        cards_to_decide(request.user)
         .select_related("channel")
         .prefetch_related("decisions__actor")  # each card's latest edit, in one query for the whole list
     )
     if status != "all":
         cards = cards.filter(status=status)
-    return cards.exclude(run_created_by=request.user).order_by("due_at")[:500]
+    return cards.order_by("due_at")[:500]
 
 
 @router.post(
@@ -173,9 +160,7 @@ def list_cards(request, status: CardStatus = "pending"):
     },
 )
 def decide(request, card_id: int, body: DecisionIn):
-    card = _get_card_for_user(request, card_id)
-    if card.run.created_by_id == request.user.pk:
-        raise HttpError(403, "You started this run: someone else must decide its cards.")
+    card = card_for(request.user, card_id, to_decide=True)
     try:
         return card.decide(
             request.user,

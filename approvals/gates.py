@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from approvals import policy
+from approvals import policy, rules
 from approvals.models import Approval
 from core.models import Channel
 from runs.errors import Fatal
-from runs.gates import ApprovalRequest, Decision, Kind
+from runs.gates import ApprovalRequest, Decision, Kind, Outcome
 
 
 class CardBackend:
@@ -84,15 +84,12 @@ def _decision_of(card: Approval) -> Decision:
     the card page, the inbox and the API showed: under the two-person rule the last edit, which the second
     person approved, else the proposal as it stands; nothing after a rejection."""
     decisions = sorted(card.decisions.all(), key=lambda d: (d.created_at, d.pk))
-    last = decisions[-1]
-    if card.status != Approval.Status.REJECTED:
-        # Those who approved what executes: from its last change on (an edit restarts the two-person count).
-        last_edit = max((i for i, d in enumerate(decisions) if d.decision == "edit"), default=0)
-        deciders = [d for d in decisions[last_edit:] if d.decision in ("approve", "edit")]
-    else:
-        deciders = [d for d in decisions if d.decision == "reject"]
+    last, outcome = decisions[-1], Outcome(card.status)
+    # Those whose decisions made the outcome (rules.counted): who approved what executes, from its last change
+    # on (an edit restarts the two-person count), or who rejected it.
+    deciders = rules.counted(decisions, outcome)
     return Decision(
-        decision=card.status,
+        decision=outcome,
         payload=card.to_execute,
         comment=last.comment,
         reason=last.reason,

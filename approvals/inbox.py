@@ -1,12 +1,13 @@
 """The reviewer inbox at `/`: the open cards of the channels the user may approve, most urgent first.
 
-- Who: users with `approve_channel` on at least one channel (guardian; superusers hold every permission): `/`
-  (console.views.home) shows them this page, and everyone else the home page's empty states. Cards of runs the
-  user started are never listed (separation of duties: someone else must decide them).
+- Who: users with `approve_channel` on at least one channel (core.access.decidable_channels): `/`
+  (console.views.home) shows them this page, and everyone else the home page's empty states. The cards are those
+  they may decide (approvals.access.cards_to_decide: never those of runs they started).
 - What: cards whose status is pending or escalated, ordered by (due_at, id), 50 per page with a keyset cursor
   (`?after=<due_at>~<id>`), so a later page costs what the first does.
-- Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now:
-  breached once due_at has passed, due soon within the larger of 25% of the channel's SLA and 5 minutes.
+- Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now
+  (approvals.rules.sla_state_q, the rule of approvals.rules.sla_state); each row sends the browser its seconds
+  left and its due-soon window (static/sla.js keeps the state live).
 - Counts: one grouped query over (channel, risk, workflow, SLA state) gives every facet's counts (each facet
   counted under the other facets' filters) and the total, whatever the number of cards.
 - Live: the rows and the counts are two partials of templates/approvals/inbox.html that poll every 5 s and
@@ -18,12 +19,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Case, CharField, Count, Exists, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Subquery
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -31,71 +32,38 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
-from approvals.api import decidable_channels
-from approvals.models import (
-    AlreadyDecided,
-    Approval,
-    Decision,
-    DecisionError,
-    RejectReason,
-    StaleVersion,
-    latest_edits,
+from approvals.access import cards_to_decide, visible_cards
+from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
+from approvals.models import Approval, Decision, RejectReason, latest_edits
+from approvals.rules import (
+    OPEN_SLA_STATES,
+    DecisionKind,
+    due_soon_window,
+    sla_state_expression,
+    sla_state_q,
+    started_the_run,
 )
+from core.access import decidable_channels
 from core.models import Channel
 
 TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
 PER_PAGE = 50
-DUE_SOON_SHARE = 0.25  # of the channel's SLA
-DUE_SOON_MIN = timedelta(minutes=5)
 
-SLA_STATES = [("on_time", "On time"), ("due_soon", "Due soon"), ("breached", "Breached")]
+SLA_STATES = [(state.value, state.label) for state in OPEN_SLA_STATES]
 REJECT_REASONS = RejectReason.choices
 FACETS = ("channel", "risk", "workflow", "sla")
-
-
-# --- the SLA state, in SQL -----------------------------------------------------------------------------------
-
-
-def due_soon_window(sla: timedelta) -> timedelta:
-    return max(sla * DUE_SOON_SHARE, DUE_SOON_MIN)
-
-
-def _due_soon_q(channels: list[Channel], now: datetime) -> Q:
-    """due_at before now + the channel's due-soon window (one range per channel, so an index can serve it)."""
-    q = Q(pk__in=[])
-    for channel in channels:
-        q |= Q(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla))
-    return q
-
-
-def sla_state_q(state: str, channels: list[Channel], now: datetime) -> Q:
-    if state == "breached":
-        return Q(due_at__lte=now)
-    if state == "due_soon":
-        return Q(due_at__gt=now) & _due_soon_q(channels, now)
-    return Q(due_at__gt=now) & ~_due_soon_q(channels, now)
-
-
-def sla_state_expression(channels: list[Channel], now: datetime) -> Case:
-    soon = [
-        When(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla), then=Value("due_soon"))
-        for channel in channels
-    ]
-    return Case(
-        When(due_at__lte=now, then=Value("breached")), *soon, default=Value("on_time"), output_field=CharField()
-    )
 
 
 # --- the inbox ------------------------------------------------------------------------------------------------
 
 
 def open_cards_for(user, channels: list[Channel]) -> QuerySet[Approval]:
-    """The open cards `user` may decide: of `channels` (those they may approve), not of runs they started, and
-    not those they approved already (an open card they decided waits for a second person: two-person rule)."""
+    """The open cards `user` may decide (approvals.access.cards_to_decide, of `channels`: those they may approve),
+    without those they answered already (an open card they decided waits for a second person: two-person rule)."""
     return (
-        Approval.objects.filter(status__in=Approval.OPEN, channel_id__in=[c.pk for c in channels])
-        .exclude(run_created_by=user)
+        cards_to_decide(user, channels)
+        .filter(status__in=Approval.OPEN)
         .exclude(Exists(Decision.objects.filter(approval=OuterRef("pk"), actor=user)))
     )
 
@@ -183,6 +151,8 @@ class Inbox:
         for card in rows:
             card.channel = by_id[card.channel_id]  # no join: the channels are loaded already
             card.remaining = card.due_at - self.now
+            card.remaining_seconds = int(card.remaining.total_seconds())
+            card.soon_seconds = int(due_soon_window(card.channel.sla).total_seconds())
             card.amount = _amount(card.amount_minor)
         more = len(rows) > PER_PAGE
         rows = rows[:PER_PAGE]
@@ -285,7 +255,7 @@ def render_inbox(request, channels: list[Channel]):
 
 class BulkForm(forms.Form):
     cards = forms.CharField(error_messages={"required": "Select at least one card."})
-    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    decision = forms.ChoiceField(choices=[(DecisionKind.APPROVE, "Approve"), (DecisionKind.REJECT, "Reject")])
     comment = forms.CharField(required=False, max_length=5000)
     reason = forms.ChoiceField(required=False, choices=[("", "—"), *REJECT_REASONS])
 
@@ -306,7 +276,7 @@ class BulkForm(forms.Form):
 
     def clean(self):
         data = super().clean()
-        if data.get("decision") == "reject":
+        if data.get("decision") == DecisionKind.REJECT:
             if not (data.get("comment") or "").strip():
                 self.add_error("comment", "A rejection needs a comment saying why.")
             if not data.get("reason"):
@@ -329,10 +299,10 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
     judgement about one kind of action. Cards they may not see are reported as not found. A card with a pending
     edit (two-person rule) is not approved here: what runs is the edit, which the inbox row does not show in
     full, so it is approved on the card, where the edit and its diffs are shown."""
-    allowed = {c.pk for c in approvable_channels(user)}
     cards = {
         card.pk: card
-        for card in Approval.objects.filter(pk__in=picked, channel_id__in=allowed)
+        for card in visible_cards(user)
+        .filter(pk__in=picked)
         .select_related("run", "channel")
         .prefetch_related("decisions__actor")
     }
@@ -343,9 +313,9 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
         card = cards.get(pk)
         if card is None:
             results.append(BulkResult(pk, 404, "not found"))
-        elif card.run.created_by_id == user.pk:
+        elif started_the_run(user, card):
             results.append(BulkResult(pk, 403, "you started this run: someone else must decide it"))
-        elif decision == "approve" and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
+        elif decision == DecisionKind.APPROVE and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
             by = edit.actor.get_username() if edit.actor else "system"
             results.append(BulkResult(pk, 409, f"has a pending edit by {by}: open the card to approve it", True))
         else:
@@ -355,7 +325,7 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
                     user,
                     decision,
                     comment=comment,
-                    reason=reason if decision == "reject" else "",
+                    reason=reason if decision == DecisionKind.REJECT else "",
                     version=version if version is not None else card.version,
                 )
             except (AlreadyDecided, StaleVersion) as exc:

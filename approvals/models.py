@@ -8,62 +8,21 @@ from django.db.models import Q
 from django.dispatch import Signal
 from django.utils import timezone
 
-from approvals import edits
+from approvals import edits, rules
+
+# The errors of a decision (approvals.errors) and its vocabulary (approvals.rules), where callers found them before
+# they moved: `from approvals.models import NotAllowed` still works.
+from approvals.errors import AlreadyDecided as AlreadyDecided
+from approvals.errors import CannotCheckEdit as CannotCheckEdit
+from approvals.errors import DecisionError as DecisionError
+from approvals.errors import InvalidDecision as InvalidDecision
+from approvals.errors import NotAllowed as NotAllowed
+from approvals.errors import SecondApproverNeeded as SecondApproverNeeded
+from approvals.errors import StaleVersion as StaleVersion
+from approvals.rules import Agreement, DecisionKind
 from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
-
-
-class DecisionError(Exception):
-    """A decision that cannot be taken; `status` is the HTTP status it maps to."""
-
-    status = 400
-
-
-class InvalidDecision(DecisionError):
-    status = 422
-
-    def __init__(self, message: str, errors: list[dict] | None = None):
-        super().__init__(message)
-        self.errors = errors or []  # an edit's field errors, {loc, msg}
-
-
-class AlreadyDecided(DecisionError):
-    status = 409
-
-    def __init__(self, card: Approval):
-        last = card.decisions.order_by("-created_at").first()
-        by = last.actor.username if last and last.actor else "system"
-        when = (card.decided_at or timezone.now()).isoformat()
-        super().__init__(f"this card was already {card.status} by {by} at {when}")
-        self.card, self.by, self.at = card, by, when
-
-
-class NotAllowed(DecisionError):
-    """The actor may not take this decision (separation of duties, or the two-person rule)."""
-
-    status = 403
-
-
-class SecondApproverNeeded(DecisionError):
-    """Two-person rule: the same person cannot give both approvals."""
-
-    status = 409
-
-
-class CannotCheckEdit(DecisionError):
-    """This process cannot find the card's gate (approvals.edits.GateUnresolved), so it cannot check an edit:
-    refused, not checked less. Asking again once web and workers run the same workflows will do."""
-
-    status = 409
-
-
-class StaleVersion(DecisionError):
-    status = 409
-
-    def __init__(self, card: Approval, version: int):
-        super().__init__(f"the card changed (version {card.version}, you sent {version}): reload it")
-        self.card = card
 
 
 class ApprovalStatus(models.TextChoices):
@@ -77,22 +36,6 @@ class ApprovalStatus(models.TextChoices):
 
 
 _OPEN = [ApprovalStatus.PENDING, ApprovalStatus.ESCALATED]
-
-
-class DecisionKind(models.TextChoices):
-    APPROVE = "approve"
-    EDIT = "edit"
-    REJECT = "reject"
-
-
-class Agreement(models.TextChoices):
-    """On a shadow card: whether the reviewer, who did the action by hand, agrees with what the agent proposed."""
-
-    AGREE = "agree", "I agree with the agent"
-    DISAGREE = "disagree", "I disagree with the agent"
-
-
-DONE_BY_HAND_MAX = 5000
 
 
 class OnExpiry(models.TextChoices):
@@ -251,32 +194,16 @@ class Approval(models.Model):
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
         decision, updates the card and re-queues the run with its job, all in one transaction.
 
-        An edit must pass the card's validator (approvals.edits: the gate's declared schema, editable leaves and
-        bounds), or nothing is written. On a channel with `required_approvals = 2` what executes needs the
-        approvals of two different people given after its last change: an approval or an edit is recorded and
-        the card stays open until a second person approves it as it stands (an edit restarts the count, its
-        author counting as one); a rejection by anyone ends it, except on a reconcile card, where "it did not
-        happen" (a rejection: the write is done now) needs two people too. Only a person with `approve_channel`
-        on the card's channel decides it (NotAllowed otherwise; the system, with no actor, always may), and nobody
-        a card of a run they started. An edit is what runs from then on (`to_execute`): the card's display
-        columns become the edit's, and the version that a later decision must name is the one after it.
-
-        On a shadow card the decision records what the reviewer did by hand (approve: as proposed; edit: the
-        payload they used; reject: nothing), with `agreement` (agree or disagree with the agent, required) and an
-        optional `done_by_hand` note; other cards refuse both."""
-        status = {"approve": self.Status.APPROVED, "edit": self.Status.EDITED, "reject": self.Status.REJECTED}
-        if decision not in status:
-            raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
-        comment = (comment or "").strip()
-        if decision == "reject" and not comment:
-            raise InvalidDecision("a rejection needs a comment saying why")
-        if decision == "edit" and not isinstance(payload, dict):
-            raise InvalidDecision("an edit needs the new payload (an object)")
-        agreement, done_by_hand = agreement or "", (done_by_hand or "").strip()
-        if agreement and agreement not in Agreement.values:
-            raise InvalidDecision(f"agreement must be agree or disagree, not {agreement!r}")
-        if len(done_by_hand) > DONE_BY_HAND_MAX:
-            raise InvalidDecision(f"what you did is longer than {DONE_BY_HAND_MAX} characters")
+        The rules are approvals.rules: what a decision carries (`Asked`), who may take it (a person with
+        `approve_channel` on the card's channel, never on a run they started; the system, with no actor, always
+        may), what it must fit (an edit the card's validator, approvals.edits; a shadow card's agreement), and
+        the two-person count (`TwoPersonCount`: on a channel with `required_approvals = 2` the card stays open
+        until a second person approves what executes as it stands). An edit is what runs from then on
+        (`to_execute`): the card's display columns become the edit's, and the version that a later decision must
+        name is the one after it. On a shadow card the decision records what the reviewer did by hand."""
+        asked = rules.Asked.of(
+            decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
+        )
         with transaction.atomic():
             # One lock order everywhere: the run, then its card (Run.cancel, the engine and the SLA policy do the
             # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.policy):
@@ -284,100 +211,63 @@ class Approval(models.Model):
             run = Run.objects.select_for_update().get(pk=self.run_id)
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)
             card.run = run
-            # Checked here whoever the caller is (card page, API, bulk): guardian's object permission, which a
-            # superuser holds on every channel. The system (no actor: the SLA policy) needs none.
-            if actor is not None and not actor.has_perm("core.approve_channel", card.channel):
-                raise NotAllowed(f"you may not decide cards on {card.channel.name} (no approve_channel there)")
-            if card.status not in self.OPEN:
-                raise AlreadyDecided(card)
-            if version is not None and version != card.version:
-                raise StaleVersion(card, version)
-            if actor is not None and run.created_by_id == getattr(actor, "pk", None):
-                raise NotAllowed("you started this run: someone else must decide its cards")
-            if card.shadow and not agreement:
-                raise InvalidDecision("this is a shadow card: say whether you agree with the agent (agree or disagree)")
-            if not card.shadow and (agreement or done_by_hand):
-                raise InvalidDecision("agreement and what you did by hand are recorded on shadow cards only")
-            _check_what_would_execute(card, decision, payload)
+            rules.check(actor, card, asked, version)  # on what the lock lets us read: whoever the caller is
             earlier = list(card.decisions.order_by("created_at", "pk"))
-            edit_pending = any(d.decision == Decision.Kind.EDIT for d in earlier)
-            # The two-person rule: on an action card, what executes needs approvals from two different people given
-            # after its last change (an edit resets the count; the editor counts as one). On a reconcile card a
-            # rejection counts too: it means "it did not happen: do the write now", as risky as an approval.
-            needs_two = card.channel.required_approvals > 1 and (decision != "reject" or card.kind == Kind.RECONCILE)
-            counted: list[Decision] = []
-            if needs_two and decision == "reject":
-                counted = [d for d in earlier if d.decision == Decision.Kind.REJECT]
-            elif needs_two and decision == "approve":
-                last_edit = max((i for i, d in enumerate(earlier) if d.decision == Decision.Kind.EDIT), default=0)
-                counted = [d for d in earlier[last_edit:] if d.decision in (Decision.Kind.APPROVE, Decision.Kind.EDIT)]
-            if actor is not None and any(d.actor_id == actor.pk for d in counted):
-                raise SecondApproverNeeded(
-                    "you already answered this card as it stands: the two-person rule needs a different person"
-                )
+            count = rules.TwoPersonCount.of(card, asked.decision, earlier)
+            count.check(actor)
             Decision.objects.create(
                 approval=card,
                 actor=actor,
-                decision=decision,
-                comment=comment,
-                reason=reason or "",
-                payload=payload if decision == "edit" else None,
-                agreement=agreement,
-                done_by_hand=done_by_hand,
+                decision=asked.decision,
+                comment=asked.comment,
+                reason=asked.reason,
+                payload=asked.payload,
+                agreement=asked.agreement,
+                done_by_hand=asked.done_by_hand,
             )
-            approvals_given = len(counted) + 1
-            complete = not needs_two or approvals_given >= card.channel.required_approvals
-            if complete:
-                edited = decision == "edit" or edit_pending
-                card.status = self.Status.EDITED if edited and decision != "reject" else status[decision]
-                card.decided_at = timezone.now()
+            if count.complete:
+                card.status, card.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
             card.version += 1
             # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
-            display = card.display_of(card.to_execute) if decision == "edit" else {}
+            display = card.display_of(card.to_execute) if asked.decision == DecisionKind.EDIT else {}
             for column, value in display.items():
                 setattr(card, column, value)
             card.save(update_fields=["status", "decided_at", "version", *display])
-            AuditEntry.record(
-                f"approval.{decision}",
-                actor=actor,
-                target=f"approval:{card.pk}",
-                run_id=run.id,
-                approval_id=card.pk,
-                channel=card.channel.name,
-                trace_id=run.trace_id,
-                data={
-                    "kind": card.kind,
-                    "comment": comment,
-                    "reason": reason or "",
-                    "version": card.version,
-                    "proposed": card.proposed,
-                    # What this decision lets run, when it is not the proposal: an edit, or the approval of one.
-                    **({"payload": payload} if decision == "edit" else {}),
-                    **({"payload": card.to_execute} if decision == "approve" and edit_pending else {}),
-                    **({"shadow": True, "agreement": agreement, "done_by_hand": done_by_hand} if card.shadow else {}),
-                    **(
-                        {"approvals": approvals_given, "required": card.channel.required_approvals} if needs_two else {}
-                    ),
-                },
-            )
-            if complete:
+            card._audit_decision(actor, asked, count, earlier)
+            if count.complete:
                 card_closed.send(Approval, card=card)
             # Two-person rule: a first approval leaves the card open and the run parked.
-            if complete and run.status in Run.PARKED:
+            if count.complete and run.status in Run.PARKED:
                 run.resume()
         return card
 
-
-def _check_what_would_execute(card: Approval, decision: str, payload) -> None:
-    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate; an
-    approval of a budget card must keep the limit within its ceiling."""
-    try:
-        if decision == "edit" and (errors := edits.edit_errors(card, payload)):
-            raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
-    except edits.GateUnresolved as exc:
-        raise CannotCheckEdit(str(exc)) from exc
-    if decision == "approve" and (refusal := edits.approval_refusal(card)):
-        raise InvalidDecision(f"this card cannot be approved: {refusal}")
+    def _audit_decision(self, actor, asked: rules.Asked, count: rules.TwoPersonCount, earlier: list[Decision]) -> None:
+        edit_pending = any(d.decision == DecisionKind.EDIT for d in earlier)
+        AuditEntry.record(
+            f"approval.{asked.decision.value}",
+            actor=actor,
+            target=f"approval:{self.pk}",
+            run_id=self.run.id,
+            approval_id=self.pk,
+            channel=self.channel.name,
+            trace_id=self.run.trace_id,
+            data={
+                "kind": self.kind,
+                "comment": asked.comment,
+                "reason": asked.reason,
+                "version": self.version,
+                "proposed": self.proposed,
+                # What this decision lets run, when it is not the proposal: an edit, or the approval of one.
+                **({"payload": asked.payload} if asked.decision == DecisionKind.EDIT else {}),
+                **({"payload": self.to_execute} if asked.decision == DecisionKind.APPROVE and edit_pending else {}),
+                **(
+                    {"shadow": True, "agreement": asked.agreement, "done_by_hand": asked.done_by_hand}
+                    if self.shadow
+                    else {}
+                ),
+                **({"approvals": count.given, "required": count.required} if count.applies else {}),
+            },
+        )
 
 
 class Decision(models.Model):

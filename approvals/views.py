@@ -1,10 +1,8 @@
 """The card page: the diff, the rationale, the run's context, the SLA timer, and the decisions.
 
-Who may do what, checked here on the server (the API applies the same rules in approvals/api.py):
-- a card is seen and decided by users with `approve_channel` on its channel (guardian object permission;
-  superusers have every permission); anyone else gets 404, for the page and for a decision alike;
-- nobody decides a card of a run they started (separation of duties): they see it, and get 403 on a decision.
-The decision itself (locking, version check, audit, resuming the run) is `Approval.decide`.
+Who may see and decide a card: approvals.access.card_for, as for the API (404 for those who may not see it, 403
+for a decision on a run they started). The decision itself (locking, the rules, audit, resuming the run) is
+`Approval.decide`.
 
 The card's body is the `card` partial of templates/approvals/card.html. Other pages (the inbox) can show it:
 `prepare(card, user)` then `{% include "approvals/card.html#card" %}` with `card` in the context, or fetch it with
@@ -18,35 +16,32 @@ from datetime import datetime, timedelta
 from urllib.parse import urlparse
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.http import HttpResponse
+from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from approvals import edits
+from approvals import edits, rules
+from approvals.access import card_for
 from approvals.diff import changes, diff_json, summarize
-from approvals.forms import EditForm, RejectForm
-from approvals.models import (
-    Agreement,
+from approvals.errors import (
     AlreadyDecided,
-    Approval,
     DecisionError,
     InvalidDecision,
     NotAllowed,
-    RejectReason,
     SecondApproverNeeded,
     StaleVersion,
 )
+from approvals.forms import EditForm, RejectForm
+from approvals.models import Approval, RejectReason
+from approvals.rules import Agreement, DecisionKind
 from runs.gates import Kind
 from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
 EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
-
-DUE_SOON_FRACTION = 0.25  # amber when less than this share of the channel's SLA remains...
-DUE_SOON_FLOOR = timedelta(minutes=5)  # ...or less than this, whichever is longer
 
 # What approve and reject mean, per kind of card.
 LABELS = {
@@ -58,41 +53,20 @@ LABELS = {
 SHADOW_LABELS = {"approve": "I did it as proposed", "edit": "I did it differently", "reject": "I did not do it"}
 
 
-# --- access ------------------------------------------------------------------------------------------------
-
-
-def _get_card_for_user(request, pk: int, *, to_decide: bool = False) -> Approval:
-    """The card `pk`: 404 when the user may not see it (no `approve_channel` on its channel), PermissionDenied
-    when they are about to decide the card of a run they started."""
-    card = get_object_or_404(Approval.objects.select_related("channel", "run", "run__created_by"), pk=pk)
-    if not request.user.has_perm("core.approve_channel", card.channel):
-        raise Http404("No such card.")
-    if to_decide and card.run.created_by_id == request.user.pk:
-        raise PermissionDenied("You started this run: someone else must decide its cards.")
-    return card
-
-
 # --- what the card shows -----------------------------------------------------------------------------------
 
 
 def sla(card: Approval, now: datetime | None = None) -> dict:
-    """The SLA timer as the server sees it: on_time, due_soon, breached, or decided (the timer stopped)."""
+    """The SLA timer as the server sees it (approvals.rules.sla_state: on_time, due_soon, breached, or decided:
+    the timer stopped), with what the browser needs to keep it live (static/sla.js): the seconds left and the
+    due-soon window's."""
     now = now or timezone.now()
     remaining = card.due_at - now
-    soon = max(card.channel.sla * DUE_SOON_FRACTION, DUE_SOON_FLOOR)
-    if card.status not in Approval.OPEN:
-        state = "decided"
-    elif remaining <= timedelta(0):
-        state = "breached"
-    elif remaining < soon:
-        state = "due_soon"
-    else:
-        state = "on_time"
     return {
-        "state": state,
+        "state": rules.sla_state(card.due_at, card.channel.sla, now, is_open=card.status in Approval.OPEN),
         "remaining_seconds": int(remaining.total_seconds()),
         "remaining": _duration(remaining),
-        "soon_seconds": int(soon.total_seconds()),
+        "soon_seconds": int(rules.due_soon_window(card.channel.sla).total_seconds()),
     }
 
 
@@ -160,11 +134,11 @@ def prepare(card: Approval, user, **state) -> Approval:
         decision.edit_diff = changes(card.proposed, decision.payload) if decision.payload else []
         card.decision_list.append(decision)
     card.is_open = card.status in Approval.OPEN
-    card.is_creator = card.run.created_by_id == user.pk
+    card.is_creator = rules.started_the_run(user, card)
     card.can_decide = card.is_open and not card.is_creator
     # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
     card.required_approvals = card.channel.required_approvals
-    card.approvals_given = [d for d in card.decision_list if d.decision in ("approve", "edit")] if card.is_open else []
+    card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
     card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
     if not edits.accepts_edits(card):
@@ -194,7 +168,7 @@ def _render(request, card: Approval, status: int = 200) -> HttpResponse:
 @require_GET
 @vary_on_headers("HX-Request")
 def card(request, pk: int):
-    card = _get_card_for_user(request, pk)
+    card = card_for(request.user, pk)
     return _render(request, prepare(card, request.user))
 
 
@@ -207,7 +181,7 @@ def _version(request) -> int | None:
 
 @require_POST
 def decide(request, pk: int):
-    card = _get_card_for_user(request, pk, to_decide=True)
+    card = card_for(request.user, pk, to_decide=True)
     decision, version, user = request.POST.get("decision", ""), _version(request), request.user
     state: dict = {}
     # Shadow cards only (Approval.decide refuses them elsewhere, and requires the agreement there).
@@ -218,16 +192,16 @@ def decide(request, pk: int):
     try:
         if version is None:
             raise InvalidDecision("The card's version is missing: reload the card.")
-        if decision == "approve":
-            card.decide(user, "approve", comment=request.POST.get("comment", ""), version=version, **shadow)
+        if decision == DecisionKind.APPROVE:
+            card.decide(user, decision, comment=request.POST.get("comment", ""), version=version, **shadow)
             decided = True
-        elif decision == "reject":
+        elif decision == DecisionKind.REJECT:
             form = RejectForm(request.POST)
             if form.is_valid():
                 state.update(reject_form=form, opened="reject")  # shown again if the decision is refused
                 card.decide(
                     user,
-                    "reject",
+                    decision,
                     comment=form.cleaned_data["comment"],
                     reason=form.cleaned_data["reason"],
                     version=version,
@@ -236,7 +210,7 @@ def decide(request, pk: int):
                 decided = True
             else:
                 state.update(reject_form=form, opened="reject")
-        elif decision == "edit":
+        elif decision == DecisionKind.EDIT:
             if card.kind == Kind.RECONCILE:
                 raise InvalidDecision("A reconcile card is approved or rejected, not edited.")
             form = EditForm(card, request.POST)
@@ -249,7 +223,7 @@ def decide(request, pk: int):
                 state.update(edit_form=form, opened="edit")  # shown again if the decision is refused
                 card.decide(
                     user,
-                    "edit",
+                    decision,
                     comment=form.cleaned_data.get("comment", ""),
                     payload=form.cleaned_data["payload"],
                     version=version,
@@ -259,7 +233,7 @@ def decide(request, pk: int):
         else:
             raise InvalidDecision("Choose approve, edit or reject.")
     except (AlreadyDecided, StaleVersion) as exc:
-        card = _get_card_for_user(request, pk)
+        card = card_for(user, pk)
         return _render(request, prepare(card, user, conflict=_conflict_message(exc)), status=409)
     except NotAllowed as exc:
         raise PermissionDenied(str(exc)) from exc
@@ -273,7 +247,7 @@ def decide(request, pk: int):
     if decided:
         if not request.htmx:
             return redirect("card", pk=pk)
-        response = _render(request, prepare(_get_card_for_user(request, pk), user))
+        response = _render(request, prepare(card_for(user, pk), user))
         trigger_client_event(response, EVENT, after="settle")
         return response
     refused = bool(state.get("error") or any(f.errors for k, f in state.items() if k.endswith("_form")))

@@ -11,10 +11,17 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
 
+from approvals.api import router as approvals_router
+from console.channels import router as channels_router
 from core import safe_input
-from core.api_errors import ERRORS
+from core.access import Denied
+from core.api import ERRORS
 from core.models import ApiToken
 from core.safe_input import UnsafeJson
+from external.api import router as external_router
+from runs.api import router as runs_router
+from runs.breaker_api import router as breakers_router
+from runs.webhook_api import router as webhooks_router
 
 
 class BearerToken(HttpBearer):
@@ -92,6 +99,14 @@ def _not_found(request, exc):
     return error(request, 404, "not_found", "Not found.")
 
 
+@api.exception_handler(Denied)
+def _denied(request, exc):
+    # Who may (core.access): a 404 says nothing of the thing, not even that it exists; a 403 says why.
+    if exc.status == 404:
+        return error(request, 404, "not_found", "Not found.")
+    return error(request, 403, "forbidden", str(exc))
+
+
 @api.exception_handler(RequestDataTooBig)
 def _too_large(request, exc):
     return error(request, 413, "too_large", f"The body is larger than {settings.API_MAX_BODY_BYTES} bytes.")
@@ -105,17 +120,12 @@ def _data_error(request, exc):
 
 
 def _mount_app_routers() -> None:
-    from approvals.api import router as approvals_router
-    from console.channels import router as channels_router
-    from runs.api import router as runs_router
-    from runs.breaker_api import router as breakers_router
-
     api.add_router("/", runs_router)
     api.add_router("/", approvals_router)
     api.add_router("/", channels_router)
     api.add_router("/", breakers_router)
-    api.add_router("/", "external.api.router")
-    api.add_router("/", "runs.webhook_api.router")  # signed, no bearer token (auth=None on its route)
+    api.add_router("/", external_router)
+    api.add_router("/", webhooks_router)  # signed, no bearer token (auth=None on its route)
 
 
 class Me(Schema):

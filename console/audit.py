@@ -31,7 +31,8 @@ from django.views.decorators.http import require_GET
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import push_url
 
-from core.models import ActorType, AuditEntry, Channel, Role
+from core.access import may_read_audit
+from core.models import ActorType, AuditEntry, Channel
 
 PAGE_SIZE = 50
 EXPORT_CHUNK = 2000
@@ -44,11 +45,10 @@ CSV_COLUMNS = AuditEntry.COLUMNS
 
 
 def _require_admin(request) -> None:
-    """Only admins (the admin group, or superusers) read the audit log. Any other logged-in user gets 403:
-    the page is no secret (its URL is in the design), reading it is an action they may not take. Anonymous
-    visitors never get here: the login middleware sends them to the login page."""
-    user = request.user
-    if not (user.is_superuser or user.groups.filter(name=Role.ADMIN).exists()):
+    """Only admins read the audit log (core.access.may_read_audit). Any other logged-in user gets 403: the page
+    is no secret (its URL is in the design), reading it is an action they may not take. Anonymous visitors never
+    get here: the login middleware sends them to the login page."""
+    if not may_read_audit(request.user):
         raise PermissionDenied("The audit log is for admins.")
 
 

@@ -1,10 +1,8 @@
 """Kill switches: the channels page (engage or release, with a reason, in one click) and the API for automation.
 
-Who may do what (DESIGN "Roles"), checked here on the server for the page and the API alike:
-- a channel's switch is flipped by users with `operate_channel` on that channel (a guardian object
-  permission; superusers have every permission); the global switch by the ops group and superusers;
-- ops and admins see every channel (read-only where they may not act); anyone else sees only the channels
-  they operate, and gets 404 when that is none (reviewers, outsiders).
+Who may do what (core.access), for the page and the API alike: a channel's switch is flipped by users with
+`operate_channel` on that channel, the global switch by ops; ops and admins see every channel (read-only where
+they may not act); anyone else sees only the channels they operate, and gets 404 when that is none.
 The state changes themselves (locking, audit, resuming runs) live on the models: Channel.engage_kill_switch,
 Channel.release_kill_switch, and the same two methods on GlobalKillSwitch.
 """
@@ -15,19 +13,18 @@ from datetime import datetime
 
 import structlog
 from django import forms
-from django.core.exceptions import PermissionDenied
-from django.db.models import Count, QuerySet
-from django.http import Http404, HttpResponse
+from django.db.models import Count
+from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
-from guardian.shortcuts import get_objects_for_user
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from core.api_errors import ERRORS
-from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired, Role
+from core.access import channel_for, global_switch_for, operable_channels, operates, visible_channels
+from core.api import ERRORS
+from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired
 from core.safe_input import NOT_BLANK
 from runs.models import Run
 
@@ -37,49 +34,6 @@ router = Router(tags=["channels"])
 
 TEMPLATE = "console/channels.html"
 EVENT = "kill-switch-changed"  # htmx event sent after a switch changes; the page summary listens for it
-
-
-# --- access ------------------------------------------------------------------------------------------------
-
-
-def _is_ops_or_admin(user) -> bool:
-    return user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists()
-
-
-def operable_channels(user) -> QuerySet[Channel]:
-    return get_objects_for_user(user, "core.operate_channel", klass=Channel, accept_global_perms=False)
-
-
-def visible_channels(user) -> QuerySet[Channel]:
-    """The channels whose switches `user` may see; raises Http404 when that is none of them."""
-    if _is_ops_or_admin(user):
-        return Channel.objects.all()
-    channels = operable_channels(user)
-    if not channels.exists():
-        raise Http404("No channel you may operate.")
-    return channels
-
-
-def can_operate_global(user) -> bool:
-    return user.is_superuser or user.groups.filter(name=Role.OPS).exists()
-
-
-def _get_channel_for_user(user, name: str) -> Channel:
-    """The channel `name` for someone about to flip its switch: 404 when they may not see it (or it does not
-    exist), PermissionDenied when they may see it but not operate it."""
-    channel = visible_channels(user).filter(name=name).select_related("kill_switch_by").first()
-    if channel is None:
-        raise Http404("No such channel.")
-    if not user.has_perm("core.operate_channel", channel):
-        raise PermissionDenied(f"You may not operate the kill switch of {name}.")
-    return channel
-
-
-def _get_global_switch_for_user(user) -> GlobalKillSwitch:
-    visible_channels(user)  # 404 for those who may not see the channels page at all
-    if not can_operate_global(user):
-        raise PermissionDenied("Only ops may operate the global kill switch.")
-    return GlobalKillSwitch.load()
 
 
 # --- the page ----------------------------------------------------------------------------------------------
@@ -124,7 +78,7 @@ def _page_context(user) -> dict:
         channel.can_operate = channel.pk in operable
         channel.paused_runs = counts.get(channel.name, 0)
     switch = GlobalKillSwitch.load()
-    switch.can_operate = can_operate_global(user)
+    switch.can_operate = operates(user)
     switch.paused_runs = counts.get(GLOBAL_SWITCH, 0)
     return {
         "channels": channels,
@@ -173,12 +127,12 @@ def _flip_from_form(request, switch: Channel | GlobalKillSwitch) -> HttpResponse
 
 @require_POST
 def channel_kill_switch(request, name: str):
-    return _flip_from_form(request, _get_channel_for_user(request.user, name))
+    return _flip_from_form(request, channel_for(request.user, name, to_operate=True))
 
 
 @require_POST
 def global_kill_switch(request):
-    return _flip_from_form(request, _get_global_switch_for_user(request.user))
+    return _flip_from_form(request, global_switch_for(request.user, to_operate=True))
 
 
 # --- the API -----------------------------------------------------------------------------------------------
@@ -227,11 +181,7 @@ def _api_set(request, switch: Channel | GlobalKillSwitch, body: KillSwitchIn) ->
     "already in changes nothing (`changed: false`). Releasing resumes the runs the switch paused.",
 )
 def api_channel_kill_switch(request, name: str, body: KillSwitchIn):
-    try:
-        channel = _get_channel_for_user(request.user, name)
-    except PermissionDenied as exc:
-        raise HttpError(403, str(exc)) from exc
-    return _api_set(request, channel, body)
+    return _api_set(request, channel_for(request.user, name, to_operate=True), body)
 
 
 @router.post(
@@ -242,8 +192,4 @@ def api_channel_kill_switch(request, name: str, body: KillSwitchIn):
     "switch paused; each channel's own switch still applies.",
 )
 def api_global_kill_switch(request, body: KillSwitchIn):
-    try:
-        switch = _get_global_switch_for_user(request.user)
-    except PermissionDenied as exc:
-        raise HttpError(403, str(exc)) from exc
-    return _api_set(request, switch, body)
+    return _api_set(request, global_switch_for(request.user, to_operate=True), body)

@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-from core.models import Role
+from django.contrib.auth.models import AnonymousUser
+
+from core.access import Navigation
 
 
-def roles(request) -> dict:
-    """`user_roles`: the roles (group names) of the logged-in user, for the nav; a superuser is an admin."""
+def access(request) -> dict:
+    """`can`: what the navigation shows the user (core.access.Navigation: `can.oversee`, `can.audit`, ...), so
+    that no template tests a role's name."""
     user = getattr(request, "user", None)
-    if user is None or not user.is_authenticated:
-        return {"user_roles": set()}
-    names = set(user.groups.values_list("name", flat=True))
-    if user.is_superuser:
-        names.add(Role.ADMIN)
-    return {"user_roles": names}
+    return {"can": Navigation(user if user is not None else AnonymousUser())}

@@ -16,17 +16,18 @@ from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from console import alerts, charts, monitoring, prometheus
-from console.context_processors import roles
-from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from core.access import oversees
+from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired
 from runs import breakers
-from runs.breaker_api import check_may_force, may_force
+from runs.access import check_may_force_breaker, may_force_breakers
 
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
 def _check_dashboard_access(request) -> None:
-    """Ops and admins, as the nav shows it; 404 for everybody else (login is required by the middleware)."""
-    if not roles(request)["user_roles"] & {Role.OPS, Role.ADMIN}:
+    """Ops and admins (core.access.oversees), as the nav shows it; 404 for everybody else (login is required by
+    the middleware)."""
+    if not oversees(request.user):
         raise Http404("no such page")
 
 
@@ -46,7 +47,7 @@ def render_dashboard(request, status: int = 200, **extra):
         "charts": charts.charts(snap.at),
         "queue_sla": settings.QUEUE_SLA_SECONDS,
         "token_rate_limit": settings.TOKEN_RATE_LIMIT_PER_MINUTE,
-        "can_force_breakers": may_force(request.user),
+        "can_force_breakers": may_force_breakers(request.user),
         **extra,
     }
     template = "console/dashboard.html"
@@ -67,10 +68,10 @@ class ForceBreakerForm(forms.Form):
 @require_POST
 def force_breaker(request):
     """The dashboard's form: hold a circuit breaker open, or close it (runs.breakers.force, audited); who may is
-    runs.breaker_api.check_may_force, as for the API."""
+    runs.access.check_may_force_breaker, as for the API."""
     form = ForceBreakerForm(request.POST)
     if form.is_valid():
-        check_may_force(request.user, form.cleaned_data["system"])
+        check_may_force_breaker(request.user, form.cleaned_data["system"])
         try:
             breakers.force(
                 form.cleaned_data["system"],
@@ -83,7 +84,7 @@ def force_breaker(request):
         else:
             return redirect("dashboard")
     else:
-        check_may_force(request.user, request.POST.get("system", ""))
+        check_may_force_breaker(request.user, request.POST.get("system", ""))
     return render_dashboard(request, status=422, breaker_form=form)
 
 

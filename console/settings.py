@@ -130,6 +130,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "console.middleware.AccessDeniedMiddleware",
     # Last, as django-axes asks: answers a locked-out login attempt with 429.
     "axes.middleware.AxesMiddleware",
 ]
@@ -147,7 +148,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
-                "console.context_processors.roles",
+                "console.context_processors.access",
             ],
         },
     },

@@ -14,6 +14,7 @@ from django.views.decorators.vary import vary_on_headers
 from procrastinate.contrib.django.models import ProcrastinateWorker
 
 from approvals import inbox
+from core.access import roles_of
 from core.models import Role
 
 
@@ -24,11 +25,8 @@ def home(request):
     states of their roles."""
     if channels := inbox.approvable_channels(request.user):
         return inbox.render_inbox(request, channels)
-    groups = set(request.user.groups.values_list("name", flat=True))
-    roles = [role for role in Role if role.value in groups]
-    if request.user.is_superuser and Role.ADMIN not in roles:
-        roles.append(Role.ADMIN)
-    return render(request, "console/home.html", {"roles": roles})
+    held = roles_of(request.user)
+    return render(request, "console/home.html", {"roles": [role for role in Role if role in held]})
 
 
 @login_not_required

@@ -3,7 +3,8 @@ from django.apps import AppConfig
 
 class CoreConfig(AppConfig):
     """The ground floor: channels and their kill switches, the audit log, API tokens and roles, and the small
-    modules every app shares (safe_input, webhook_signing, api_errors). It imports no other app of ours."""
+    modules every app shares (safe_input, webhook_signing, and `api`: what every API router declares). It imports
+    no other app of ours."""
 
     name = "core"
     verbose_name = "Channels, audit log and API tokens"

@@ -17,6 +17,7 @@ from typing import Annotated
 from django.conf import settings
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from demo.sandbox import orders_of
 from runs.currencies import ISO_4217, check_currency
 from runs.gates import ApprovalRequest
 from runs.tools import tool
@@ -259,8 +260,6 @@ class OrderRefund(BaseModel):
 
 def _order_refund_state(ctx, args: OrderRefund) -> dict:
     """The order's refund as it stands (the card's "Now" column): what has been refunded on it so far."""
-    from demo.sandbox import orders_of
-
     order = next((o for o in orders_of(args.customer_id) if o["id"] == args.order_id), None)
     return {
         "customer_id": args.customer_id,
@@ -293,8 +292,6 @@ def _needs_a_person(args: OrderRefund, history: list[dict]) -> bool:
 def refund_order(ctx, args: OrderRefund) -> dict:
     """Refund (part of) one of the customer's orders, in the order's currency; amount in cents, no more than the
     order's total less what was already refunded. From a threshold up, a person approves it first."""
-    from demo.sandbox import orders_of
-
     order = next((o for o in orders_of(args.customer_id) if o["id"] == args.order_id), None)
     if order is None:
         return {"error": f"the customer has no order {args.order_id}", "refunded": False}

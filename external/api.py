@@ -16,7 +16,7 @@ from ninja import Field, Query, Router, Schema, Status
 from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
-from core.api_errors import ERRORS, ErrorOut
+from core.api import ERRORS, ErrorOut
 from core.models import ApiToken
 from external import requests
 from external.requests import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError

@@ -6,8 +6,8 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs and dead letters"
 
     def ready(self):
-        from jobs import internals
+        from jobs import internals, worker
 
         # Every process (web server, workers, manage.py) refuses to start on a procrastinate whose internals we
         # rely on have changed; the SQL ones are checked when a worker starts (jobs.worker.Worker._register).
-        internals.check_python()
+        internals.check_python(worker.Worker)

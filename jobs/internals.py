@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
+from procrastinate import sql
+from procrastinate.contrib.django import app
+from procrastinate.psycopg_connector import PsycopgConnector
+from procrastinate.worker import Worker as ProcrastinateWorker
 
 PINNED_VERSION = "3.10.0"  # pyproject.toml pins the same (a test checks)
 
@@ -231,14 +235,8 @@ def _attribute_problems(owner: str, instance: Any, expected: dict[str, tuple[typ
     return problems
 
 
-def python_problems(expected: list[Internal] = PYTHON) -> list[str]:
-    from procrastinate import sql
-    from procrastinate.contrib.django import app
-    from procrastinate.psycopg_connector import PsycopgConnector
-    from procrastinate.worker import Worker as ProcrastinateWorker
-
-    from jobs import worker as our_worker
-
+def python_problems(ours: type, expected: list[Internal] = PYTHON) -> list[str]:
+    """`ours` is jobs.worker.Worker, given by the caller: jobs.worker imports this module, not the reverse."""
     problems = []
     for internal in expected:
         try:
@@ -264,7 +262,7 @@ def python_problems(expected: list[Internal] = PYTHON) -> list[str]:
     # A name our Worker adds that procrastinate's now has would silently replace procrastinate's.
     overridden = {internal.name.rsplit(".", 1)[1] for internal in expected if ".worker.Worker." in internal.name}
     public = {name for name in vars(ProcrastinateWorker) if not name.startswith("_")}
-    for name in vars(our_worker.Worker):
+    for name in vars(ours):
         if hasattr(ProcrastinateWorker, name) and not name.startswith("__") and name not in overridden | public:
             problems.append(f"procrastinate.worker.Worker.{name} now exists, and jobs.worker.Worker.{name} replaces it")
     for name in OUR_WORKER_ATTRIBUTES:
@@ -273,9 +271,10 @@ def python_problems(expected: list[Internal] = PYTHON) -> list[str]:
     return problems
 
 
-def check_python(expected: list[Internal] = PYTHON) -> None:
-    """Raises InternalsMismatch unless every Python internal we use is as we expect. No database."""
-    _fail(python_problems(expected))
+def check_python(ours: type, expected: list[Internal] = PYTHON) -> None:
+    """Raises InternalsMismatch unless every Python internal we use (and `ours`, jobs.worker.Worker, adds) is as we
+    expect. No database."""
+    _fail(python_problems(ours, expected))
 
 
 # One round trip: what the database has of each name we ask about.

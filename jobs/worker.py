@@ -39,6 +39,7 @@ import structlog
 from procrastinate import App, exceptions, jobs, manager, signals, sql, utils
 from procrastinate import worker as procrastinate_worker
 from procrastinate.contrib.django.django_connector import DjangoConnector
+from procrastinate.contrib.django.utils import connector_params
 from procrastinate.psycopg_connector import PsycopgConnector
 from psycopg_pool.base import AttemptWithBackoff
 
@@ -132,8 +133,6 @@ class WorkerConnector(PsycopgConnector):
 
     @classmethod
     def for_django(cls, django_connector: DjangoConnector) -> WorkerConnector:
-        from procrastinate.contrib.django.utils import connector_params
-
         return cls(django_connector=django_connector, kwargs=connector_params(django_connector.alias))
 
     def get_sync_connector(self) -> DjangoConnector:

@@ -10,7 +10,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.urls import reverse
 from django.utils.html import format_html
 
-from runs import dead_letters
+import runs.dead_letter_admin  # noqa: F401 - registers the dead-letter queue (jobs.DeadLetter)
+from core.access import oversees
 from runs.models import Receipt, Run, ShadowEffect, Step, WebhookDelivery
 
 
@@ -23,10 +24,10 @@ class ReadOnlyForOpsAndAdmins:
     """Ops and admins see runs (as in the API); nobody edits them here."""
 
     def has_module_permission(self, request):
-        return dead_letters.can_requeue(request.user)
+        return oversees(request.user)
 
     def has_view_permission(self, request, obj=None):
-        return dead_letters.can_requeue(request.user)
+        return oversees(request.user)
 
     def has_add_permission(self, request, obj=None):
         return False

@@ -20,7 +20,7 @@ from django.conf import settings
 
 from runs import gates
 from runs.errors import Fatal, Park, Stop
-from runs.gates import ANY_LEAF, ApprovalRequest, GateSpec, canonical_hash, schema_errors
+from runs.gates import ANY_LEAF, ApprovalRequest, GateSpec, Outcome, canonical_hash, schema_errors
 from runs.steps import Context, StepDef
 from runs.tools import NEVER, AgentSpec, history
 
@@ -211,7 +211,7 @@ def _call_fn(stage: StepDef, turn: int, index: int, call: dict, message: dict) -
                     risk=known.risk,
                 )
             )
-            if decision["decision"] == "rejected":
+            if decision["decision"] == Outcome.REJECTED:
                 rejected = {k: decision[k] for k in ("comment", "reason", "by")}
                 return {**base, "arguments": proposed, "rejected": rejected}
             if decision["payload"] != proposed:

@@ -1,9 +1,8 @@
 """Ops' hand on the circuit breakers (runs.breakers) through the API: hold one open, or close it, with a reason;
 audited (`breaker.force_open`, `breaker.force_closed`). The dashboard's form does the same (console.dashboard).
 
-Who may (DESIGN "Roles"), checked on the server for the page and the API alike (`check_may_force`): the ops
-group and superusers force breakers; admins see them but may not (403); anyone else gets 404, as for the
-dashboard itself.
+Who may (runs.access, for the page and the API alike: `check_may_force_breaker`): ops force breakers; admins see
+them but may not (403); anyone else gets 404, as for the dashboard itself.
 """
 
 from __future__ import annotations
@@ -11,34 +10,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from django.core.exceptions import PermissionDenied
-from django.http import Http404
 from ninja import Field, Router, Schema
 from ninja.errors import HttpError
 
-from core.api_errors import ERRORS
-from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired, Role
+from core.access import NotVisible
+from core.api import ERRORS
+from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired
 from core.safe_input import NOT_BLANK
 from runs import breakers
+from runs.access import check_may_force_breaker, may_see_breakers
 
 router = Router(tags=["breakers"])
-
-
-def sees_breakers(user) -> bool:
-    return user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists()
-
-
-def may_force(user) -> bool:
-    return user.is_authenticated and (user.is_superuser or user.groups.filter(name=Role.OPS).exists())
-
-
-def check_may_force(user, system: str) -> None:
-    """Http404 for those who may not see the breakers (or a system without one), PermissionDenied for those who
-    may see them but not force them."""
-    if not sees_breakers(user) or system not in breakers.known_systems():
-        raise Http404("No such circuit breaker.")
-    if not may_force(user):
-        raise PermissionDenied("Only ops may force a circuit breaker.")
 
 
 class BreakerIn(Schema):
@@ -89,8 +71,8 @@ def _out(system: str, changed: bool = False) -> dict:
     operation_id="console_breakers_api_breakers",
 )
 def api_breakers(request):
-    if not sees_breakers(request.user):
-        raise Http404("No such page.")
+    if not may_see_breakers(request.user):
+        raise NotVisible("No such page.")
     return [_out(breaker.system) for breaker in breakers.states()]
 
 
@@ -104,10 +86,7 @@ def api_breakers(request):
     operation_id="console_breakers_api_force_breaker",
 )
 def api_force_breaker(request, system: str, body: BreakerIn):
-    try:
-        check_may_force(request.user, system)
-    except PermissionDenied as exc:
-        raise HttpError(403, str(exc)) from exc
+    check_may_force_breaker(request.user, system)
     try:
         changed = breakers.force(system, open=body.state == "open", by=request.user, reason=body.reason)
     except ReasonRequired as exc:

@@ -1,17 +1,18 @@
 """What the dead-letter queue does to a run: requeue it from its last checkpoint, or resolve its letter with a
 note. Both are audited. `jobs.DeadLetter` sits below runs (jobs never imports runs), so this lives here.
 
-Roles (DESIGN.md): ops and admins requeue; only admins resolve (a resolved letter is a failure someone
-decided not to retry, which is an admin's call)."""
+Who may (runs.access): ops and admins requeue; only admins resolve."""
 
 from __future__ import annotations
 
-from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.utils import timezone
 
-from core.models import AuditEntry, Role
+from core.access import Forbidden
+from core.models import AuditEntry
 from jobs.models import DeadLetter
+from runs.access import may_requeue_dead_letters, may_resolve_dead_letters
+from runs.gates import Outcome
 from runs.models import Run, Step
 
 
@@ -19,26 +20,11 @@ class DeadLetterError(Exception):
     """The letter cannot be requeued or resolved as asked; the message says why."""
 
 
-def _has_role(user, *roles: str) -> bool:
-    if not user.is_authenticated or not user.is_active:
-        return False
-    return (user.is_superuser and Role.ADMIN in roles) or user.groups.filter(name__in=roles).exists()
-
-
-def can_requeue(user) -> bool:
-    """Also who may see the queue: the people who can act on it."""
-    return _has_role(user, Role.ADMIN, Role.OPS)
-
-
-def can_resolve(user) -> bool:
-    return _has_role(user, Role.ADMIN)
-
-
 def _rejected_gate(run: Run) -> Step | None:
     """The gate a person rejected just before the run failed (a workflow with on_reject="fail"), if any.
     Its cursor is already past the gate: requeueing would carry out what the person said no to."""
     step = Step.objects.filter(run=run, seq=run.cursor - 1, kind=Step.Kind.GATE, status=Step.Status.DONE).first()
-    if step is not None and isinstance(step.output, dict) and step.output.get("decision") == "rejected":
+    if step is not None and isinstance(step.output, dict) and step.output.get("decision") == Outcome.REJECTED:
         return step
     return None
 
@@ -58,8 +44,8 @@ def requeue(letter: DeadLetter, user, note: str = "") -> Run:
     """Give the run a fresh attempt budget and queue it again: it continues from its last checkpoint (done
     steps are replayed from the database, never executed again; the failed step runs again on the same
     input). The letter is marked resolved as "requeued", in the same transaction as the new job."""
-    if not can_requeue(user):
-        raise PermissionDenied("only ops and admins may requeue a dead letter")
+    if not may_requeue_dead_letters(user):
+        raise Forbidden("only ops and admins may requeue a dead letter")
     with transaction.atomic():
         # The run first, like the engine, then the letter; re-read both under their locks.
         run = Run.objects.select_for_update().filter(pk=letter.run_id).first()
@@ -99,8 +85,8 @@ def requeue(letter: DeadLetter, user, note: str = "") -> Run:
 
 def resolve(letter: DeadLetter, user, note: str) -> DeadLetter:
     """Close the letter without retrying the run (fixed by hand, or not worth doing): a note is required."""
-    if not can_resolve(user):
-        raise PermissionDenied("only admins may resolve a dead letter")
+    if not may_resolve_dead_letters(user):
+        raise Forbidden("only admins may resolve a dead letter")
     note = (note or "").strip()
     if not note:
         raise DeadLetterError("resolving a dead letter needs a note saying what was done about it")

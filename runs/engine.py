@@ -33,7 +33,7 @@ from jobs.retry import BackoffWithJitter
 from runs import gates, ownership, ratelimit
 from runs import workflow as workflows
 from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
-from runs.gates import ApprovalRequest, canonical_hash
+from runs.gates import ApprovalRequest, Outcome, canonical_hash
 from runs.models import Run, Step
 from runs.sql import queries
 from runs.steps import Context, StepDef, check_decided_edit
@@ -310,10 +310,10 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
 
 def _rejection(step_def: StepDef, output) -> dict | None:
     """The run's result when `output` is a gate's rejection: the run ends there."""
-    if step_def.kind != Step.Kind.GATE or not isinstance(output, dict) or output.get("decision") != "rejected":
+    if step_def.kind != Step.Kind.GATE or not isinstance(output, dict) or output.get("decision") != Outcome.REJECTED:
         return None
     return {
-        "outcome": "rejected",
+        "outcome": Outcome.REJECTED.value,
         "step": step_def.name,
         "comment": output.get("comment", ""),
         "reason": output.get("reason", ""),

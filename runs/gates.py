@@ -27,6 +27,16 @@ class Kind(models.TextChoices):
     BUDGET = "budget"  # the run crossed its cost limit: extend or stop
 
 
+class Outcome(models.TextChoices):
+    """What a decided card tells the engine (a gate step's output `decision`), which the engine, the agent loop and
+    the dead-letter queue read: approved as proposed, approved as a person edited it, or rejected. A decided
+    card's status (approvals.models.ApprovalStatus) is one of these values."""
+
+    APPROVED = "approved"
+    EDITED = "edited"
+    REJECTED = "rejected"
+
+
 @dataclass(frozen=True)
 class ApprovalRequest:
     """What a person is asked to decide: the proposal, the current state it changes, and why."""
@@ -56,7 +66,7 @@ class ApprovalRequest:
 
 @dataclass(frozen=True)
 class Decision:
-    decision: str  # approved | edited | rejected
+    decision: Outcome
     payload: dict | None
     comment: str = ""
     reason: str = ""
@@ -67,12 +77,12 @@ class Decision:
 
     @property
     def rejected(self) -> bool:
-        return self.decision == "rejected"
+        return self.decision == Outcome.REJECTED
 
     def as_output(self) -> dict[str, Any]:
         output = asdict(self)
         del output["proposed"]
-        return output
+        return {**output, "decision": str(self.decision)}  # a plain string in the step's JSON
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,13 @@ import psycopg
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connection, models, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import F, Q
 from django.utils import timezone
-from guardian.shortcuts import get_objects_for_user
 from procrastinate.contrib.django import app
 from procrastinate.exceptions import AlreadyEnqueued
 from procrastinate.jobs import JobDeferrer
 
-from core.models import AuditEntry, Channel, Role
+from core.models import AuditEntry
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
 from runs.sql import queries
@@ -28,12 +27,6 @@ def new_trace_id() -> str:
 
 
 _FINISHED = list(FINISHED)
-
-
-class _Probe(Exists):
-    """EXISTS evaluated row by row: OFFSET 0 keeps PostgreSQL from turning it into a hashed subplan or a join."""
-
-    template = "EXISTS(%(subquery)s OFFSET 0)"
 
 
 _COST_QUANTUM = Decimal("0.000001")
@@ -146,33 +139,6 @@ class Run(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
-
-    @classmethod
-    def visible_to(cls, user):
-        """The runs `user` may see: all of them for superusers, ops and admins; for others the runs they started
-        and the runs with a card on a channel they may approve."""
-        if not user.is_authenticated:
-            return cls.objects.none()
-        if user.is_superuser or user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
-            return cls.objects.all()
-        channels = get_objects_for_user(user, "core.approve_channel", klass=Channel, accept_global_perms=False)
-        # The cards (approvals.models.Approval) through their relation to the run: the runs app does not import
-        # the approvals app, which builds on it.
-        cards = cls._meta.get_field("approvals").related_model.objects
-        # An index probe on each run's cards, newest run first, so a page stops after its rows: not `pk IN
-        # (every card of those channels)`, which PostgreSQL hashes before the first row (~150 ms at 100,000
-        # cards; it does the same to a plain EXISTS, hence _Probe).
-        with_a_card = _Probe(cards.filter(run=OuterRef("pk"), channel__in=list(channels.values_list("pk", flat=True))))
-        return cls.objects.filter(Q(created_by=user) | with_a_card)
-
-    def is_visible_to(self, user) -> bool:
-        if not user.is_authenticated:
-            return False
-        if user.is_superuser or self.created_by_id == user.pk:
-            return True
-        if user.groups.filter(name__in=[Role.OPS, Role.ADMIN]).exists():
-            return True
-        return any(user.has_perm("core.approve_channel", card.channel) for card in self.approvals.all())
 
     def advance_job(self, delay: float | None = None) -> JobDeferrer:
         """This run's `advance_run` job (runs.tasks), configured by the task's name (a model does not import its

@@ -14,7 +14,7 @@ from django.db import transaction
 from core.models import Channel
 from runs import breakers, gates
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
-from runs.gates import ApprovalRequest, Decision, GateSpec
+from runs.gates import ApprovalRequest, Decision, GateSpec, Outcome
 from runs.models import ModelUsage, Receipt, Run, ShadowEffect
 from runs.tools import AgentSpec
 
@@ -37,7 +37,7 @@ def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None
     GateSpec, else the proposal's shape). Approval.decide checked it already; this catches a card decided by
     other means (written into the database, or by a console that checked it against another deployment).
     Raises Fatal, so the run goes to the dead-letter queue with the reason and nothing is executed."""
-    if decision.decision != "edited":
+    if decision.decision != Outcome.EDITED:
         return
     if proposed is None:
         raise Fatal(f"the edit decided on {step.name} cannot be checked (the proposal is unknown): not executed")

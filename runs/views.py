@@ -1,5 +1,5 @@
 """Runs pages: the list with status and workflow filters, and a run's page with its timeline, cards and
-decisions; ops and the run's creator cancel from there."""
+decisions; ops and the run's creator cancel from there. Who sees and cancels a run: runs.access."""
 
 from __future__ import annotations
 
@@ -9,28 +9,17 @@ import uuid
 from datetime import datetime
 
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db.models import Prefetch, Q
-from django.http import Http404
-from django.shortcuts import get_object_or_404, redirect, render
+from django.db.models import Model, Prefetch, Q, QuerySet
+from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from approvals.models import Decision, Notification
 from runs import workflow as workflows
-from runs.api import can_operate_run
+from runs.access import may_operate_run, run_for, visible_runs
 from runs.models import Run, Step
 from runs.workflow import UnknownWorkflow
 
 PAGE_SIZE = 50
-
-
-def _get_run_for_user(request, pk) -> Run:
-    """404 for a run the user may not see (an outsider learns nothing about it)."""
-    run = get_object_or_404(Run.objects.select_related("created_by"), pk=pk)
-    if not run.is_visible_to(request.user):
-        raise Http404("No such run.")
-    return run
 
 
 def _pretty(value) -> str:
@@ -43,7 +32,7 @@ def _pretty(value) -> str:
 def run_list(request):
     """Newest first, PAGE_SIZE a page, with a keyset cursor (`before`: the last row's created_at and id) instead
     of page numbers, so a page costs the same however many runs there are (no COUNT over them)."""
-    runs = Run.visible_to(request.user).select_related("created_by").order_by("-created_at", "-pk")
+    runs = visible_runs(request.user).select_related("created_by").order_by("-created_at", "-pk")
     status = request.GET.get("status", "")
     workflow = request.GET.get("workflow", "")
     if status in Run.Status.values:
@@ -84,14 +73,16 @@ def _cursor(value: str) -> tuple[datetime, uuid.UUID] | None:
 
 @require_GET
 def run_detail(request, pk):
-    run = _get_run_for_user(request, pk)
+    run = run_for(request.user, pk)
     steps = list(Step.objects.filter(run=run).order_by("seq"))
     for step in steps:
         step.input_json, step.output_json = _pretty(step.input), _pretty(step.output)
-    # The runs app's models know nothing of cards; this page, on top of both apps, shows them.
+    # The cards with their decisions and notifications, reached through their relations to the run: the approvals
+    # app builds on this one, which does not import it (pyproject.toml, [tool.importlinter]).
+    decisions, notifications = (_rows_of(run.approvals.model, name) for name in ("decisions", "notifications"))
     cards = run.approvals.select_related("channel", "assigned_group").prefetch_related(
-        Prefetch("decisions", queryset=Decision.objects.select_related("actor").order_by("created_at")),
-        Prefetch("notifications", queryset=Notification.objects.select_related("group").order_by("created_at")),
+        Prefetch("decisions", queryset=decisions.select_related("actor").order_by("created_at")),
+        Prefetch("notifications", queryset=notifications.select_related("group").order_by("created_at")),
     )
     cards = list(cards.order_by("created_at"))
     for card in cards:
@@ -107,9 +98,14 @@ def run_detail(request, pk):
             "cards": cards,
             "result_json": _pretty(run.result),
             "input_json": _pretty(run.input),
-            "can_cancel": not run.is_finished and can_operate_run(request.user, run),
+            "can_cancel": not run.is_finished and may_operate_run(request.user, run),
         },
     )
+
+
+def _rows_of(model: type[Model], relation: str) -> QuerySet:
+    """Every row of the model at the other end of `model`'s relation (a card's decisions, its notifications)."""
+    return model._meta.get_field(relation).related_model.objects.all()
 
 
 def _agent_stages(run: Run) -> list[str]:
@@ -215,9 +211,7 @@ def _call(turn: dict, index: int, step: Step, cards: list) -> dict:
 
 @require_POST
 def run_cancel(request, pk):
-    run = _get_run_for_user(request, pk)
-    if not can_operate_run(request.user, run):
-        raise PermissionDenied("Only ops or the run's creator may cancel it.")
+    run = run_for(request.user, pk, to_operate=True)
     if run.is_finished:
         messages.info(request, f"The run had already finished ({run.status}).")
     else:

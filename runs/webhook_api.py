@@ -7,7 +7,7 @@ import uuid
 
 from ninja import Router, Schema, Status
 
-from core.api_errors import ERRORS
+from core.api import ERRORS
 from runs import webhooks
 
 router = Router(tags=["webhooks"])

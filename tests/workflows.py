@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.db import transaction
+
 from runs.models import Run
 from runs.workflow import Retryable, Workflow, register
 
@@ -63,8 +65,6 @@ effect_in_atomic_calls: list[str] = []
 
 @effect_in_atomic.effect("payments")
 def pay_inside_atomic(ctx):
-    from django.db import transaction
-
     with transaction.atomic():
         return ctx.effect(lambda key: effect_in_atomic_calls.append(key) or {"id": key})
 

@@ -1,4 +1,7 @@
-"""System tests: the whole product as it is deployed, on a fresh database.
+"""System tests: real processes (workers, the production web server, `manage.py serve`, PostgreSQL servers of a
+test's own), all `slow` (tests/conftest.py marks this folder). Most start what they need through the fixtures of
+tests/conftest.py and tests/worker.py; the scenarios below run the whole product as it is deployed, on a fresh
+database (the `system` fixture).
 
 The production web server (`python -m console.webserver`) and standalone worker processes run against the
 test database; the tests drive them only as agents, reviewers and operators do: over HTTP with API tokens,
@@ -32,6 +35,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection, connections
+from django.db.models import Q
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
@@ -319,8 +323,6 @@ def effects_per_run(run_ids: list[str], system: str) -> Counter:
 def jobs_doing() -> list[tuple]:
     """Jobs left `doing`: any run's job, and any job whose worker is gone or silent (a periodic sweep that
     a live worker is running right now is not left behind)."""
-    from django.db.models import Q
-
     silent = timezone.now() - timedelta(seconds=STALLED_AFTER)
     return list(
         ProcrastinateJob.objects.filter(status="doing")

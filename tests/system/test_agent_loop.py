@@ -26,8 +26,6 @@ from runs.models import Receipt, Run
 from tests.system.conftest import describe_runs, jobs_doing
 from tests.worker import settles_as, wait_with_logs
 
-pytestmark = pytest.mark.slow
-
 SETTLE = 60  # seconds a run gets to finish or park
 SLEEP = 120  # the kill window: far longer than any test waits in it
 

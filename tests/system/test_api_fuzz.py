@@ -40,7 +40,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import hypothesis
-import pytest
 import requests
 import schemathesis
 from django.conf import settings
@@ -54,8 +53,6 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from approvals import edits
 from approvals.models import Approval
 from tests.system.conftest import env_int, report
-
-pytestmark = pytest.mark.slow
 
 MAX_EXAMPLES = env_int("FUZZ_MAX_EXAMPLES", 25)
 BUDGET_SECONDS = env_int("FUZZ_BUDGET_SECONDS", 150)

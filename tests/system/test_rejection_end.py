@@ -17,8 +17,6 @@ from tests.engine_helpers import REFUND
 from tests.system.conftest import describe_runs
 from tests.worker import settles_as, wait_with_logs
 
-pytestmark = pytest.mark.slow
-
 FAULT = "injected fault: the write that ends the run fails once"
 
 

@@ -35,8 +35,6 @@ from tests.system.conftest import (
 )
 from tests.worker import wait_until
 
-pytestmark = pytest.mark.slow
-
 RUNS = env_int("ROLLING_RUNS", 60)
 ROUNDS = env_int("ROLLING_ROUNDS", 2)
 SETTLE_SECONDS = env_int("ROLLING_SETTLE_SECONDS", 90)

@@ -16,14 +16,11 @@ import urllib.request
 from collections import Counter
 from datetime import UTC, datetime
 
-import pytest
 from django.conf import settings
 from standardwebhooks import Webhook
 
 from runs.models import Run, WebhookDelivery
 from tests.system.conftest import effects_per_run, env_int, jobs_doing, report, sandbox_stats
-
-pytestmark = pytest.mark.slow
 
 DELIVERIES = env_int("WEBHOOK_DELIVERIES", 50)
 SECRET = "demo-secret"  # WEBHOOK_SECRET_DEMO's development default

@@ -26,6 +26,7 @@ from hitl_client import (
     Unauthorized,
     arguments_digest,
 )
+from hitl_client._protocol import Sleep
 
 REFUND = {"order_id": "o-42", "amount_cents": 500}
 DIGEST = arguments_digest(REFUND)
@@ -188,8 +189,6 @@ def test_a_429_is_retried_after_its_retry_after(console):
 
 
 def _recording_sleeps(do, slept):
-    from hitl_client._protocol import Sleep
-
     def recording(op):
         if isinstance(op, Sleep):
             slept.append(op.seconds)

@@ -282,7 +282,7 @@ def _keyword_signature(function: Callable[..., Any]) -> inspect.Signature:
 
 def _schema_from_hints(function: Callable[..., Any]) -> dict[str, Any] | None:
     try:
-        import pydantic
+        import pydantic  # noqa: PLC0415 - optional: the client works without it
     except ImportError:
         return None
     try:

@@ -1,0 +1,45 @@
+"""Who may see and decide a card, for the card page, the inbox and the API alike; built on core.access.
+
+- a card is seen by whoever may approve its channel (`approve_channel`: core.access.may_approve; a superuser holds
+  it on every channel); anyone else gets 404, for the card and for a decision on it alike;
+- it is decided by them too, except by the person who started its run (separation of duties): they see it, and
+  get 403 on a decision. The rule is approvals.rules.decider_refusal, which Approval.decide applies to every
+  caller (the SLA policy, deciding with no actor, always may)."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+from approvals.models import Approval
+from approvals.rules import decider_refusal
+from core.access import Forbidden, NotVisible, decidable_channels, may_approve
+from core.models import Channel
+
+
+def may_see_card(user, card: Approval) -> bool:
+    """Whoever may approve the card's channel (and decide the card, unless they started its run)."""
+    return may_approve(user, card.channel)
+
+
+def card_for(user, pk: int, *, to_decide: bool = False) -> Approval:
+    """The card `pk`: NotVisible when the user may not see it (or it does not exist); Forbidden when they are
+    about to decide a card they may not decide (one of a run they started)."""
+    card = Approval.objects.select_related("channel", "run", "run__created_by").filter(pk=pk).first()
+    if card is None or not may_see_card(user, card):
+        raise NotVisible("No such card.")
+    if to_decide and (refusal := decider_refusal(user, card)):
+        raise Forbidden(refusal)
+    return card
+
+
+def visible_cards(user, channels: list[Channel] | None = None) -> QuerySet[Approval]:
+    """The cards `user` may see, open or decided: those of the channels they may approve (`channels`, when the
+    caller has loaded them already)."""
+    if channels is None:
+        return Approval.objects.filter(channel__in=decidable_channels(user))
+    return Approval.objects.filter(channel_id__in=[channel.pk for channel in channels])
+
+
+def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[Approval]:
+    """The cards `user` may decide, open or decided: those they see, but those of runs they started."""
+    return visible_cards(user, channels).exclude(run_created_by=user)

@@ -1,0 +1,282 @@
+"""The rules of a decision, each written once: what a decision must carry, who may take it, the two-person count,
+the outcome it gives the engine, and the SLA state with its due-soon threshold. Approval.decide applies them;
+the card page, the inbox, the API and the engine's side of the gate (approvals.gates) read the same functions.
+
+A leaf of the approvals app: it knows cards by their fields, never imports approvals.models, and the models
+import it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import models
+from django.db.models import Case, CharField, Q, Value, When
+
+from approvals import edits
+from approvals.errors import (
+    AlreadyDecided,
+    CannotCheckEdit,
+    InvalidDecision,
+    NotAllowed,
+    SecondApproverNeeded,
+    StaleVersion,
+)
+from core.access import may_approve
+from runs.gates import Kind, Outcome
+
+if TYPE_CHECKING:
+    from approvals.models import Approval, Decision
+    from core.models import Channel
+
+
+class DecisionKind(models.TextChoices):
+    """What a person answers a card."""
+
+    APPROVE = "approve"
+    EDIT = "edit"
+    REJECT = "reject"
+
+
+class Agreement(models.TextChoices):
+    """On a shadow card: whether the reviewer, who did the action by hand, agrees with what the agent proposed."""
+
+    AGREE = "agree", "I agree with the agent"
+    DISAGREE = "disagree", "I disagree with the agent"
+
+
+DONE_BY_HAND_MAX = 5000
+
+
+# --- what a decision carries -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A decision as asked, checked before anything is locked: a rejection says why, an edit brings its payload,
+    and a shadow card's agreement is one of Agreement's."""
+
+    decision: DecisionKind
+    comment: str = ""
+    reason: str = ""
+    payload: dict | None = None
+    agreement: str = ""
+    done_by_hand: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        decision: str,
+        *,
+        comment: str = "",
+        reason: str = "",
+        payload: Any = None,
+        agreement: str = "",
+        done_by_hand: str = "",
+    ) -> Asked:
+        if decision not in DecisionKind.values:
+            raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
+        comment = (comment or "").strip()
+        if decision == DecisionKind.REJECT and not comment:
+            raise InvalidDecision("a rejection needs a comment saying why")
+        if decision == DecisionKind.EDIT and not isinstance(payload, dict):
+            raise InvalidDecision("an edit needs the new payload (an object)")
+        agreement, done_by_hand = agreement or "", (done_by_hand or "").strip()
+        if agreement and agreement not in Agreement.values:
+            raise InvalidDecision(f"agreement must be agree or disagree, not {agreement!r}")
+        if len(done_by_hand) > DONE_BY_HAND_MAX:
+            raise InvalidDecision(f"what you did is longer than {DONE_BY_HAND_MAX} characters")
+        return cls(
+            DecisionKind(decision),
+            comment=comment,
+            reason=reason or "",
+            payload=payload if decision == DecisionKind.EDIT else None,
+            agreement=agreement,
+            done_by_hand=done_by_hand,
+        )
+
+
+# --- who may decide ----------------------------------------------------------------------------------------
+
+
+def started_the_run(user, card: Approval) -> bool:
+    """Separation of duties: nobody decides a card of a run they started."""
+    return card.run.created_by_id == getattr(user, "pk", None)
+
+
+def decider_refusal(actor, card: Approval) -> str:
+    """Why `actor` may not decide `card`, or "" when they may. Who may decide a card: a person with
+    `approve_channel` on its channel (core.access.may_approve; a superuser holds it everywhere) who did not start
+    its run. The system (no actor: the SLA policy) always may. Approval.decide applies it to every caller; the
+    pages and the API ask approvals.access.card_for, which applies it too."""
+    if actor is None:
+        return ""
+    if not may_approve(actor, card.channel):
+        return f"you may not decide cards on {card.channel.name} (no approve_channel there)"
+    if started_the_run(actor, card):
+        return "you started this run: someone else must decide its cards"
+    return ""
+
+
+# --- the checks of Approval.decide, in order -----------------------------------------------------------------
+
+
+def check(actor, card: Approval, asked: Asked, version: int | None) -> None:
+    """Everything that refuses `asked` on `card` (locked, re-read) before anything is written: who decides, whether
+    the card is still open as the person saw it, whether the decision fits the card."""
+    if refusal := decider_refusal(actor, card):
+        raise NotAllowed(refusal)
+    if card.status not in card.OPEN:
+        raise AlreadyDecided(card)
+    if version is not None and version != card.version:
+        raise StaleVersion(card, version)
+    if card.shadow and not asked.agreement:
+        raise InvalidDecision("this is a shadow card: say whether you agree with the agent (agree or disagree)")
+    if not card.shadow and (asked.agreement or asked.done_by_hand):
+        raise InvalidDecision("agreement and what you did by hand are recorded on shadow cards only")
+    check_what_would_execute(card, asked)
+
+
+def check_what_would_execute(card: Approval, asked: Asked) -> None:
+    """An edit must pass the card's validator (approvals.edits), which must be able to find the card's gate; an
+    approval of a budget card must keep the limit within its ceiling."""
+    try:
+        if asked.decision == DecisionKind.EDIT and (errors := edits.edit_errors(card, asked.payload)):
+            raise InvalidDecision(f"this edit is not allowed: {edits.as_text(errors)}", errors)
+    except edits.GateUnresolved as exc:
+        raise CannotCheckEdit(str(exc)) from exc
+    if asked.decision == DecisionKind.APPROVE and (refusal := edits.approval_refusal(card)):
+        raise InvalidDecision(f"this card cannot be approved: {refusal}")
+
+
+# --- the two-person count ---------------------------------------------------------------------------------------
+
+
+def counted(decisions: Sequence[Decision], toward: str) -> list[Decision]:
+    """The decisions among `decisions` (in the order they were taken) that count toward `toward`, a decision or an
+    outcome, under the two-person rule: toward what executes (an approval), the approvals and edits given since
+    its last change (an edit restarts the count, its author counting as one); toward a rejection, the rejections;
+    toward a new edit, none (it restarts the count)."""
+    if toward in (DecisionKind.REJECT, Outcome.REJECTED):
+        return [d for d in decisions if d.decision == DecisionKind.REJECT]
+    if toward == DecisionKind.EDIT:
+        return []
+    since = max((i for i, d in enumerate(decisions) if d.decision == DecisionKind.EDIT), default=0)
+    return [d for d in decisions[since:] if d.decision in (DecisionKind.APPROVE, DecisionKind.EDIT)]
+
+
+@dataclass(frozen=True)
+class TwoPersonCount:
+    """The two-person rule for one decision on a card. On a channel with `required_approvals` above 1, what
+    executes needs the approvals of that many different people given after its last change: an approval or an
+    edit is recorded and the card stays open until enough people approved it as it stands. A rejection by anyone
+    ends the card, except on a reconcile card, where "it did not happen" (a rejection: the write is done now) is
+    as risky as an approval and needs as many people."""
+
+    applies: bool
+    required: int
+    counted: tuple  # the earlier decisions that count with this one
+
+    @classmethod
+    def of(cls, card: Approval, decision: str, earlier: Sequence[Decision]) -> TwoPersonCount:
+        required = card.channel.required_approvals
+        applies = required > 1 and (decision != DecisionKind.REJECT or card.kind == Kind.RECONCILE)
+        return cls(applies, required, tuple(counted(earlier, decision)) if applies else ())
+
+    @property
+    def given(self) -> int:
+        """With this decision."""
+        return len(self.counted) + 1
+
+    @property
+    def complete(self) -> bool:
+        """The card is decided: its run goes on."""
+        return not self.applies or self.given >= self.required
+
+    def check(self, actor) -> None:
+        if actor is not None and any(d.actor_id == actor.pk for d in self.counted):
+            raise SecondApproverNeeded(
+                "you already answered this card as it stands: the two-person rule needs a different person"
+            )
+
+
+# --- the outcome --------------------------------------------------------------------------------------------------
+
+
+def outcome(decision: str, earlier: Iterable[Decision]) -> Outcome:
+    """What a decision that completes a card tells the engine: rejected; else edited when it runs an edit (this
+    one, or the pending edit a second person approved); else approved."""
+    if decision == DecisionKind.REJECT:
+        return Outcome.REJECTED
+    if decision == DecisionKind.EDIT or any(d.decision == DecisionKind.EDIT for d in earlier):
+        return Outcome.EDITED
+    return Outcome.APPROVED
+
+
+# --- the SLA ----------------------------------------------------------------------------------------------------
+
+DUE_SOON_SHARE = 0.25  # due soon when less than this share of the channel's SLA remains...
+DUE_SOON_MIN = timedelta(minutes=5)  # ...or less than this, whichever is longer
+
+
+class SlaState(models.TextChoices):
+    ON_TIME = "on_time", "On time"
+    DUE_SOON = "due_soon", "Due soon"
+    BREACHED = "breached", "Breached"
+    DECIDED = "decided", "Decided"  # the timer stopped
+
+
+OPEN_SLA_STATES = (SlaState.ON_TIME, SlaState.DUE_SOON, SlaState.BREACHED)
+
+
+def due_soon_window(sla: timedelta) -> timedelta:
+    """How long before its deadline an open card is due soon. The pages send it to the browser (data-soon, in
+    seconds), whose timers (static/sla.js) change state at it."""
+    return max(sla * DUE_SOON_SHARE, DUE_SOON_MIN)
+
+
+def sla_state(due_at: datetime, sla: timedelta, now: datetime, *, is_open: bool = True) -> SlaState:
+    """An open card is breached once its deadline has passed, due soon within its channel's due-soon window."""
+    if not is_open:
+        return SlaState.DECIDED
+    remaining = due_at - now
+    if remaining <= timedelta(0):
+        return SlaState.BREACHED
+    if remaining < due_soon_window(sla):
+        return SlaState.DUE_SOON
+    return SlaState.ON_TIME
+
+
+# The same rule in SQL, for the inbox's filters and counts: one range per channel, so an index can serve it.
+
+
+def _due_soon_q(channels: Iterable[Channel], now: datetime) -> Q:
+    q = Q(pk__in=[])
+    for channel in channels:
+        q |= Q(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla))
+    return q
+
+
+def sla_state_q(state: str, channels: Iterable[Channel], now: datetime) -> Q:
+    """The open cards of `channels` in SLA `state` at `now`."""
+    if state == SlaState.BREACHED:
+        return Q(due_at__lte=now)
+    if state == SlaState.DUE_SOON:
+        return Q(due_at__gt=now) & _due_soon_q(channels, now)
+    return Q(due_at__gt=now) & ~_due_soon_q(channels, now)
+
+
+def sla_state_expression(channels: Iterable[Channel], now: datetime) -> Case:
+    """Each open card's SLA state at `now`, as a column."""
+    soon = [
+        When(channel_id=channel.pk, due_at__lt=now + due_soon_window(channel.sla), then=Value(SlaState.DUE_SOON))
+        for channel in channels
+    ]
+    return Case(
+        When(due_at__lte=now, then=Value(SlaState.BREACHED)),
+        *soon,
+        default=Value(SlaState.ON_TIME),
+        output_field=CharField(),
+    )

@@ -42,9 +42,12 @@ def pytest_collection_modifyitems(config, items):
     tests/system (real processes: workers, the web server, PostgreSQL servers of their own) and tests/browser
     (Playwright). Everything under system and browser is `slow` (`make test-fast`, `-m 'not slow'`, skips it), and
     browser tests are `browser` too. A unit test that asks for the database is an error: it belongs in
-    integration."""
+    integration. The Python client's own tests (clients/python/tests) are unit tests of the client: no tier."""
     for item in items:
-        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        path = item.path.resolve()
+        if not path.is_relative_to(TESTS):
+            continue
+        tier = path.relative_to(TESTS).parts[0]
         if tier in ("system", "browser"):
             item.add_marker(pytest.mark.slow)
         if tier == "browser":

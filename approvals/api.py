@@ -150,7 +150,9 @@ def list_cards(request, status: CardStatus = Approval.Status.PENDING.value):
     "and an edit's `payload` must fit the card's proposal.",
     openapi_extra={
         "responses": {
-            "422": {
+            # An int, as ninja keys its responses: a "422" string would be a second key of the same name in the
+            # JSON, which YAML parsers (Swagger UI's) refuse.
+            422: {
                 "description": "The body is invalid, or does not fit this card: `agreement`/`done_by_hand` on a "
                 "card that is not shadow, no `agreement` on a shadow card, an edit the card does not allow.",
                 # (openapi_extra replaces the response ERRORS declared: its body is stated again)

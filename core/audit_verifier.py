@@ -258,13 +258,13 @@ def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None,
             report.problem(f"entry {line['id']} ({ENTRIES} line {number}, {line.get('action')}): {problem}")
         entries[line["id"]] = line
         last_id = line["id"]
-    if facts.get("entries") != len(entries):
-        report.problem(f"{ENTRIES} holds {len(entries)} entries, the manifest says {facts.get('entries')}")
     if entries and chain.previous != facts.get("head_after"):
         report.problem(
             f"the last entry (entry {last_id}) is not the head after the period that the manifest names"
             f" ({str(facts.get('head_after'))[:12]}…): entries are missing at the end, or were altered"
         )
+    if facts.get("entries") != len(entries):
+        report.problem(f"{ENTRIES} holds {len(entries)} entries, the manifest says {facts.get('entries')}")
     if entries and (facts.get("first_id"), facts.get("last_id")) != (min(entries), last_id):
         report.problem(
             f"the entries run from {min(entries)} to {last_id}, the manifest says"
@@ -278,16 +278,21 @@ def _check_decisions(bundle: Path, entries: dict, report: Report) -> None:
     if not path.is_file():
         report.problem(f"{DECISIONS}: missing")
         return
+    recorded = set()
     for number, record in _read_jsonl(path, report, DECISIONS):
         entry = record.get("entry") if isinstance(record.get("entry"), dict) else {}
         where = f"{DECISIONS} line {number} (entry {entry.get('id')})"
         if entries.get(entry.get("id")) != entry:
             report.problem(f"{where}: its entry differs from entry {entry.get('id')} of {ENTRIES}")
             continue
+        recorded.add(entry["id"])
         summary = decision_summary(entry)
         changed = sorted(name for name, value in summary.items() if record.get(name) != value)
         if changed:
             report.problem(f"{where}: {', '.join(changed)} differ from what its entry says")
+    for id_, entry in entries.items():
+        if entry.get("action") in DECISION_ACTIONS and id_ not in recorded:
+            report.problem(f"entry {id_} is a decision ({entry.get('action')}) without its record in {DECISIONS}")
 
 
 def _check_files(bundle: Path, manifest: dict, report: Report) -> None:

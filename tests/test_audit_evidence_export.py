@@ -123,11 +123,17 @@ def auditor_copy(bundle: Path, tmp_path: Path) -> Path:
 
 
 def verify(bundle: Path, *args: str, key: str | None = None) -> subprocess.CompletedProcess:
-    """`python -I verify.py` in the bundle: isolated mode (no PYTHONPATH, no user site, not the project's
-    directory on sys.path), an environment with nothing of ours but the key when one is given."""
+    """`python -I -S verify.py` in the bundle: isolated mode (no PYTHONPATH, no user site, not the project's
+    directory on sys.path) and no site-packages (the standard library only: not even the virtualenv's Django), an
+    environment with nothing of ours but the key when one is given."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **({"AUDIT_HMAC_KEY": key} if key else {})}
     return subprocess.run(
-        [sys.executable, "-I", "verify.py", *args], cwd=bundle, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-I", "-S", "verify.py", *args],
+        cwd=bundle,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -365,7 +371,7 @@ def test_it_says_which_file_does_not_match_the_manifest(decided, tmp_path):
     bundle = auditor_copy(export(tmp_path), tmp_path)
     # The database part of a record is not covered by the chain: only the manifest's checksum holds it.
     records = lines(bundle / "decisions.jsonl")
-    records[0]["database"]["executed"] = []
+    records[0]["database"]["card"]["status"] = "rejected"
     rewrite_lines(bundle / "decisions.jsonl", records)
     assert (
         _first_difference(verify(bundle))
@@ -427,6 +433,7 @@ def test_a_signed_log_verifies_with_the_key_only_and_the_key_is_not_in_the_bundl
         ("2026-13-01", "2026-03-01", r"--from: '2026-13-01' is not a date \(YYYY-MM-DD\)"),
         ("2026-03-01", "yesterday", r"--to: 'yesterday' is not a date \(YYYY-MM-DD\)"),
         ("2026-3-1", "2026-03-01", r"--from: '2026-3-1' is not a date"),
+        ("20260301", "2026-03-01", r"--from: '20260301' is not a date"),  # ISO 8601, but not YYYY-MM-DD
         ("", "2026-03-01", r"--from is required"),
         ("2026-03-04", "2026-03-05", r"no audit entries from 2026-03-04 to 2026-03-05 \(UTC\): nothing to export"),
         ("2099-01-01", "2099-12-31", r"no audit entries from 2099-01-01 to 2099-12-31"),

@@ -23,6 +23,7 @@ import hmac
 import json
 import os
 import sys
+from datetime import date, datetime, timedelta
 from pathlib import Path
 
 GENESIS = "0" * 64
@@ -133,7 +134,7 @@ class Chain:
             # Anyone who can write to the database can append plain entries; once the log is signed, only a writer
             # without the key makes them.
             problem = f"unsigned after signed entries: written without {self.key_name}, or forged"
-        elif not hmac.compare_digest(entry_hash(fields, self.key), str(hash_)):
+        elif not _same(entry_hash(fields, self.key), hash_):
             problem = "content does not match its hash (altered)"
         self.signed_seen = self.signed_seen or signed
         self.previous, self.previous_id = str(hash_), id_
@@ -141,9 +142,14 @@ class Chain:
 
     def _own_hash_holds(self, fields: dict, hash_: str) -> bool:
         try:
-            return hmac.compare_digest(entry_hash(fields, self.key), str(hash_))
+            return _same(entry_hash(fields, self.key), hash_)
         except (MissingKey, ValueError, KeyError):
             return False
+
+
+def _same(computed: str, stored) -> bool:
+    # Bytes: compare_digest refuses a str with non-ASCII characters, which a forged line may hold.
+    return hmac.compare_digest(computed.encode(), str(stored).encode())
 
 
 def decision_summary(entry: dict) -> dict:
@@ -224,9 +230,10 @@ def verify_bundle(bundle: Path, key: bytes | None, *, anchor: str | None = None)
     except (OSError, ValueError) as exc:
         report.problem(f"{MANIFEST}: cannot be read ({exc})")
         return report, {}
-    chain_facts = manifest.get("chain") or {}
+    chain_facts = manifest.get("chain") if isinstance(manifest.get("chain"), dict) else {}
     entries = _check_entries(bundle, manifest, chain_facts, key, report)
-    _check_decisions(bundle, entries, report)
+    decisions = _check_decisions(bundle, entries, report)
+    _check_the_manifests_facts(manifest, entries, decisions, report)
     _check_files(bundle, manifest, report)
     if anchor:
         anchor = anchor.strip().lower()
@@ -251,13 +258,17 @@ def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None,
         if missing:
             report.problem(f"{ENTRIES} line {number} (entry {line.get('id')}): fields missing: {', '.join(missing)}")
             continue
-        if last_id is not None and not (isinstance(line["id"], int) and line["id"] > last_id):
-            report.problem(f"entry {line['id']} ({ENTRIES} line {number}): out of order, after entry {last_id}")
-        problem = chain.check(line, line["hash"], line["id"])
+        id_ = line["id"]
+        if not isinstance(id_, int) or isinstance(id_, bool):
+            report.problem(f"{ENTRIES} line {number}: its id {id_!r} is not a whole number")
+        elif last_id is not None and id_ <= last_id:
+            report.problem(f"entry {id_} ({ENTRIES} line {number}): out of order, after entry {last_id}")
+        problem = chain.check(line, line["hash"], id_)
         if problem is not None:
-            report.problem(f"entry {line['id']} ({ENTRIES} line {number}, {line.get('action')}): {problem}")
-        entries[line["id"]] = line
-        last_id = line["id"]
+            report.problem(f"entry {id_} ({ENTRIES} line {number}, {line.get('action')}): {problem}")
+        if isinstance(id_, int):
+            entries[id_] = line
+            last_id = id_ if last_id is None else max(id_, last_id)
     if entries and chain.previous != facts.get("head_after"):
         report.problem(
             f"the last entry (entry {last_id}) is not the head after the period that the manifest names"
@@ -273,16 +284,18 @@ def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None,
     return entries
 
 
-def _check_decisions(bundle: Path, entries: dict, report: Report) -> None:
+def _check_decisions(bundle: Path, entries: dict, report: Report) -> int:
+    """Check every decision record against its entry; returns how many records there are."""
     path = bundle / DECISIONS
     if not path.is_file():
         report.problem(f"{DECISIONS}: missing")
-        return
-    recorded = set()
+        return 0
+    recorded, records = set(), 0
     for number, record in _read_jsonl(path, report, DECISIONS):
+        records += 1
         entry = record.get("entry") if isinstance(record.get("entry"), dict) else {}
         where = f"{DECISIONS} line {number} (entry {entry.get('id')})"
-        if entries.get(entry.get("id")) != entry:
+        if not isinstance(entry.get("id"), int) or entries.get(entry["id"]) != entry:
             report.problem(f"{where}: its entry differs from entry {entry.get('id')} of {ENTRIES}")
             continue
         recorded.add(entry["id"])
@@ -293,6 +306,39 @@ def _check_decisions(bundle: Path, entries: dict, report: Report) -> None:
     for id_, entry in entries.items():
         if entry.get("action") in DECISION_ACTIONS and id_ not in recorded:
             report.problem(f"entry {id_} is a decision ({entry.get('action')}) without its record in {DECISIONS}")
+    return records
+
+
+def _check_the_manifests_facts(manifest: dict, entries: dict, decisions: int, report: Report) -> None:
+    """What the manifest says of the entries that can be checked against them: the period they fall in, how many
+    decisions, how they were signed. (When and by whom it was exported, and the database's head then, are the
+    exporter's word: the export's own entry in the live log, after the period, is what confirms them.)"""
+    period = manifest.get("period") if isinstance(manifest.get("period"), dict) else {}
+    try:
+        start, end = datetime.fromisoformat(period["start"]), datetime.fromisoformat(period["end"])
+        first, last = date.fromisoformat(period["from"]), date.fromisoformat(period["to"])
+    except (KeyError, TypeError, ValueError):
+        report.problem(f"{MANIFEST}: its period cannot be read")
+        return
+    if (start.date(), (end - timedelta(days=1)).date()) != (first, last):
+        report.problem(f"{MANIFEST}: its period from {first} to {last} is not its start {start} and end {end}")
+    for id_, entry in entries.items():
+        try:
+            inside = start <= datetime.fromisoformat(str(entry.get("at"))) < end
+        except (TypeError, ValueError):
+            inside = False
+        if not inside:
+            report.problem(f"entry {id_}: at {entry.get('at')} is outside the period ({start} to {end})")
+            break
+    if manifest.get("decisions") != decisions:
+        report.problem(f"{DECISIONS} holds {decisions} records, the manifest says {manifest.get('decisions')}")
+    signing = manifest.get("signing") if isinstance(manifest.get("signing"), dict) else {}
+    schemes: dict = {}
+    for entry in entries.values():
+        schemes[entry.get("hash_scheme")] = schemes.get(entry.get("hash_scheme"), 0) + 1
+    key_ids = sorted({e.get("hmac_key_id") for e in entries.values() if e.get("hash_scheme") == HMAC_SHA256})
+    if (signing.get("schemes"), signing.get("hmac_key_ids")) != (schemes, key_ids):
+        report.problem(f"{MANIFEST}: its signing (schemes and key ids) is not the entries'")
 
 
 def _check_files(bundle: Path, manifest: dict, report: Report) -> None:
@@ -346,9 +392,13 @@ def main(argv=None) -> int:
         key = _key(args)
     except OSError as exc:
         parser.error(f"cannot read the key file: {exc}")
-    report, manifest = verify_bundle(Path(args.bundle), key, anchor=args.anchor)
-    period = manifest.get("period") or {}
-    facts = manifest.get("chain") or {}
+    try:
+        report, manifest = verify_bundle(Path(args.bundle), key, anchor=args.anchor)
+    except Exception as exc:  # a bundle malformed past what the checks expect: fail closed, and say why
+        report, manifest = Report(), {}
+        report.problem(f"the bundle cannot be checked: {exc!r}")
+    period = manifest.get("period") if isinstance(manifest.get("period"), dict) else {}
+    facts = manifest.get("chain") if isinstance(manifest.get("chain"), dict) else {}
     title = f"audit export {period.get('from')} to {period.get('to')}"
     if report.problems:
         print(f"{title}: NOT intact")
@@ -363,7 +413,8 @@ def main(argv=None) -> int:
         f"{facts.get('entries')} entries, {facts.get('first_id')} to {facts.get('last_id')};"
         f" chain from {facts.get('head_before')} to {facts.get('head_after')}"
     )
-    print(f"signing: {manifest.get('signing', {}).get('summary', 'unknown')}")
+    signing = manifest.get("signing") if isinstance(manifest.get("signing"), dict) else {}
+    print(f"signing: {signing.get('summary', 'unknown')}")
     print(f"files: {len(manifest.get('files', {}))} match the manifest")
     for note in report.notes:
         print(f"note: {note}")

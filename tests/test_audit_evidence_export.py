@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from io import StringIO
 from pathlib import Path
 
@@ -575,3 +575,26 @@ def _rechecksum(bundle: Path, name: str) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["files"][name] = hashlib.sha256((bundle / name).read_bytes()).hexdigest()
     (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_that_misstates_the_period_the_decisions_or_the_signing_is_named(decided, tmp_path):
+    bundle = auditor_copy(export(tmp_path), tmp_path)
+    original = json.loads((bundle / "manifest.json").read_text())
+    first = lines(bundle / "entries.jsonl")[0]
+    tomorrow = TODAY() + timedelta(days=1)
+    misstatements = {
+        "period": (
+            {"from": str(tomorrow), "to": str(tomorrow), "start": f"{tomorrow}T00:00:00+00:00"},
+            f"entry {first['id']}: at {first['at']} is outside the period",
+        ),
+        "decisions": ({"decisions": 2}, "decisions.jsonl holds 3 records, the manifest says 2"),
+        "signing": ({"signing": {"schemes": {"hmac-sha256": 10}}}, "manifest.json: its signing"),
+    }
+    for change, expected in misstatements.values():
+        manifest = copy.deepcopy(original)
+        for key, value in change.items():
+            (manifest["period"] if key in ("from", "to", "start") else manifest)[key] = value
+        if "from" in change:
+            manifest["period"]["end"] = f"{tomorrow + timedelta(days=1)}T00:00:00+00:00"
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        assert _first_difference(verify(bundle)).startswith(expected)

@@ -598,3 +598,33 @@ def test_a_manifest_that_misstates_the_period_the_decisions_or_the_signing_is_na
             manifest["period"]["end"] = f"{tomorrow + timedelta(days=1)}T00:00:00+00:00"
         (bundle / "manifest.json").write_text(json.dumps(manifest))
         assert _first_difference(verify(bundle)).startswith(expected)
+
+
+def test_a_malformed_bundle_is_not_intact_and_says_why_without_a_traceback(decided, tmp_path):
+    original = export(tmp_path)
+    rows = lines(original / "entries.jsonl")
+    mangled = {
+        "a hash with non-ASCII characters": (
+            lambda bundle: rewrite_lines(bundle / "entries.jsonl", [{**rows[0], "hash": "é" * 64}, *rows[1:]]),
+            f"entry {rows[0]['id']} (entries.jsonl line 1, ",
+        ),
+        "an id that is not a number": (
+            lambda bundle: rewrite_lines(bundle / "entries.jsonl", [{**rows[0], "id": [1]}, *rows[1:]]),
+            "entries.jsonl line 1: its id [1] is not a whole number",
+        ),
+        "a line that is not JSON": (
+            lambda bundle: (bundle / "entries.jsonl").write_bytes(b"{not json\n"),
+            "entries.jsonl line 1: not JSON",
+        ),
+        "a manifest that is not JSON": (
+            lambda bundle: (bundle / "manifest.json").write_text("[]"),
+            "manifest.json: cannot be read (not a JSON object)",
+        ),
+    }
+    for name, (mangle, expected) in mangled.items():
+        bundle = tmp_path / name
+        shutil.copytree(original, bundle)
+        mangle(bundle)
+        result = verify(bundle)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+        assert _first_difference(result).startswith(expected), name

@@ -27,10 +27,11 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import push_url
 
+from console import audit_bundle
 from core.access import may_read_audit
 from core.models import ActorType, AuditEntry, Channel
 
@@ -189,6 +190,14 @@ def _query(params: dict, **changes) -> str:
     return "?" + urlencode(merged) if merged else ""
 
 
+def _evidence_period(form: AuditFilter) -> dict:
+    """The evidence export's default period: the filter's dates, else this month up to today."""
+    today = timezone.localdate()
+    dates = form.cleaned_data if form.is_valid() else {}
+    last = dates.get("date_to") or today
+    return {"from": dates.get("date_from") or min(last, today).replace(day=1), "to": last}
+
+
 @require_GET
 @vary_on_headers("HX-Request")
 def audit_log(request):
@@ -208,6 +217,7 @@ def audit_log(request):
         "older_url": request.path + _query(filters, before=page.older) if page.older else "",
         "newer_url": request.path + _query(filters, after=page.newer) if page.newer else "",
         "export_url": reverse("audit_export") + _query(filters),
+        "evidence": _evidence_period(form),
         "channels": Channel.objects.values_list("name", flat=True),  # only the full page's datalist reads it
     }
     template = "console/audit.html"
@@ -293,4 +303,30 @@ def audit_export(request):
     lines = _csv_lines_async(entries) if isinstance(request, ASGIRequest) else _csv_lines(entries)
     response = StreamingHttpResponse(lines, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="audit-{timezone.now():%Y%m%d-%H%M%S}.csv"'
+    return response
+
+
+async def _in_request_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    # As for the CSV: under ASGI each piece is made in the request's thread (its database connection), not read
+    # to the end into memory first.
+    while (chunk := await sync_to_async(next)(chunks, None)) is not None:
+        yield chunk
+
+
+@require_POST
+def audit_evidence(request):
+    """The audit evidence of a period for an auditor (console.audit_bundle), streamed as a zip: the period's
+    entries, one record per decision, the head hashes, a manifest and the offline verifier. Audited as
+    audit.export (who, which period) before a byte is sent. A POST: it writes that entry."""
+    _require_admin(request)
+    try:
+        period = audit_bundle.Period.parse(request.POST.get("from"), request.POST.get("to"), names=("From", "To"))
+        export = audit_bundle.begin(period, by=request.user, via="console")
+    except audit_bundle.ExportRefused as exc:
+        return HttpResponseBadRequest(str(exc), content_type="text/plain; charset=utf-8")
+    chunks = audit_bundle.zip_stream(export)
+    response = StreamingHttpResponse(
+        _in_request_thread(chunks) if isinstance(request, ASGIRequest) else chunks, content_type="application/zip"
+    )
+    response["Content-Disposition"] = f'attachment; filename="{period.name}.zip"'
     return response

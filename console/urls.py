@@ -43,6 +43,7 @@ urlpatterns = [
     path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),
     path("audit/", audit.audit_log, name="audit"),
     path("audit/export.csv", audit.audit_export, name="audit_export"),
+    path("audit/evidence.zip", audit.audit_evidence, name="audit_evidence"),  # audited
     path("accounts/password_change/", passwords.password_change, name="password_change"),  # audited
     path("accounts/", include("django.contrib.auth.urls")),
     # Channels, API tokens, the audit log and the global switch were the console app's models until issue 18 moved

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import secrets
@@ -15,6 +14,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection, models, transaction
 from django.dispatch import Signal
 from django.utils import timezone
+
+from core import audit_verifier
 
 
 class Role(models.TextChoices):
@@ -430,8 +431,7 @@ def audit_hmac_key() -> bytes | None:
 def audit_key_id(key: bytes) -> str:
     """A name for a key, stored with each entry it signs: which key signed an entry, without revealing it. (It
     tells an attacker nothing the entries' HMACs do not: both are HMACs under the key.)"""
-    # The message names the table's first home; it stays, or every stored key id would change.
-    return hmac.new(key, b"console.auditentry key id", hashlib.sha256).hexdigest()[:16]
+    return audit_verifier.key_id(key)
 
 
 class AuditEntry(models.Model):
@@ -571,9 +571,10 @@ class AuditEntry(models.Model):
         entry.save(force_insert=True)
         return entry
 
-    def canonical(self) -> str:
-        """The text an entry's hash covers: every column but `id` and `hash`, as sorted, compact JSON."""
-        content = {
+    def hashed_fields(self) -> dict:
+        """The entry's fields as its hash sees them (JSON values; an audit export writes exactly these): every
+        column but `id` and `hash`. Which of them the hash covers is core.audit_verifier's `covered`."""
+        return {
             "at": self.at.isoformat(),
             "actor_type": self.actor_type,
             "actor": self.actor,
@@ -585,52 +586,33 @@ class AuditEntry(models.Model):
             "data": self.data,
             "trace_id": self.trace_id,
             "prev_hash": self.prev_hash,
+            "hash_scheme": self.hash_scheme,
+            "hmac_key_id": self.hmac_key_id,
         }
-        if self.hash_scheme != HashScheme.SHA256:
-            # A signed entry's MAC covers how it was signed too. Plain entries hash exactly the fields above, as
-            # they did before the scheme existed, so entries written then still verify.
-            content |= {"hash_scheme": self.hash_scheme, "hmac_key_id": self.hmac_key_id}
-        return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def canonical(self) -> str:
+        """The text an entry's hash covers: every column but `id` and `hash` (and, on a plain entry, the two that
+        say how it was signed), as sorted, compact JSON. Made by core.audit_verifier, the module an audit export
+        ships as its verifier: the offline check recomputes exactly this."""
+        return audit_verifier.canonical(audit_verifier.covered(self.hashed_fields()))
 
     def compute_hash(self, key: bytes | None = None) -> str:
         """The entry's hash by its scheme; a signed entry needs the key (default: AUDIT_HMAC_KEY)."""
-        text = self.canonical().encode()
-        if self.hash_scheme == HashScheme.HMAC_SHA256:
-            key = key or audit_hmac_key()
-            if key is None:
-                raise ImproperlyConfigured("this audit entry is signed: AUDIT_HMAC_KEY is needed to check it")
-            return hmac.new(key, text, hashlib.sha256).hexdigest()
-        return hashlib.sha256(text).hexdigest()
+        try:
+            return audit_verifier.entry_hash(self.hashed_fields(), key or audit_hmac_key())
+        except audit_verifier.MissingKey:
+            raise ImproperlyConfigured("this audit entry is signed: AUDIT_HMAC_KEY is needed to check it") from None
 
     @classmethod
     def verify_chain(cls, *, until: int | None = None, chunk_size: int = 5000):
         """Yield (entry, problem) for every entry, up to the entry with id `until`, that breaks the chain;
-        nothing when it is whole. Signed entries are checked with AUDIT_HMAC_KEY."""
-        key = audit_hmac_key()
-        key_id = audit_key_id(key) if key else ""
-        previous, signed_seen = cls.GENESIS, False
+        nothing when it is whole. Signed entries are checked with AUDIT_HMAC_KEY. The checks are those of an
+        audit export's offline verifier (core.audit_verifier.Chain)."""
+        chain = audit_verifier.Chain(audit_hmac_key())
         entries = cls.objects.order_by("id")
         if until is not None:
             entries = entries.filter(id__lte=until)
         for entry in entries.iterator(chunk_size=chunk_size):
-            problem = None
-            signed = entry.hash_scheme == HashScheme.HMAC_SHA256
-            if entry.prev_hash != previous:
-                problem = f"prev_hash does not match the entry before it ({previous[:12]}…)"
-            elif signed and key is None:
-                problem = f"signed with HMAC key {entry.hmac_key_id}, but AUDIT_HMAC_KEY is not set: cannot check it"
-            elif signed and entry.hmac_key_id != key_id:
-                problem = (
-                    f"signed with HMAC key {entry.hmac_key_id}, but AUDIT_HMAC_KEY is key {key_id}"
-                    " (the wrong key, or an altered entry)"
-                )
-            elif not signed and signed_seen:
-                # Anyone who can write to the database can append plain entries; once the log is signed, only
-                # a writer without the key makes them.
-                problem = "unsigned after signed entries: written without AUDIT_HMAC_KEY, or forged"
-            elif not hmac.compare_digest(entry.compute_hash(key), entry.hash):
-                problem = "content does not match its hash (altered)"
+            problem = chain.check(entry.hashed_fields(), entry.hash, entry.pk)
             if problem is not None:
                 yield entry, problem
-            signed_seen = signed_seen or signed
-            previous = entry.hash

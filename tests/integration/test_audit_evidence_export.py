@@ -174,7 +174,7 @@ def test_the_verifier_says_intact_on_a_real_export_away_from_the_project(decided
     result = verify(bundle)
     _intact(result)
     # The verifier is the console's own module, byte for byte (what an auditor can compare with the source).
-    assert (bundle / "verify.py").read_bytes() == (Path(__file__).parents[1] / "core/audit_verifier.py").read_bytes()
+    assert (bundle / "verify.py").read_bytes() == (Path(__file__).parents[2] / "core/audit_verifier.py").read_bytes()
 
 
 def test_the_bundle_holds_every_hashed_field_exactly_as_hashed_and_the_heads(decided, tmp_path):

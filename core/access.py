@@ -95,6 +95,16 @@ def may_operate_channel(user, channel: Channel) -> bool:
     return user.has_perm("core.operate_channel", channel)
 
 
+def may_request(user, channel: Channel) -> bool:
+    """`request_channel` on `channel`: the user's token asks for approvals there (an external agent: external)."""
+    return user.has_perm("core.request_channel", channel)
+
+
+def may_act_unreviewed(user, channel: Channel) -> bool:
+    """`act_unreviewed` on `channel`: the user's token acts there without a person's approval, once all the same."""
+    return user.has_perm("core.act_unreviewed", channel)
+
+
 def operable_channels(user) -> QuerySet[Channel]:
     """The channels whose kill switch `user` may flip (`operate_channel`)."""
     return get_objects_for_user(user, "core.operate_channel", klass=Channel, accept_global_perms=False)

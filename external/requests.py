@@ -23,6 +23,7 @@ from django.utils import timezone
 from approvals import policy
 from approvals.models import Approval, Notification, OnExpiry
 from approvals.tasks import send_notification
+from core.access import may_act_unreviewed, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external.models import ActionRequest, ApprovalMode
 from runs.gates import ANY_LEAF, Display, GateSpec, Kind, canonical_hash
@@ -159,9 +160,9 @@ def _channel_for(user, ask: Ask) -> Channel:
     channel = Channel.objects.filter(name=ask.channel).first()
     if channel is None:
         raise NotFound(f"No channel {ask.channel!r}.")
-    if not user.has_perm("core.request_channel", channel):
+    if not may_request(user, channel):
         raise Forbidden(f"This token may not ask for approvals on {channel.name} (no request_channel there).")
-    if ask.approval == ApprovalMode.NEVER and not user.has_perm("core.act_unreviewed", channel):
+    if ask.approval == ApprovalMode.NEVER and not may_act_unreviewed(user, channel):
         raise Forbidden(
             f"This token may not act on {channel.name} without a person's approval (no act_unreviewed there)."
         )

@@ -54,6 +54,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.browser)
         if tier == "unit" and (DATABASE_FIXTURES & set(item.fixturenames) or item.get_closest_marker("django_db")):
             raise pytest.UsageError(f"{item.nodeid} uses the database: move it to tests/integration")
+    # The browser tests last: Playwright's sync API keeps an event loop running in the main thread from the
+    # session's browser on, and a test after it that calls asyncio.run (the client's and its adapters' tests, the
+    # MCP gateway's system test) would fail with "asyncio.run() cannot be called from a running event loop".
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
 
 
 def _allow_audit_truncate_in_flush() -> None:

@@ -190,6 +190,7 @@ class Approval(models.Model):
         version: int | None = None,
         agreement: str = "",
         done_by_hand: str = "",
+        via: str = "",
     ) -> Approval:
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
         decision, updates the card and re-queues the run with its job, all in one transaction.
@@ -200,7 +201,8 @@ class Approval(models.Model):
         the two-person count (`TwoPersonCount`: on a channel with `required_approvals = 2` the card stays open
         until a second person approves what executes as it stands). An edit is what runs from then on
         (`to_execute`): the card's display columns become the edit's, and the version that a later decision must
-        name is the one after it. On a shadow card the decision records what the reviewer did by hand."""
+        name is the one after it. On a shadow card the decision records what the reviewer did by hand. `via` names
+        where it was taken when not in the console (`slack`), in its audit entry."""
         asked = rules.Asked.of(
             decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
         )
@@ -233,7 +235,7 @@ class Approval(models.Model):
             for column, value in display.items():
                 setattr(card, column, value)
             card.save(update_fields=["status", "decided_at", "version", *display])
-            card._audit_decision(actor, asked, count, earlier)
+            card._audit_decision(actor, asked, count, earlier, via)
             if count.complete:
                 card_closed.send(Approval, card=card)
             # Two-person rule: a first approval leaves the card open and the run parked.
@@ -241,7 +243,9 @@ class Approval(models.Model):
                 run.resume()
         return card
 
-    def _audit_decision(self, actor, asked: rules.Asked, count: rules.TwoPersonCount, earlier: list[Decision]) -> None:
+    def _audit_decision(
+        self, actor, asked: rules.Asked, count: rules.TwoPersonCount, earlier: list[Decision], via: str = ""
+    ) -> None:
         edit_pending = any(d.decision == DecisionKind.EDIT for d in earlier)
         AuditEntry.record(
             f"approval.{asked.decision.value}",
@@ -266,6 +270,7 @@ class Approval(models.Model):
                     else {}
                 ),
                 **({"approvals": count.given, "required": count.required} if count.applies else {}),
+                **({"via": via} if via else {}),
             },
         )
 

@@ -105,6 +105,7 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
     "external",
+    "slackapp",
     "console",
 ]
 # The demo (the `refund` workflow, its fake external systems and scripted model): development and tests only.
@@ -326,6 +327,22 @@ MAILERS = {
     }
 }
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
+# The console's address as people reach it: the links in messages sent elsewhere (Slack's "Edit in console").
+CONSOLE_URL = env_str("CONSOLE_URL", "http://127.0.0.1:8000")
+
+# Decisions from Slack (slackapp; docs/RUNBOOK.md "Slack"): cards are posted with the bot token (scope chat:write)
+# to their channel's SlackRoute or SLACK_DEFAULT_CHANNEL, and clicks on POST /api/slack/interactions are verified
+# with the signing secret. Without a token nothing is posted; without a secret the endpoint answers 404.
+SLACK_BOT_TOKEN = env_str("SLACK_BOT_TOKEN")
+SLACK_SIGNING_SECRET = env_str("SLACK_SIGNING_SECRET")
+if SLACK_BOT_TOKEN and not SLACK_SIGNING_SECRET:
+    raise ImproperlyConfigured(
+        "SLACK_BOT_TOKEN is set without SLACK_SIGNING_SECRET: the buttons it posts would not work"
+    )
+SLACK_DEFAULT_CHANNEL = env_str("SLACK_DEFAULT_CHANNEL")
+SLACK_API_URL = env_str("SLACK_API_URL", "https://slack.com/api/")  # tests point it at a fake of the Web API
+# A click's ephemeral answer is posted to its response_url only on Slack's own host.
+SLACK_RESPONSE_URL_PREFIX = env_str("SLACK_RESPONSE_URL_PREFIX", "https://hooks.slack.com/")
 
 # --- Security headers, HTTPS and login throttling ----------------------------------------------------------
 # (Kept together; README "Running in production".) Outside development the console is served over HTTPS only.

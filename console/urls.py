@@ -11,6 +11,7 @@ from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from console.env import env_bool
 from runs import views as run_views
+from slackapp import views as slack_views
 
 
 def _login_not_required(patterns):
@@ -53,6 +54,8 @@ urlpatterns = [
         RedirectView.as_view(url="/admin/core/%(rest)s", query_string=True),
     ),
     path("admin/", admin.site.urls),
+    # Slack's interactivity request URL: signed by Slack, outside the bearer-token API (slackapp.views).
+    path("api/slack/interactions", slack_views.slack_interactions, name="slack-interactions"),
     path("api/", include((_login_not_required(api_patterns), api_app_name), namespace=api_namespace)),
 ]
 

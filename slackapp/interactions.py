@@ -1,0 +1,182 @@
+"""A click in Slack (`POST /api/slack/interactions`, slackapp.views): verified, mapped to one of our users, and
+decided exactly as the console decides.
+
+1. The request is Slack's: `X-Slack-Signature` is `v0=` HMAC-SHA256 of `v0:<X-Slack-Request-Timestamp>:<body>` under
+   SLACK_SIGNING_SECRET, and the timestamp is within five minutes (slack_sdk's SignatureVerifier). Otherwise 401
+   and nothing is read.
+2. The clicker is the SlackIdentity an admin linked to (the payload's team id, user id): never a display name.
+3. The decision goes through the console's own path: approvals.access.card_for(user, pk, to_decide=True) (who may
+   see and decide the card) then Approval.decide with the version the button carries (the one the message showed),
+   so every rule of a decision (permissions, separation of duties, the two-person count, a card already decided or
+   changed since) applies as on the card page, and the decision is audited there, `via: slack`.
+
+A click that decides nothing gets an ephemeral answer (seen by the clicker only, through the payload's
+response_url) saying why, and an audit entry `slack.refused`. A replayed click (the same signed request again,
+within the five minutes) names a version the card has left: refused like any stale click, never decided twice."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from urllib.parse import parse_qs
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from slack_sdk.signature import SignatureVerifier
+from slack_sdk.webhook import WebhookClient
+
+from approvals.access import card_for
+from approvals.errors import DecisionError
+from core.access import Denied
+from core.models import ActorType, AuditEntry
+from slackapp import blocks
+from slackapp.models import SlackIdentity
+
+log = structlog.get_logger("slackapp.interactions")
+
+
+class Refused(Exception):
+    """Not a request we act on: answered with `status` (401: not Slack's; 400: not a payload we can read)."""
+
+    def __init__(self, status: int, error: str, detail: str):
+        super().__init__(detail)
+        self.status, self.error, self.detail = status, error, detail
+
+
+@dataclass(frozen=True)
+class Click:
+    """One click on one of our decision buttons, as Slack's block_actions payload says it."""
+
+    team_id: str
+    slack_user_id: str
+    card_id: int
+    version: int
+    decision: str  # approve | reject
+    comment: str
+    response_url: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the clicker is told: `text` ephemerally (blank: nothing), through `response_url`."""
+
+    decided: bool
+    text: str = ""
+    response_url: str = ""
+
+
+def verify(headers, body: bytes) -> None:
+    """Refused (401) unless Slack signed this body within the last five minutes."""
+    secret = settings.SLACK_SIGNING_SECRET
+    if not secret:
+        raise Refused(404, "not_found", "Slack is not configured here (SLACK_SIGNING_SECRET).")
+    timestamp, signature = headers.get("X-Slack-Request-Timestamp"), headers.get("X-Slack-Signature")
+    if not timestamp or not signature:
+        raise Refused(401, "unauthorized", "X-Slack-Request-Timestamp and X-Slack-Signature are required.")
+    if not timestamp.isascii() or not timestamp.isdigit():
+        raise Refused(401, "unauthorized", "X-Slack-Request-Timestamp is not a unix time.")
+    try:
+        valid = SignatureVerifier(secret).is_valid(body=body, timestamp=timestamp, signature=signature)
+    except UnicodeDecodeError:  # the library decodes the body as UTF-8 to sign it; Slack's are
+        valid = False
+    if not valid:
+        raise Refused(401, "unauthorized", "The Slack signature does not verify, or its timestamp is too old.")
+
+
+def parse(body: bytes) -> dict:
+    """The `payload` field of the form-encoded body, as JSON: 400 when there is none."""
+    try:
+        fields = parse_qs(body.decode("utf-8"), strict_parsing=True, max_num_fields=10)
+        payload = json.loads(fields["payload"][0])
+    except (UnicodeDecodeError, ValueError, KeyError) as exc:
+        raise Refused(400, "bad_request", f"The body is not a Slack interaction payload: {exc}") from None
+    if not isinstance(payload, dict):
+        raise Refused(400, "bad_request", "The payload is not an object.")
+    return payload
+
+
+def click_of(payload: dict) -> Click | None:
+    """Our decision button in a block_actions payload, or None for anything else (the "Edit in console" link also
+    reports its clicks; another app's action; another kind of interaction): acknowledged, nothing done."""
+    if payload.get("type") != "block_actions":
+        return None
+    actions = payload.get("actions") or []
+    action = actions[0] if isinstance(actions, list) and actions and isinstance(actions[0], dict) else {}
+    decision = blocks.DECISIONS.get(action.get("action_id"))
+    if decision is None:
+        return None
+    user, team = payload.get("user") or {}, payload.get("team") or {}
+    try:
+        value = json.loads(action.get("value") or "")
+        card_id, version = int(value["card"]), int(value["version"])
+    except (ValueError, KeyError, TypeError):
+        card_id, version = 0, 0  # not a value we made: refused as an unknown card
+    comment = (
+        ((payload.get("state") or {}).get("values") or {})
+        .get(blocks.COMMENT_BLOCK, {})
+        .get(blocks.COMMENT_INPUT, {})
+        .get("value")
+    )
+    return Click(
+        team_id=str(user.get("team_id") or team.get("id") or ""),
+        slack_user_id=str(user.get("id") or ""),
+        card_id=card_id,
+        version=version,
+        decision=decision,
+        comment=str(comment or ""),
+        response_url=str(payload.get("response_url") or ""),
+    )
+
+
+def act(click: Click) -> Answer:
+    """Decide `click` as the user its Slack account is linked to, through the console's path, or say why not."""
+    user = SlackIdentity.user_for(click.team_id, click.slack_user_id)
+    if user is None:
+        return _refuse(click, None, "Your Slack account is not linked to a console user: ask an admin to link it.")
+    try:
+        card = card_for(user, click.card_id, to_decide=True)
+        card.decide(user, click.decision, comment=click.comment, version=click.version, via="slack")
+    except Denied as exc:
+        text = "You may not decide this card." if exc.status == 404 else f"You may not decide this card: {exc}."
+        return _refuse(click, user, text)
+    except DecisionError as exc:
+        return _refuse(click, user, f"Not recorded: {exc}.")
+    log.info("decided from slack", card_id=click.card_id, decision=click.decision, user=user.get_username())
+    return Answer(decided=True)
+
+
+def _refuse(click: Click, user, text: str) -> Answer:
+    """Nothing was decided: the clicker is told why, and the audit log keeps that someone tried."""
+    with transaction.atomic():
+        AuditEntry.record(
+            "slack.refused",
+            # An account nobody linked is named by its Slack ids: a person, just not one of ours.
+            actor=user if user is not None else f"slack:{click.team_id}/{click.slack_user_id}",
+            actor_type=ActorType.HUMAN,
+            target=f"approval:{click.card_id}",
+            data={
+                "decision": click.decision,
+                "version": click.version,
+                "team_id": click.team_id,
+                "slack_user_id": click.slack_user_id,
+                "reason": text,
+            },
+        )
+    log.info("slack click refused", card_id=click.card_id, slack_user_id=click.slack_user_id, reason=text)
+    return Answer(decided=False, text=text, response_url=click.response_url)
+
+
+def tell(answer: Answer) -> None:
+    """Post the ephemeral answer to the click's response_url (Slack's own hooks host only)."""
+    if not answer.text or not answer.response_url:
+        return
+    if not answer.response_url.startswith(settings.SLACK_RESPONSE_URL_PREFIX):
+        log.warning("slack response_url refused", url=answer.response_url[:200])
+        return
+    try:
+        WebhookClient(answer.response_url, timeout=int(settings.NOTIFY_WEBHOOK_TIMEOUT)).send_dict(
+            {"response_type": "ephemeral", "replace_original": False, "text": answer.text}
+        )
+    except OSError as exc:  # the refusal stands; only its explanation is lost
+        log.warning("slack response_url failed", error=str(exc))

@@ -84,9 +84,9 @@ def _section(text: str) -> dict:
 
 
 def title(view: CardView) -> str:
-    """The notification's text (Slack shows it where blocks cannot be shown)."""
+    """The notification's text (Slack shows it where blocks cannot be shown; mrkdwn, so escaped)."""
     headline = view.headline or view.workflow or "a decision"
-    return f"Card {view.id} on {view.channel}: {headline}"
+    return escape(f"Card {view.id} on {view.channel}: {headline}")
 
 
 def message(view: CardView) -> dict:

@@ -35,6 +35,10 @@ from slackapp.models import SlackIdentity
 
 log = structlog.get_logger("slackapp.interactions")
 
+# Slack shows the clicker an error when its request is not answered within 3 s; the answer to a refusal is posted
+# to the response_url before the request is answered, so it gets 2 s at most (the refusal stands either way).
+RESPONSE_URL_TIMEOUT = 2
+
 
 class Refused(Exception):
     """Not a request we act on: answered with `status` (401: not Slack's; 400: not a payload we can read)."""
@@ -175,7 +179,7 @@ def tell(answer: Answer) -> None:
         log.warning("slack response_url refused", url=answer.response_url[:200])
         return
     try:
-        WebhookClient(answer.response_url, timeout=int(settings.NOTIFY_WEBHOOK_TIMEOUT)).send_dict(
+        WebhookClient(answer.response_url, timeout=RESPONSE_URL_TIMEOUT).send_dict(
             {"response_type": "ephemeral", "replace_original": False, "text": answer.text}
         )
     except OSError as exc:  # the refusal stands; only its explanation is lost

@@ -15,6 +15,7 @@ PUBLIC = {
     "password_reset_complete",
     "logout",
     "admin:login",
+    "slack-interactions",  # authenticated by Slack's signature (slackapp.interactions), not by a session
 }
 
 

@@ -12,11 +12,10 @@ class SlackAppConfig(AppConfig):
         from django.db.models.signals import post_save
 
         from approvals import notify
-        from approvals.models import Approval, Decision, card_closed
+        from approvals.models import Approval, card_closed
         from slackapp import posting
 
         # Registered by this app, as the demo registers its counts: approvals does not know Slack.
         notify.BACKENDS[posting.SlackBackend.name] = posting.SlackBackend()
-        post_save.connect(posting.card_opened, sender=Approval, dispatch_uid="slackapp.card_opened")
-        post_save.connect(posting.decision_taken, sender=Decision, dispatch_uid="slackapp.decision_taken")
+        post_save.connect(posting.card_saved, sender=Approval, dispatch_uid="slackapp.card_saved")
         card_closed.connect(posting.card_closed, dispatch_uid="slackapp.card_closed")

@@ -3,11 +3,14 @@ named `slack`, registered by this app (slackapp.apps).
 
 The outbox, as for every notification: a new card on a channel routed to Slack (a SlackRoute, else
 SLACK_DEFAULT_CHANNEL) gets a `card.opened` Notification row and its `send_notification` job in the transaction
-that opens the card; each decision on a posted card, and its close (a decision, the SLA's default or expiry), a
-`card.updated` one, in the transaction that makes it. The job (the `outbound` queue, retried with backoff)
-calls Slack's Web API with slack_sdk's WebClient: chat.postMessage, whose channel and ts are kept as a
-SlackMessage, then chat.update of each such message with the card as it stands when the job runs (so one update
-waiting in the queue is enough: `queueing_lock`). Nothing is posted while SLACK_BOT_TOKEN is unset."""
+that opens the card; each decision on a posted card, and its close (the SLA's default or expiry too), a
+`card.updated` one, in the transaction that makes it. The job (the `outbound` queue, retried with backoff) calls
+Slack's Web API with slack_sdk's WebClient: chat.postMessage, whose channel and ts are kept as a SlackMessage,
+then chat.update of each such message with the card as it stands when the job runs (so one update waiting in the
+queue is enough: `queueing_lock`). Nothing is posted while SLACK_BOT_TOKEN is unset.
+
+Not updated: a card closed by its run's cancel (the runs app writes it, without a signal): its message keeps its
+buttons, and a click on them is refused as "already cancelled"."""
 
 from __future__ import annotations
 
@@ -129,20 +132,18 @@ def refresh(card_id: int) -> None:
         pass
 
 
-def card_opened(sender, instance: Approval, created: bool, **_) -> None:
-    """post_save of Approval."""
+def card_saved(sender, instance: Approval, created: bool, **_) -> None:
+    """post_save of Approval: a new card is posted; a card saved again (a decision: Approval.decide saves it, an
+    approval of two and an edit included; a card replaced by a new question) has its message updated."""
     if created:
         announce(instance)
-
-
-def decision_taken(sender, instance: Decision, created: bool, **_) -> None:
-    """post_save of Decision: an approval of two, a rejection, an edit... the message shows it."""
-    if created:
-        refresh(instance.approval_id)
+    else:
+        refresh(instance.pk)
 
 
 def card_closed(sender, card: Approval, **_) -> None:
-    """approvals.models.card_closed: decided, defaulted or expired."""
+    """approvals.models.card_closed: also sent where a card is closed without being saved (the SLA policy's
+    compare-and-swap: a safe default, an expiry)."""
     refresh(card.pk)
 
 

@@ -7,12 +7,14 @@ response_urls); clicks are Slack's documented block_actions payloads signed with
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 from guardian.shortcuts import assign_perm
 
+from approvals import policy
 from approvals.models import Approval, Decision, Notification
 from approvals.tasks import send_notification
 from core.models import AuditEntry, Channel
@@ -20,7 +22,8 @@ from runs import submission
 from runs.models import Run
 from slackapp.models import SlackIdentity, SlackMessage, SlackRoute
 from tests import slack_fake
-from tests.engine_helpers import REFUND, drive, queued_jobs
+from tests.engine_helpers import REFUND, drive
+from tests.integration.test_decide_permission import everything  # what a refused decision leaves as it was
 
 URL = "/api/slack/interactions"
 
@@ -76,21 +79,6 @@ def click(slack: slack_fake.FakeSlack, card_id: int, version: int, **options) ->
 def post_click(payload: dict, client: Client | None = None, **sign):
     body, headers = slack_fake.signed(payload, **sign)
     return (client or Client()).post(URL, data=body, content_type=headers.pop("Content-Type"), headers=headers)
-
-
-def everything(card: Approval) -> tuple:
-    """What a click that decides nothing must leave as it was."""
-    card = Approval.objects.get(pk=card.pk)
-    run = Run.objects.get(pk=card.run_id)
-    return (
-        card.status,
-        card.version,
-        card.decided_at,
-        Decision.objects.filter(approval=card).count(),
-        AuditEntry.objects.filter(action__startswith="approval.").count(),
-        run.status,
-        queued_jobs(run),
-    )
 
 
 def decisions_audited(card: Approval) -> list[AuditEntry]:
@@ -196,6 +184,14 @@ def test_a_decision_in_the_console_updates_the_message_too(slack, posted, linked
     assert "via" not in decisions_audited(posted)[0].data  # the console's own decisions are not marked
 
 
+def test_a_safe_default_at_the_deadline_updates_the_message(slack, posted):
+    Channel.objects.filter(name="payments").update(escalation_policy="safe_default")
+    assert policy.apply_sla(posted.pk, posted.due_at + timedelta(seconds=1)) == "safe_default"
+    assert send_slack_notifications() == ["sent"]
+    blocks = str(slack.calls("chat.update")[0]["blocks"])
+    assert "Rejected by the system at" in blocks and "hitl_approve" not in blocks
+
+
 # --- replays and refusals: nothing changes, and the clicker is told why ----------------------------------------------
 
 
@@ -223,7 +219,7 @@ def test_a_replayed_first_approval_of_two_does_not_count_twice(slack, posted, li
     content_type = headers.pop("Content-Type")
     Client().post(URL, data=body, content_type=content_type, headers=headers)
     once = everything(posted)
-    assert once[0] == "pending" and once[3] == 1  # one approval of two: still open
+    assert once[0] == "pending" and once[4] == 1  # one approval of two: still open
 
     Client().post(URL, data=body, content_type=content_type, headers=headers)
     assert everything(posted) == once

@@ -70,3 +70,18 @@ def test_a_secret_is_required_outside_development(monkeypatch):
     assert env_secret("X_SECRET", development_default="dev", development=True) == "dev"
     with pytest.raises(ImproperlyConfigured, match="X_SECRET must be set"):
         env_secret("X_SECRET", development_default="dev", development=False)
+
+
+def test_a_slack_bot_token_without_its_signing_secret_stops_the_start():
+    # Posted buttons whose clicks could not be verified would only ever be refused: say so at start.
+    env = {
+        **os.environ,
+        "DATABASE_URL": "postgres://nobody@127.0.0.1:1/none",  # parsed, never reached: settings fail first
+        "SLACK_BOT_TOKEN": "xoxb-test",
+        "SLACK_SIGNING_SECRET": "",
+    }
+    proc = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=settings.BASE_DIR, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert "ImproperlyConfigured: SLACK_BOT_TOKEN is set without SLACK_SIGNING_SECRET" in proc.stderr

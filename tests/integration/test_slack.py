@@ -11,8 +11,10 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connection
 from django.test import Client
 from guardian.shortcuts import assign_perm
+from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals import policy
 from approvals.models import Approval, Decision, Notification
@@ -51,9 +53,18 @@ def linked(demo):
 
 
 def send_slack_notifications() -> list[str]:
-    """Run the `send_notification` jobs of Slack's pending notifications, as the outbound worker would."""
-    pending = Notification.objects.filter(backend="slack", status=Notification.Status.PENDING).order_by("pk")
-    return [send_notification(notification_id=pk) for pk in pending.values_list("pk", flat=True)]
+    """Run the queued `send_notification` jobs of Slack's notifications, as the outbound worker would: a job that
+    returns is marked succeeded (which frees its queueing lock); one that raises stays queued, to be retried."""
+    results = []
+    jobs = ProcrastinateJob.objects.filter(task_name="approvals.tasks.send_notification", status="todo")
+    for job in jobs.order_by("id"):
+        notification_id = job.args["notification_id"]
+        if not Notification.objects.filter(pk=notification_id, backend="slack").exists():
+            continue
+        results.append(send_notification(notification_id=notification_id))
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE procrastinate_jobs SET status = 'succeeded' WHERE id = %s", [job.id])
+    return results
 
 
 def new_card(demo, **submit) -> Approval:
@@ -155,6 +166,8 @@ def test_a_signed_approve_click_decides_the_card_and_updates_the_message(slack, 
     assert entry.data["via"] == "slack" and entry.data["version"] == posted.version + 1
     assert not slack.responses()  # nothing ephemeral: the message itself says it
 
+    # One update queued (the card saved, then closed: the second waits behind the first's queueing lock).
+    assert Notification.objects.filter(backend="slack", event="card.updated").count() == 1
     assert send_slack_notifications() == ["sent"]
     (update,) = slack.calls("chat.update")
     message = SlackMessage.objects.get()
@@ -229,6 +242,23 @@ def test_a_replayed_first_approval_of_two_does_not_count_twice(slack, posted, li
     update = slack.calls("chat.update")[-1]
     assert "1 of 2 approvals so far: reviewer" in str(update["blocks"])
     assert f'"version":{posted.version + 1}' in str(update["blocks"])
+
+
+def test_two_people_approve_from_slack_on_a_two_person_channel(slack, posted, rita):
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    SlackIdentity.objects.create(user=rita, team_id=slack_fake.TEAM, slack_user_id="U0RITA")
+    post_click(click(slack, posted.pk, posted.version))
+    assert Approval.objects.get(pk=posted.pk).status == "pending"
+    send_slack_notifications()
+    # The second person clicks on the message as updated: the version it now carries.
+    (version,) = {b["value"] for b in slack.calls("chat.update")[-1]["blocks"][-1]["elements"] if "value" in b}
+    post_click(click(slack, posted.pk, int(version.split('"version":')[1].rstrip("}")), user="U0RITA"))
+    card = Approval.objects.get(pk=posted.pk)
+    assert card.status == "approved" and not slack.responses()
+    assert [d.actor.username for d in card.decisions.order_by("pk")] == ["reviewer", "rita"]
+    assert [e.data["via"] for e in decisions_audited(card)] == ["slack", "slack"]
+    send_slack_notifications()
+    assert "Approved by rita at" in str(slack.calls("chat.update")[-1]["blocks"])
 
 
 def test_a_click_on_a_card_that_changed_since_is_refused(slack, posted, linked, rita):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 
+from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
 
@@ -71,6 +72,10 @@ def test_a_signed_click_over_http_decides_once_and_the_worker_updates_the_messag
         assert (entry.actor, entry.data["via"]) == ("reviewer", "slack")
         (told,) = fake.responses()
         assert told["response_type"] == "ephemeral" and "already approved by reviewer" in told["text"]
+
+        # The API's body limit applies here too, while the body arrives (console.body_limit): 413, nothing read.
+        big = slack_fake.click(card.pk, card.version, comment="x" * django_settings.API_MAX_BODY_BYTES)
+        assert _post(server.port, *slack_fake.signed(big)) == 413
 
         update = wait_until(lambda: fake.calls("chat.update"), message="chat.update")[-1]
         assert (update["channel"], update["ts"]) == (message.slack_channel, message.ts)

@@ -326,6 +326,9 @@ MAILERS = {
     }
 }
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
+# Where people reach the console, for the links in notification emails (the card, and its Approve and Reject
+# links: approvals.links). Unset outside development: the emails then give paths, without a host.
+CONSOLE_URL = env_str("CONSOLE_URL", "http://127.0.0.1:8000" if DEVELOPMENT else "").rstrip("/")
 
 # --- Security headers, HTTPS and login throttling ----------------------------------------------------------
 # (Kept together; README "Running in production".) Outside development the console is served over HTTPS only.

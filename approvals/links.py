@@ -46,13 +46,18 @@ def path_for(link: DecisionLink) -> str:
     return f"/approvals/email/{token_for(link)}/"
 
 
-def find(token: str) -> DecisionLink | None:
-    """The link `token` names, or None when its signature does not verify (changed, truncated, made up)."""
+def link_id(token: str) -> uuid.UUID | None:
+    """The id `token` carries, or None when its signature does not verify (changed, truncated, made up)."""
     try:
-        link_id = uuid.UUID(_signer().unsign(token))
+        return uuid.UUID(_signer().unsign(token))
     except (signing.BadSignature, ValueError):
         return None
-    return DecisionLink.objects.select_related("approval").filter(pk=link_id).first()
+
+
+def find(token: str) -> DecisionLink | None:
+    """The link `token` names, or None (a bad signature, or a link that is no more)."""
+    pk = link_id(token)
+    return None if pk is None else DecisionLink.objects.select_related("approval").filter(pk=pk).first()
 
 
 def for_recipient(notification: Notification, recipient) -> dict[str, DecisionLink]:

@@ -164,7 +164,7 @@ def test_a_logged_out_visitor_goes_through_the_login_and_lands_on_the_card_with_
     assert re.search(r'<form class="card-approve card-preselected"', html)
     assert f'<input type="hidden" name="link" value="{token_of(path)}">' in html
     assert html.count('name="link"') == 1  # in the approve form only
-    assert "<details class=\"card-reject\">" in html  # the reject form stays closed
+    assert '<details class="card-reject">' in html  # the reject form stays closed
     assert response["Cache-Control"].startswith("max-age=0") and "no-store" in response["Cache-Control"]
     unchanged(card)
 

@@ -421,3 +421,20 @@ def test_a_permission_taken_away_after_opening_refuses_the_decision(leads):
     remove_perm("core.approve_channel", leads["lena"], Channel.objects.get(name="payments"))
     assert decide(lena, card, path).status_code == 404
     unchanged(card)
+
+
+def test_a_link_used_by_another_request_meanwhile_rolls_the_decision_back(leads):
+    """The link is checked before the decision and used after it, in its transaction: a request that used it in
+    between (checked the same moment, committed first) makes this decision roll back whole."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    card = escalate()
+    path = email_links("lena@example.com")["approve"]
+    checked = links.check(token_of(path), leads["lena"], card_id=card.pk, decision="approve")
+    DecisionLink.objects.filter(pk=checked.pk).update(used_at=timezone.now())  # the other request's commit
+
+    with pytest.raises(LinkRefused) as refused:
+        links.decide_through(checked, card, leads["lena"], "approve", version=card.version)
+    assert refused.value.status == 410
+    card.refresh_from_db()
+    assert card.version == 1 and not card.decisions.exists()
+    assert not AuditEntry.objects.filter(approval_id=card.pk, action__startswith="approval.").exists()

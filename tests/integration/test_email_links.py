@@ -438,3 +438,19 @@ def test_a_link_used_by_another_request_meanwhile_rolls_the_decision_back(leads)
     card.refresh_from_db()
     assert card.version == 1 and not card.decisions.exists()
     assert not AuditEntry.objects.filter(approval_id=card.pk, action__startswith="approval.").exists()
+
+
+def test_django_admin_lists_the_links_read_only(leads, alice):
+    card = escalate()
+    admin = logged_in(alice)
+    response = admin.get("/admin/approvals/decisionlink/")
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert html.count(f'href="/approvals/{card.pk}/"') == 6
+    assert "/admin/approvals/decisionlink/add/" not in html
+    link = DecisionLink.objects.filter(approval=card).first()
+    assert links.token_for(link) not in html
+    page = admin.get(f"/admin/approvals/decisionlink/{link.pk}/change/")
+    assert page.status_code == 200 and links.token_for(link) not in page.content.decode()
+    assert admin.post(f"/admin/approvals/decisionlink/{link.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert DecisionLink.objects.filter(pk=link.pk).exists()

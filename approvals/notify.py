@@ -21,7 +21,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from approvals import links
+from approvals import labels, links
 from approvals.models import DecisionLink, Notification
 from core import webhook_signing
 
@@ -54,6 +54,7 @@ class EmailBackend:
         payload = notification.payload
         subject = f"[HITL] Card {payload.get('approval_id')} on {payload.get('channel')} escalated: SLA expired"
         base = settings.CONSOLE_URL
+        words = labels.for_card(notification.approval)  # a reconcile card's "approve" is "It happened"
         for recipient in recipients:
             made = links.for_recipient(notification, recipient)
             if all(link.emailed_at is not None for link in made.values()):
@@ -64,6 +65,7 @@ class EmailBackend:
                 "card_url": base + str(payload.get("url", "")),
                 "approve_url": base + links.path_for(made["approve"]),
                 "reject_url": base + links.path_for(made["reject"]),
+                "labels": words,
             }
             message = EmailMultiAlternatives(
                 subject, render_to_string("approvals/email/escalated.txt", context), None, [recipient.email]

@@ -28,7 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from approvals import edits, links, rules
+from approvals import edits, labels, links, rules
 from approvals.access import card_for
 from approvals.diff import changes, diff_json, summarize
 from approvals.errors import (
@@ -48,16 +48,6 @@ from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
 EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
-
-# What approve and reject mean, per kind of card.
-LABELS = {
-    Kind.ACTION: {"approve": "Approve", "edit": "Edit", "reject": "Reject"},
-    Kind.RECONCILE: {"approve": "It happened", "edit": "", "reject": "It did not happen"},
-    Kind.BUDGET: {"approve": "Extend the limit", "edit": "Edit the limit", "reject": "Stop the run"},
-}
-# On a shadow card nothing is sent: the reviewer does the action by hand, and the decision says what they did.
-SHADOW_LABELS = {"approve": "I did it as proposed", "edit": "I did it differently", "reject": "I did not do it"}
-
 
 # --- what the card shows -----------------------------------------------------------------------------------
 
@@ -146,7 +136,7 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.required_approvals = card.channel.required_approvals
     card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
-    card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
+    card.labels = labels.for_card(card)
     if not edits.accepts_edits(card):
         card.labels = {**card.labels, "edit": ""}  # no edit offered
     # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).

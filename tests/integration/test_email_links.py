@@ -101,7 +101,7 @@ def test_it_emails_each_recipient_their_own_approve_and_reject_links(leads):
     assert len({*lena.values(), *mia.values()}) == 4  # one link per recipient per decision
     message = next(m for m in mail.outbox if m.to == ["lena@example.com"])
     assert f"{CONSOLE}/approvals/{card.pk}/" in message.body
-    assert "Nothing is decided until\nyou log in and press the button there" in message.body
+    assert "Nothing is decided until you log in and press the button there." in " ".join(message.body.split())
     (html, mimetype), *_ = message.alternatives
     assert mimetype == "text/html"
     assert f'href="{CONSOLE}{lena["approve"]}"' in html and f'href="{CONSOLE}{lena["reject"]}"' in html
@@ -113,6 +113,19 @@ def test_it_emails_each_recipient_their_own_approve_and_reject_links(leads):
     }
     assert all(row.expires_at == card.due_at and row.emailed_at and row.used_at is None for row in rows)
     assert links.find(token_of(lena["approve"])).recipient == leads["lena"]
+
+
+def test_the_links_say_what_the_card_calls_its_decisions(leads):
+    """A shadow card's approve is "I did it as proposed": the email says so, as the card's buttons do."""
+    Channel.objects.filter(name="payments").update(shadow=True)
+    card = escalate()
+    assert card.shadow
+    message = next(m for m in mail.outbox if m.to == ["lena@example.com"])
+    assert re.search(r"^I did it as proposed: \S+/approvals/email/\S+$", message.body, re.MULTILINE)
+    assert re.search(r"^I did not do it: \S+/approvals/email/\S+$", message.body, re.MULTILINE)
+    assert "Approve" not in message.body
+    (html, _), *_ = message.alternatives
+    assert "I did it as proposed…</a>" in html and "I did not do it…</a>" in html
 
 
 def test_a_retry_after_a_failure_part_way_mails_only_those_not_mailed_yet(leads, monkeypatch):

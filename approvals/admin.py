@@ -1,5 +1,6 @@
 """Notifications in Django admin: one that kept failing stays visible here with its last error, and can be sent
-again."""
+again. The Approve and Reject links their emails carried (approvals.links), read-only: who got which, until when,
+and whether it was used."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from django.db import transaction
 from django.utils.html import format_html
 from procrastinate.contrib.django import app
 
-from approvals.models import Notification
+from approvals.models import DecisionLink, Notification
 
 
 @admin.register(Notification)
@@ -60,3 +61,30 @@ class NotificationAdmin(admin.ModelAdmin):
                 )
                 count += 1
         self.message_user(request, f"{count} notification(s) queued again.", messages.SUCCESS)
+
+
+@admin.register(DecisionLink)
+class DecisionLinkAdmin(admin.ModelAdmin):
+    """Read-only: a link is made by the email backend and used by a decision, never edited by hand (the token
+    itself is never shown: it is the id signed, and would let its recipient's session decide)."""
+
+    list_display = ["created_at", "card", "recipient", "decision", "expires_at", "emailed_at", "used_at"]
+    list_filter = ["decision"]
+    search_fields = ["recipient__username", "approval__id"]
+    date_hierarchy = "created_at"
+    list_select_related = ["recipient"]
+    fields = ["approval", "notification", "recipient", "decision", "expires_at", "created_at", "emailed_at", "used_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.display(description="card", ordering="approval_id")
+    def card(self, obj: DecisionLink):
+        return format_html('<a href="/approvals/{}/">card {}</a>', obj.approval_id, obj.approval_id)

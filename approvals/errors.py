@@ -62,3 +62,12 @@ class StaleVersion(DecisionError):
     def __init__(self, card: Approval, version: int):
         super().__init__(f"the card changed (version {card.version}, you sent {version}): reload it")
         self.card = card
+
+
+class LinkRefused(DecisionError):
+    """An email's decision link (approvals.links) that cannot be followed, or carried into a decision: tampered
+    (404), sent to someone else (403), used, expired or its card closed (410). Nothing is decided."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status

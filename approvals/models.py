@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import uuid
+
 from django.conf import settings
 from django.contrib.auth.models import Group
 from django.core.serializers.json import DjangoJSONEncoder
@@ -202,7 +204,8 @@ class Approval(models.Model):
         until a second person approves what executes as it stands). An edit is what runs from then on
         (`to_execute`): the card's display columns become the edit's, and the version that a later decision must
         name is the one after it. On a shadow card the decision records what the reviewer did by hand. `via` names
-        where it was taken when not in the console (`slack`), in its audit entry."""
+        where it was taken or where the person came from when not the console itself (`slack`; `email`: a
+        DecisionLink), in its audit entry."""
         asked = rules.Asked.of(
             decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
         )
@@ -235,7 +238,7 @@ class Approval(models.Model):
             for column, value in display.items():
                 setattr(card, column, value)
             card.save(update_fields=["status", "decided_at", "version", *display])
-            card._audit_decision(actor, asked, count, earlier, via)
+            card._audit_decision(actor, asked, count, earlier, via=via)
             if count.complete:
                 card_closed.send(Approval, card=card)
             # Two-person rule: a first approval leaves the card open and the run parked.
@@ -357,3 +360,49 @@ class RejectReason(models.TextChoices):
     POLICY = "policy", "Against policy"
     DUPLICATE = "duplicate", "Duplicate"
     OTHER = "other", "Other"
+
+
+class DecisionLink(models.Model):
+    """An Approve or Reject link in a notification email (approvals.links): one per recipient per decision per
+    notification. It opens the card with that decision pre-selected; it authenticates nobody (the console's login
+    does) and decides nothing (the person presses the button of the card page's own decide form, which carries
+    it). Good once (`used_at`, set in the decision's transaction), until `expires_at` (the card's deadline when it
+    was sent) and while the card is open."""
+
+    class Choice(models.TextChoices):
+        APPROVE = DecisionKind.APPROVE.value
+        REJECT = DecisionKind.REJECT.value
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="decision_links")
+    notification = models.ForeignKey(Notification, on_delete=models.CASCADE, related_name="decision_links")
+    recipient = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    decision = models.CharField(max_length=8, choices=Choice.choices)
+    expires_at = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    # Set once the email carrying it went out: a retried notification does not mail that recipient again.
+    emailed_at = models.DateTimeField(null=True, blank=True)
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["notification", "recipient", "decision"], name="approvals_decisionlink_one_per_recipient"
+            ),
+            models.CheckConstraint(
+                condition=Q(decision__in=["approve", "reject"]), name="approvals_decisionlink_decision_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.decision} link to card {self.approval_id} for user {self.recipient_id}"
+
+    def use(self) -> bool:
+        """Compare-and-swap: marks the link used, if nobody did. Called in the decision's transaction, after
+        Approval.decide (the lock order stays run, card, then link): False means another request used it first,
+        and the caller rolls the decision back."""
+        now = timezone.now()
+        used = DecisionLink.objects.filter(pk=self.pk, used_at__isnull=True).update(used_at=now) == 1
+        if used:
+            self.used_at = now
+        return used

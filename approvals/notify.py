@@ -2,7 +2,8 @@
 
 A backend turns a Notification row into one delivery and raises on failure; the `send_notification` job
 (approvals.tasks) calls it outside any transaction, retries it with backoff, and records the outcome on the
-row. Backends: `email` (Django's mail, to the escalation group's members) and `webhook` (a JSON POST signed
+row. Backends: `email` (Django's mail, to each of the escalation group's members, with their own Approve and Reject
+links: approvals.links) and `webhook` (a JSON POST signed
 with Standard Webhooks, like the deliveries we receive: `webhook-id` (the notification's id, the same on every
 retry, so the receiver can drop a copy), `webhook-timestamp` and `webhook-signature: v1,<base64 HMAC-SHA256 of
 "<id>.<timestamp>.<body>">`, one per NOTIFY_WEBHOOK_SECRET during a rotation; core.webhook_signing)."""
@@ -15,10 +16,13 @@ from typing import Protocol
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.mail import send_mail
+from django.core.mail import EmailMultiAlternatives
 from django.core.serializers.json import DjangoJSONEncoder
+from django.template.loader import render_to_string
+from django.utils import timezone
 
-from approvals.models import Notification
+from approvals import labels, links
+from approvals.models import DecisionLink, Notification
 from core import webhook_signing
 
 
@@ -34,28 +38,41 @@ class Backend(Protocol):
 
 
 class EmailBackend:
+    """One email per member of the escalation group (with an address), each with that person's own Approve and
+    Reject links (approvals.links: they open the card with the choice pre-selected; the person logs in and
+    presses the button). Templates: approvals/email/escalated.txt and .html. A retry after a failure part way
+    mails only those whose email did not go out yet."""
+
     name = "email"
 
     def send(self, notification: Notification) -> None:
-        recipients = sorted(
-            User.objects.filter(groups=notification.group_id, is_active=True)
-            .exclude(email="")
-            .values_list("email", flat=True)
+        recipients = list(
+            User.objects.filter(groups=notification.group_id, is_active=True).exclude(email="").order_by("email", "pk")
         )
         if notification.group_id is None or not recipients:
             raise NothingToSend("the escalation group has no members with an email address")
         payload = notification.payload
         subject = f"[HITL] Card {payload.get('approval_id')} on {payload.get('channel')} escalated: SLA expired"
-        lines = [
-            f"The card on channel {payload.get('channel')} was not decided in time and is now assigned to your group.",
-            "",
-            f"Summary: {payload.get('summary', '')}",
-            f"Workflow: {payload.get('workflow', '')}",
-            f"New deadline: {payload.get('due_at', '')}",
-            "",
-            f"Decide it: {payload.get('url', '')}",
-        ]
-        send_mail(subject, "\n".join(lines), None, recipients)
+        base = settings.CONSOLE_URL
+        words = labels.for_card(notification.approval)  # a reconcile card's "approve" is "It happened"
+        for recipient in recipients:
+            made = links.for_recipient(notification, recipient)
+            if all(link.emailed_at is not None for link in made.values()):
+                continue  # an earlier attempt of this notification mailed them
+            context = {
+                **payload,
+                "recipient": recipient,
+                "card_url": base + str(payload.get("url", "")),
+                "approve_url": base + links.path_for(made["approve"]),
+                "reject_url": base + links.path_for(made["reject"]),
+                "labels": words,
+            }
+            message = EmailMultiAlternatives(
+                subject, render_to_string("approvals/email/escalated.txt", context), None, [recipient.email]
+            )
+            message.attach_alternative(render_to_string("approvals/email/escalated.html", context), "text/html")
+            message.send()
+            DecisionLink.objects.filter(pk__in=[link.pk for link in made.values()]).update(emailed_at=timezone.now())
 
 
 class WebhookBackend:

@@ -4,6 +4,9 @@ Who may see and decide a card: approvals.access.card_for, as for the API (404 fo
 for a decision on a run they started). The decision itself (locking, the rules, audit, resuming the run) is
 `Approval.decide`.
 
+An email's Approve or Reject link (approvals.links) lands on `decision_link`: the card page with that choice
+pre-selected, whose form posts the link's token along to `decide`, the one place a card is decided from here.
+
 The card's body is the `card` partial of templates/approvals/card.html. Other pages (the inbox) can show it:
 `prepare(card, user)` then `{% include "approvals/card.html#card" %}` with `card` in the context, or fetch it with
 htmx (`hx-get="/approvals/<id>/"` answers the partial alone).
@@ -18,18 +21,21 @@ from urllib.parse import urlparse
 from django.core.exceptions import PermissionDenied
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from approvals import edits, rules
+from approvals import edits, labels, links, rules
 from approvals.access import card_for
 from approvals.diff import changes, diff_json, summarize
 from approvals.errors import (
     AlreadyDecided,
     DecisionError,
     InvalidDecision,
+    LinkRefused,
     NotAllowed,
     SecondApproverNeeded,
     StaleVersion,
@@ -42,16 +48,6 @@ from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
 EVENT = "approvals-changed"  # sent after a decision; the inbox's counters listen for it
-
-# What approve and reject mean, per kind of card.
-LABELS = {
-    Kind.ACTION: {"approve": "Approve", "edit": "Edit", "reject": "Reject"},
-    Kind.RECONCILE: {"approve": "It happened", "edit": "", "reject": "It did not happen"},
-    Kind.BUDGET: {"approve": "Extend the limit", "edit": "Edit the limit", "reject": "Stop the run"},
-}
-# On a shadow card nothing is sent: the reviewer does the action by hand, and the decision says what they did.
-SHADOW_LABELS = {"approve": "I did it as proposed", "edit": "I did it differently", "reject": "I did not do it"}
-
 
 # --- what the card shows -----------------------------------------------------------------------------------
 
@@ -140,7 +136,7 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.required_approvals = card.channel.required_approvals
     card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
-    card.labels = SHADOW_LABELS if card.shadow else LABELS.get(card.kind, LABELS[Kind.ACTION])
+    card.labels = labels.for_card(card)
     if not edits.accepts_edits(card):
         card.labels = {**card.labels, "edit": ""}  # no edit offered
     # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).
@@ -154,6 +150,10 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.conflict = state.get("conflict", "")
     card.error = state.get("error", "")
     card.opened = state.get("opened", "")  # which decision form to show open after a refusal: edit or reject
+    # Opened from an email's decision link: {token, decision}, the choice pre-selected and the token in its form.
+    card.via_link = state.get("via_link")
+    if card.via_link and card.via_link["decision"] == DecisionKind.REJECT and not card.opened:
+        card.opened = "reject"
     return card
 
 
@@ -170,6 +170,32 @@ def _render(request, card: Approval, status: int = 200) -> HttpResponse:
 def card(request, pk: int):
     card = card_for(request.user, pk)
     return _render(request, prepare(card, request.user))
+
+
+@require_GET
+@never_cache
+def decision_link(request, token: str):
+    """An email's Approve or Reject link. The console's login comes first (LoginRequiredMiddleware sends a visitor
+    through the login page and back here); then the link is checked for this user (approvals.links.check: a page
+    saying why when it cannot be used), and the card is shown as its own page shows it, to those its page shows it
+    to (card_for), with the link's decision pre-selected. Nothing is decided here: a GET never does."""
+    try:
+        link = links.check(token, request.user)
+    except LinkRefused as exc:
+        found = links.find(token)
+        card_id = found.approval_id if found is not None and found.recipient_id == request.user.pk else None
+        context = {"message": str(exc), "status": exc.status, "card_id": card_id}
+        return render(request, "approvals/link_refused.html", context, status=exc.status)
+    card = card_for(request.user, link.approval_id)
+    return _render(request, prepare(card, request.user, via_link={"token": token, "decision": link.decision}))
+
+
+def _decide(card: Approval, user, decision: str, link, **fields) -> Approval:
+    """Approval.decide, or, for a decision carrying an email's link, the same through approvals.links (audited
+    `via: email`, the link used in the decision's transaction)."""
+    if link is None:
+        return card.decide(user, decision, **fields)
+    return links.decide_through(link, card, user, decision, **fields)
 
 
 def _version(request) -> int | None:
@@ -189,19 +215,25 @@ def decide(request, pk: int):
     if card.shadow:
         state["shadow_values"] = shadow
     decided = False
+    link, token = None, request.POST.get("link", "")
     try:
+        if token:  # from an email's link: it must still be good, for this user, card and decision
+            link = links.check(token, user, card_id=card.pk, decision=decision)
+            state["via_link"] = {"token": token, "decision": link.decision}  # kept if the decision is refused
         if version is None:
             raise InvalidDecision("The card's version is missing: reload the card.")
         if decision == DecisionKind.APPROVE:
-            card.decide(user, decision, comment=request.POST.get("comment", ""), version=version, **shadow)
+            _decide(card, user, decision, link, comment=request.POST.get("comment", ""), version=version, **shadow)
             decided = True
         elif decision == DecisionKind.REJECT:
             form = RejectForm(request.POST)
             if form.is_valid():
                 state.update(reject_form=form, opened="reject")  # shown again if the decision is refused
-                card.decide(
+                _decide(
+                    card,
                     user,
                     decision,
+                    link,
                     comment=form.cleaned_data["comment"],
                     reason=form.cleaned_data["reason"],
                     version=version,
@@ -221,9 +253,11 @@ def decide(request, pk: int):
                 state.update(edit_form=form, preview=preview, opened="edit")
             else:
                 state.update(edit_form=form, opened="edit")  # shown again if the decision is refused
-                card.decide(
+                _decide(
+                    card,
                     user,
                     decision,
+                    link,
                     comment=form.cleaned_data.get("comment", ""),
                     payload=form.cleaned_data["payload"],
                     version=version,
@@ -234,7 +268,9 @@ def decide(request, pk: int):
             raise InvalidDecision("Choose approve, edit or reject.")
     except (AlreadyDecided, StaleVersion) as exc:
         card = card_for(user, pk)
-        return _render(request, prepare(card, user, conflict=_conflict_message(exc)), status=409)
+        # A stale card is still open: its link (if any) stays pre-selected for the decision taken again.
+        again = {"via_link": state["via_link"]} if "via_link" in state and isinstance(exc, StaleVersion) else {}
+        return _render(request, prepare(card, user, conflict=_conflict_message(exc), **again), status=409)
     except NotAllowed as exc:
         raise PermissionDenied(str(exc)) from exc
     except SecondApproverNeeded as exc:
@@ -249,6 +285,8 @@ def decide(request, pk: int):
             return redirect("card", pk=pk)
         response = _render(request, prepare(card_for(user, pk), user))
         trigger_client_event(response, EVENT, after="settle")
+        if link is not None:  # the address bar leaves the used link for the card's own page
+            response["HX-Replace-Url"] = reverse("card", args=[pk])
         return response
     refused = bool(state.get("error") or any(f.errors for k, f in state.items() if k.endswith("_form")))
     return _render(request, prepare(card, user, **state), status=422 if refused else 200)

@@ -327,8 +327,10 @@ MAILERS = {
     }
 }
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
-# The console's address as people reach it: the links in messages sent elsewhere (Slack's "Edit in console").
-CONSOLE_URL = env_str("CONSOLE_URL", "http://127.0.0.1:8000")
+# Where people reach the console, for the links in messages sent elsewhere: the emails (the card, and its Approve
+# and Reject links: approvals.links) and Slack's "Edit in console". Unset outside development: the emails then
+# give paths, without a host (Slack needs it: see below).
+CONSOLE_URL = env_str("CONSOLE_URL", "http://127.0.0.1:8000" if DEVELOPMENT else "").rstrip("/")
 
 # Decisions from Slack (slackapp; docs/RUNBOOK.md "Slack"): cards are posted with the bot token (scope chat:write)
 # to their channel's SlackRoute or SLACK_DEFAULT_CHANNEL, and clicks on POST /api/slack/interactions are verified
@@ -339,6 +341,8 @@ if SLACK_BOT_TOKEN and not SLACK_SIGNING_SECRET:
     raise ImproperlyConfigured(
         "SLACK_BOT_TOKEN is set without SLACK_SIGNING_SECRET: the buttons it posts would not work"
     )
+if SLACK_BOT_TOKEN and not CONSOLE_URL:
+    raise ImproperlyConfigured("SLACK_BOT_TOKEN is set without CONSOLE_URL: the cards' links to the console need it")
 SLACK_DEFAULT_CHANNEL = env_str("SLACK_DEFAULT_CHANNEL")
 SLACK_API_URL = env_str("SLACK_API_URL", "https://slack.com/api/")  # tests point it at a fake of the Web API
 # A click's ephemeral answer is posted to its response_url only on Slack's own host.

@@ -251,7 +251,11 @@ class Approval(models.Model):
                 card.status, card.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
             elif on_policy and count.to_stage != card.stage:
                 moved = card.enter_stage(count.to_stage, timezone.now())
-            card.version += 1
+            # Under a policy the version names what runs (a quorum's second person approves what the first one
+            # saw, even when both clicked at once): an edit or the card's end changes it, another yes does not.
+            # The two-person rule of a channel without a policy keeps its own (every decision changes it).
+            if not on_policy or count.complete or asked.decision == DecisionKind.EDIT:
+                card.version += 1
             # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
             display = card.display_of(card.to_execute) if asked.decision == DecisionKind.EDIT else {}
             for column, value in display.items():

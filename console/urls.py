@@ -30,6 +30,7 @@ urlpatterns = [
     path("approvals/<int:pk>/", approval_views.card, name="card"),
     path("approvals/<int:pk>/decide", approval_views.decide, name="decide"),
     path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
+    path("approvals/away/", approval_views.away, name="away"),  # audited
     path("runs/", run_views.run_list, name="runs"),
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("runs/<uuid:pk>/cancel", run_views.run_cancel, name="run-cancel"),

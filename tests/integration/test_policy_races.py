@@ -8,10 +8,12 @@ connection, released together; the decisions through the API):
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import Group, User
+from django.db import connection, transaction
 from django.test import Client
 
 from approvals import policy as sla
@@ -127,3 +129,31 @@ def test_a_decision_landing_as_the_chain_ends_fail_closed(agent, escalating):
         run.refresh_from_db()
         assert run.status == Run.Status.QUEUED and queued_jobs(run) == 1
     print("orders seen:", sorted(seen))  # noqa: T201 - which interleavings the rounds met
+
+
+@pytest.mark.parametrize("end", ["escalate", "reject"])
+def test_a_deadline_waits_for_a_decision_in_progress_and_then_does_nothing(agent, escalating, end):
+    """The same race, one order forced: the deadline arrives while a decision holds the card (its transaction
+    not yet committed). The SLA's compare-and-swap waits for it, then finds the card decided."""
+    lead, _, managers = escalating
+    stages = [{"name": "lead", "users": [lead], "sla": timedelta(minutes=30)}]
+    if end == "escalate":
+        stages.append({"name": "managers", "purpose": "escalate", "groups": [managers]})
+    make_policy("racing", stages, at_end="reject")
+    run, card = start_parked_run(Client(), agent)
+    late = card.due_at + timedelta(seconds=1)
+    results: list = []
+    deadline = threading.Thread(target=lambda: (results.append(sla.apply_sla(card.pk, late)), connection.close()))
+    with transaction.atomic():
+        card.decide(lead, "approve", version=card.version)
+        deadline.start()
+        deadline.join(1.0)
+        assert deadline.is_alive(), "the deadline did not wait for the decision holding the card"
+    deadline.join(30)
+    assert results == [None]
+    card.refresh_from_db()
+    assert card.status == Approval.Status.APPROVED and card.stage == 0
+    assert not AuditEntry.objects.filter(approval_id=card.pk, action__in=["policy.escalate", "sla.safe_default"])
+    assert list(Decision.objects.filter(approval=card).values_list("actor__username", flat=True)) == ["lead"]
+    run.refresh_from_db()
+    assert run.status == Run.Status.QUEUED and queued_jobs(run) == 1

@@ -11,6 +11,7 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
+from approvals import evidence
 from approvals import policy as sla
 from approvals.models import Approval, ApprovalPolicy, Decision, Delegation, Notification, PolicyStage
 from core.models import AuditEntry, Channel
@@ -276,6 +277,9 @@ def test_escalation_through_two_levels_to_the_fail_closed_end(client, demo, esca
     assert closed.data["comment"] == sla.FAIL_CLOSED_COMMENT and closed.data["policy_stage"]["stage"] == "directors"
     decision = Decision.objects.get(approval=card)
     assert decision.actor is None and decision.stage_name == "directors"
+    (record,) = evidence.records([closed])
+    assert record["decision"] == "reject" and record["policy_stage"]["stage"] == "directors"
+    assert record["database"]["agrees_with_the_entry"], record["database"]["disagreements"]
     run.refresh_from_db()
     assert run.status == Run.Status.QUEUED
     # Nobody decides it afterwards.
@@ -336,6 +340,13 @@ def test_a_cover_decides_in_the_window_on_behalf_of_the_absent(client, demo, awa
     assert decision.actor == cover and decision.on_behalf_of == absent
     (approved,) = entries(card, "approval.approve")
     assert approved.actor == "cover" and approved.data["on_behalf_of"] == "absent"
+    # The evidence export says under which policy stage, and for whom, and the database agrees with the entry.
+    (record,) = evidence.records([approved])
+    assert record["on_behalf_of"] == "absent" and record["policy_stage"]["stage"] == "absent"
+    assert record["database"]["decision_row"]["on_behalf_of"] == "absent"
+    assert record["database"]["decision_row"]["policy_stage"] == "absent"
+    assert record["database"]["card"]["policy"]["name"] == "absent-alone"
+    assert record["database"]["agrees_with_the_entry"], record["database"]["disagreements"]
 
 
 def test_outside_the_window_the_cover_may_not(client, demo, away):

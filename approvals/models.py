@@ -499,6 +499,14 @@ class ApprovalPolicy(models.Model):
         found = {p.applies_to: p for p in policies.filter(channel=channel, applies_to__in=keys)}
         return next((found[key] for key in keys if key in found), None)
 
+    @staticmethod
+    def missing(name: str, channel: Channel) -> dict:
+        """The snapshot a card gets when its gate names policy `name` and there is none: fail closed. One stage
+        that asks nobody (nobody may approve it), rejected by the system at the channel's SLA."""
+        stage = {"name": f"policy {name} does not exist", "purpose": StagePurpose.APPROVE, "quorum": 1}
+        stage |= {"sla": int(channel.sla.total_seconds()), "anyone": False, "users": [], "groups": []}
+        return {"id": None, "name": name, "version": 0, "at_end": AtEnd.REJECT, "stages": [stage]}
+
     def snapshot(self) -> dict:
         """What a card keeps of this policy (approvals.rules reads it)."""
         return {

@@ -11,12 +11,15 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
+import tests.workflows  # noqa: F401 - registers test_named_policy
 from approvals import evidence
 from approvals import policy as sla
+from approvals.errors import NotAllowed
 from approvals.models import Approval, ApprovalPolicy, Decision, Delegation, Notification, PolicyStage
 from core.models import AuditEntry, Channel
+from runs import submission
 from runs.models import Run
-from tests.engine_helpers import queued_jobs
+from tests.engine_helpers import drive, queued_jobs
 from tests.integration.test_api_approvals import bearer, decide, snapshot, start_parked_run
 
 
@@ -383,3 +386,54 @@ def test_a_delegation_that_may_not_be_set_changes_nothing(demo, away, dave, who,
     with pytest.raises(ValueError, match=error):
         Delegation.set(absent, target, timezone.now() + until)
     assert not Delegation.objects.exists() and AuditEntry.objects.count() == audited
+
+
+def test_an_edit_in_a_chain_sends_the_card_back_to_its_first_stage(client, demo, chain):
+    lead, fin, _ = chain
+    _, card = start_parked_run(client, demo["agent"])
+    assert decide(client, lead, card, decision="approve").status_code == 200
+    card.refresh_from_db()
+    edited = {**card.proposed, "refund": {**card.proposed["refund"], "amount_cents": 9_000}}
+    response = decide(client, fin, card, decision="edit", payload=edited, comment="less")
+    assert response.status_code == 200, response.content
+    # The lead approved the proposal, not the edit: the team lead stage asks again; finance's edit counts for
+    # finance once the card is back there.
+    assert response.json()["policy_stage"]["stage"] == "team lead" and response.json()["status"] == "pending"
+    card.refresh_from_db()
+    response = decide(client, lead, card, decision="approve")
+    assert response.status_code == 200 and response.json()["status"] == "edited"
+    assert response.json()["to_execute"]["refund"]["amount_cents"] == 9_000
+    stages = [
+        (e.actor, e.action, e.data["policy_stage"]["stage"])
+        for e in AuditEntry.objects.filter(approval_id=card.pk, action__startswith="approval.").order_by("id")
+    ]
+    assert stages == [
+        ("lead", "approval.approve", "team lead"),
+        ("fin", "approval.edit", "finance"),
+        ("lead", "approval.approve", "team lead"),
+    ]
+
+
+def test_a_gate_may_name_its_policy_in_code(demo, three):
+    ann, ben, _ = three
+    make_policy("channel-wide", [{"name": "leads", "quorum": 2, "users": three}])
+    make_policy("declared-in-code", [{"name": "ann alone", "users": [ann]}], applies_to="unused")
+    run = drive(submission.submit(workflow="test_named_policy", input={})[0])
+    card = Approval.objects.get(run=run)
+    assert card.policy["name"] == "declared-in-code"
+    with pytest.raises(NotAllowed):
+        card.decide(ben, "approve", version=card.version)
+    assert card.decide(ann, "approve", version=card.version).status == "approved"
+
+
+def test_a_gate_naming_a_policy_that_does_not_exist_fails_closed(demo, three):
+    make_policy("channel-wide", [{"name": "leads", "users": three}])  # not a fallback: the gate named another
+    run = drive(submission.submit(workflow="test_named_policy", input={})[0])
+    card = Approval.objects.get(run=run)
+    assert card.policy["stages"][0]["name"] == "policy declared-in-code does not exist"
+    assert not card.asked_anyone and card.asked_users == [] and card.asked_groups == []
+    with pytest.raises(NotAllowed):
+        card.decide(demo["reviewer"], "approve", version=card.version)
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "safe_default"
+    card.refresh_from_db()
+    assert card.status == "rejected"

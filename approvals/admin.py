@@ -12,6 +12,7 @@ from procrastinate.contrib.django import app
 
 from approvals import rules
 from approvals.models import ApprovalPolicy, Delegation, Notification, PolicyStage
+from core.admin import AuditedDeletion
 from core.models import AuditEntry
 
 
@@ -125,7 +126,7 @@ def policy_state(policy: ApprovalPolicy) -> dict:
 
 
 @admin.register(ApprovalPolicy)
-class ApprovalPolicyAdmin(admin.ModelAdmin):
+class ApprovalPolicyAdmin(AuditedDeletion, admin.ModelAdmin):
     """Approval policies (approvals.models.ApprovalPolicy). Every save and delete is audited with the policy as it
     was and as it is; a save raises its version. Open cards keep the policy they were opened under."""
 
@@ -159,17 +160,6 @@ class ApprovalPolicyAdmin(admin.ModelAdmin):
                 "after": policy_state(policy),
             },
         )
-
-    def delete_model(self, request, obj):
-        with transaction.atomic():
-            self._record_deletion(request, obj)
-            super().delete_model(request, obj)
-
-    def delete_queryset(self, request, queryset):
-        with transaction.atomic():
-            for obj in queryset:
-                self._record_deletion(request, obj)
-            super().delete_queryset(request, queryset)
 
     def _record_deletion(self, request, policy: ApprovalPolicy) -> None:
         AuditEntry.record(

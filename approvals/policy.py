@@ -44,6 +44,20 @@ SAFE_DEFAULT_REASON = "policy"
 SYSTEM = "system"  # the actor named in the audit log
 
 
+def _audit(card: Approval, action: str, data: dict) -> None:
+    """The system's audit entry about `card` (in the caller's transaction)."""
+    AuditEntry.record(
+        action,
+        actor=SYSTEM,
+        target=f"approval:{card.pk}",
+        run_id=card.run_id,
+        approval_id=card.pk,
+        channel=card.channel.name,
+        trace_id=card.run.trace_id,
+        data=data,
+    )
+
+
 def schedule_timer(card: Approval) -> None:
     """Defer the card's timer job at its `due_at`, in the caller's transaction (the one that opens the card or
     moves its deadline): the timer exists if and only if that commits. One waiting timer per card; a timer
@@ -110,15 +124,10 @@ def _escalate(card: Approval, now: datetime) -> bool:
             return False
         missed, card.due_at = card.due_at, due_at
         card.status, card.assigned_group = Approval.Status.ESCALATED, group
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.escalate",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=card.run_id,
-            approval_id=card.pk,
-            channel=channel.name,
-            trace_id=card.run.trace_id,
-            data={"missed_due_at": missed, "due_at": due_at, "group": group.name if group else None},
+            {"missed_due_at": missed, "due_at": due_at, "group": group.name if group else None},
         )
         schedule_timer(card)
         _notify(card, missed)
@@ -160,15 +169,10 @@ def _escalate_level(card: Approval, now: datetime, row: int) -> bool:
     with transaction.atomic():
         if not _stage_swap(card, now, columns):
             return False
-        AuditEntry.record(
+        _audit(
+            card,
             "policy.escalate",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=card.run_id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=card.run.trace_id,
-            data={
+            {
                 "missed_due_at": card._missed,
                 "due_at": card.due_at,
                 "from": card.policy_stage(card._from),
@@ -190,15 +194,10 @@ def _alert_ops(card: Approval, now: datetime) -> bool:
     with transaction.atomic():
         if not _stage_swap(card, now, ["due_at"]):
             return False
-        AuditEntry.record(
+        _audit(
+            card,
             "policy.exhausted",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=card.run_id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=card.run.trace_id,
-            data={"missed_due_at": card._missed, "due_at": card.due_at, "policy_stage": card.policy_stage()},
+            {"missed_due_at": card._missed, "due_at": card.due_at, "policy_stage": card.policy_stage()},
         )
         schedule_timer(card)
         _notify(card, card._missed, event="policy.exhausted", group=Group.objects.filter(name=Role.OPS).first())
@@ -248,15 +247,10 @@ def _safe_default(card: Approval, now: datetime, comment: str = SAFE_DEFAULT_COM
             stage=card.stage if card.policy else None,
             stage_name=card.policy["stages"][card.stage]["name"] if card.policy else "",
         )
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.safe_default",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=run.id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=run.trace_id,
-            data={
+            {
                 "missed_due_at": card.due_at,
                 "comment": comment,
                 "reason": SAFE_DEFAULT_REASON,
@@ -281,15 +275,10 @@ def _expire(card: Approval, now: datetime) -> bool:
         if not _swap(card, now, status=Approval.Status.EXPIRED, decided_at=timezone.now(), version=F("version") + 1):
             return False
         card.refresh_from_db()
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.expire",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=run.id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=run.trace_id,
-            data={"missed_due_at": card.due_at, "kind": card.kind, "proposed": card.proposed},
+            {"missed_due_at": card.due_at, "kind": card.kind, "proposed": card.proposed},
         )
         card_closed.send(Approval, card=card)
         if run.status in Run.PARKED:

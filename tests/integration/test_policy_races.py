@@ -52,6 +52,18 @@ def test_two_people_of_one_stage_approving_at_once_both_count_and_it_completes_o
         assert run.status == Run.Status.QUEUED and queued_jobs(run) == 1  # resumed once
 
 
+def against_the_deadline(card: Approval, token: dict) -> list:
+    """The person's approval (its HTTP status) and the card's deadline (apply_sla's answer) at the same moment."""
+    late = card.due_at + timedelta(seconds=1)
+
+    def work(i: int):
+        if i == 0:
+            return decide(Client(), token, card, decision="approve").status_code
+        return sla.apply_sla(card.pk, late)
+
+    return race(2, work)
+
+
 @pytest.fixture
 def escalating(agent):
     managers = Group.objects.create(name="managers")
@@ -71,14 +83,8 @@ def test_a_decision_landing_as_the_stage_escalates(agent, escalating):
     token, seen = bearer(lead), set()
     for _ in range(ROUNDS * 2):
         run, card = start_parked_run(Client(), agent)
-        late = card.due_at + timedelta(seconds=1)
 
-        def work(i, card=card, late=late):
-            if i == 0:
-                return decide(Client(), token, card, decision="approve").status_code
-            return sla.apply_sla(card.pk, late)
-
-        answer, escalation = race(2, work)
+        answer, escalation = against_the_deadline(card, token)
 
         # The lead's decision always counts: before the escalation (which then finds the card decided and does
         # nothing) or after it (the lead is still asked at the managers' level, which it completes).
@@ -105,14 +111,8 @@ def test_a_decision_landing_as_the_chain_ends_fail_closed(agent, escalating):
     token, seen = bearer(lead), set()
     for _ in range(ROUNDS * 2):
         run, card = start_parked_run(Client(), agent)
-        late = card.due_at + timedelta(seconds=1)
 
-        def work(i, card=card, late=late):
-            if i == 0:
-                return decide(Client(), token, card, decision="approve").status_code
-            return sla.apply_sla(card.pk, late)
-
-        answer, closed = race(2, work)
+        answer, closed = against_the_deadline(card, token)
 
         card.refresh_from_db()
         decisions = list(Decision.objects.filter(approval=card).values_list("actor__username", "decision"))

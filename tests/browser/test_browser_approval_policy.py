@@ -1,5 +1,6 @@
-"""In Chromium: an ordered chain of two stages decided on the card page (the team lead, then finance), and a
-delegation set on the Away page (a bad one refused first) and used by the cover, on behalf of the absent person."""
+"""In Chromium: an ordered chain of two stages decided on the card page (the team lead, then finance); two of
+three, escalated to its next level and decided there; and a delegation set on the Away page (a bad one refused
+first), used by the cover on behalf of the absent person, then ended."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 from playwright.sync_api import expect
 
+from approvals import policy as sla
 from approvals.models import Approval, Decision, Delegation
 from core.models import AuditEntry
 from runs.models import Run
 from tests.browser.test_browser_card import park
 from tests.conftest import log_in, set_production_password
+from tests.engine_helpers import REFUND
 from tests.integration.test_approval_policies import approver, make_policy
 
 
@@ -115,7 +118,52 @@ def test_a_delegation_set_on_the_away_page_lets_the_cover_decide(console_server,
     entry = AuditEntry.objects.get(approval_id=card.pk, action="approval.approve")
     assert entry.actor == "cover" and entry.data["on_behalf_of"] == "absent"
 
-    # Back early: the cover no longer may.
+    # Back early: out of the window, the cover no longer may.
     page.click("form:has(input[value=clear]) button")
     expect(page.get_by_test_id("away-current")).to_contain_text("You are not away")
     assert AuditEntry.objects.filter(action="delegation.clear", actor="absent").count() == 1
+    later = park({**REFUND, "customer_id": "cus_2002"})
+    cover.goto(f"{console_server.url}/approvals/{later.pk}/")
+    expect(cover.get_by_test_id("policy-refusal")).to_be_visible()
+    expect(cover.locator("button.card-button-approve")).to_have_count(0)
+
+
+def test_two_of_three_escalated_then_decided_on_the_card_page(console_server, reviewer, as_user):
+    managers = Group.objects.create(name="managers")
+    three = [person(name) for name in ("ann", "ben", "cid")]
+    person("manager", managers)
+    make_policy(
+        "two-of-three",
+        [
+            {"name": "leads", "quorum": 2, "users": three, "sla": timedelta(minutes=30)},
+            {"name": "managers", "purpose": "escalate", "quorum": 2, "groups": [managers], "users": three[1:]},
+        ],
+    )
+    card = park()
+
+    ann = as_user("ann")
+    ann.goto(f"{console_server.url}/approvals/{card.pk}/")
+    expect(ann.get_by_test_id("card-policy")).to_contain_text("(0 of 2 approvals)")
+    expect(ann.get_by_test_id("policy-next")).to_contain_text("Escalates to managers at")
+    ann.locator(f"#card-{card.pk} button.card-button-approve").click()
+    expect(ann.get_by_test_id("card-policy")).to_contain_text("(1 of 2 approvals)")
+    expect(ann.get_by_test_id("policy-answered")).to_have_text("Answered: ann (leads).")
+    expect(ann.get_by_test_id("policy-asked")).to_have_text("Still asked: ben, cid.")
+    expect(ann.locator("button.card-button-approve")).to_have_count(0)  # she counted already
+
+    card.refresh_from_db()
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    manager = as_user("manager")
+    manager.goto(f"{console_server.url}/approvals/{card.pk}/")
+    expect(manager.get_by_test_id("policy-stage")).to_have_text("managers")
+    expect(manager.get_by_test_id("policy-next")).to_contain_text("Rejected (fail closed) at")
+    expect(manager.locator(f"#card-{card.pk}")).to_have_attribute("data-status", "escalated")
+    manager.locator(f"#card-{card.pk} button.card-button-approve").click()
+    expect(manager.locator(f"#card-{card.pk}")).to_have_attribute("data-status", "approved")
+    stages = [
+        (e.actor, e.data["policy_stage"]["stage"])
+        for e in AuditEntry.objects.filter(
+            approval_id=card.pk, action__in=["approval.approve", "policy.escalate"]
+        ).order_by("id")
+    ]
+    assert stages == [("ann", "leads"), ("system", "managers"), ("manager", "managers")]

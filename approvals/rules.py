@@ -400,6 +400,15 @@ def policy_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
     return f"this card is at stage '{policy['stages'][card.stage]['name']}' of its policy, which does not ask you"
 
 
+def on_behalf_of(actor, card: Approval, covering: Iterable[int] = ()) -> int | None:
+    """Whose decision `actor` takes on `card` at its stage: None for their own (the stage asks them), else the
+    absent person they cover for whom the stage names (approvals.models.Delegation)."""
+    asking = Asking.at(card.policy, card.stage)
+    if actor is None or asking.includes(actor):
+        return None
+    return asking.covered(covering, card.run_created_by_id)
+
+
 @dataclass(frozen=True)
 class _Taken:
     """The decision being taken, as the count reads a Decision."""
@@ -435,10 +444,7 @@ class PolicyCount:
     @classmethod
     def of(cls, card: Approval, actor, decision: str, earlier: Sequence[Decision], covering: Iterable[int] = ()):
         policy, row = card.policy, card.stage
-        asking = Asking.at(policy, row)
-        on_behalf = None
-        if actor is not None and not asking.includes(actor):
-            on_behalf = asking.covered(covering, card.run_created_by_id)
+        on_behalf = on_behalf_of(actor, card, covering)
         taken = _Taken(decision, getattr(actor, "pk", None), on_behalf, row)
         name = policy["stages"][row]["name"]
         ends = decision == DecisionKind.REJECT and card.kind != Kind.RECONCILE

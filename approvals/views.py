@@ -182,9 +182,7 @@ def _standing(card: Approval, user) -> dict:
     done = {d.by for d in given} | {a["on_behalf_of"] for a in answered}
     covering = Delegation.covered_by(user)
     refusal = rules.decider_refusal(user, card, covering) if not card.is_creator else ""
-    on_behalf = rules.Asking.at(policy, row).covered(covering, card.run_created_by_id)
-    if on_behalf is not None and rules.Asking.at(policy, row).includes(user):
-        on_behalf = None
+    on_behalf = rules.on_behalf_of(user, card, covering)
     following = rules.next_level(policy, row)
     return {
         **card.policy_stage(),

@@ -12,7 +12,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 import tests.workflows  # noqa: F401 - registers test_named_policy
-from approvals import evidence
+from approvals import evidence, inbox
 from approvals import policy as sla
 from approvals.errors import NotAllowed
 from approvals.models import Approval, ApprovalPolicy, Decision, Delegation, Notification, PolicyStage
@@ -437,3 +437,16 @@ def test_a_gate_naming_a_policy_that_does_not_exist_fails_closed(demo, three):
     assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "safe_default"
     card.refresh_from_db()
     assert card.status == "rejected"
+
+
+def test_a_bulk_decision_follows_the_policy_too(client, demo, three):
+    make_policy("two-of-three", [{"name": "leads", "quorum": 2, "users": three}])
+    _, card = start_parked_run(client, demo["agent"])
+    before = snapshot(card)
+    (refused,) = inbox.decide_cards(demo["reviewer"], {card.pk: card.version}, "approve", "", "")
+    assert refused.status == 403 and "does not ask you" in refused.detail
+    assert snapshot(card) == before
+    (counted,) = inbox.decide_cards(three[0], {card.pk: card.version}, "approve", "", "")
+    assert counted.status == 200
+    card.refresh_from_db()
+    assert card.status == "pending" and Decision.objects.get(approval=card).stage_name == "leads"

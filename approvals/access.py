@@ -4,13 +4,19 @@
   it on every channel); anyone else gets 404, for the card and for a decision on it alike;
 - it is decided by them too, except by the person who started its run (separation of duties): they see it, and
   get 403 on a decision. The rule is approvals.rules.decider_refusal, which Approval.decide applies to every
-  caller (the SLA policy, deciding with no actor, always may)."""
+  caller (the SLA policy, deciding with no actor, always may);
+- a card opened under an approval policy is decided, at each moment, only by whom its current stage asks (or by
+  who covers for a person it names, approvals.models.Delegation): the others who may approve its channel still
+  see it (403 on a decision), and their inbox does not list it."""
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from django.contrib.auth.models import User
+from django.contrib.postgres.expressions import ArraySubquery
+from django.db.models import Q, QuerySet
+from django.db.models.functions import Now
 
-from approvals.models import Approval
+from approvals.models import Approval, Delegation
 from approvals.rules import decider_refusal
 from core.access import Forbidden, NotVisible, decidable_channels, may_approve
 from core.models import Channel
@@ -27,7 +33,7 @@ def card_for(user, pk: int, *, to_decide: bool = False) -> Approval:
     card = Approval.objects.select_related("channel", "run", "run__created_by").filter(pk=pk).first()
     if card is None or not may_see_card(user, card):
         raise NotVisible("No such card.")
-    if to_decide and (refusal := decider_refusal(user, card)):
+    if to_decide and (refusal := decider_refusal(user, card, Delegation.covered_by(user))):
         raise Forbidden(refusal)
     return card
 
@@ -41,5 +47,16 @@ def visible_cards(user, channels: list[Channel] | None = None) -> QuerySet[Appro
 
 
 def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[Approval]:
-    """The cards `user` may decide, open or decided: those they see, but those of runs they started."""
-    return visible_cards(user, channels).exclude(run_created_by=user)
+    """The cards `user` may decide, open or decided: those they see, but those of runs they started, and those
+    whose policy's current stage asks others (rules.Asking, as the card's asked_* columns: anyone on the channel,
+    the user, a group of theirs, or someone they cover for now)."""
+    # Subqueries, not lists read first: the inbox costs the same number of queries whoever asks.
+    groups = ArraySubquery(User.groups.through.objects.filter(user_id=user.pk).values("group_id"))
+    covering = ArraySubquery(Delegation.objects.filter(cover_id=user.pk, until__gt=Now()).values("user_id"))
+    asked = (
+        Q(asked_anyone=True)
+        | Q(asked_users__contains=[user.pk])
+        | Q(asked_groups__overlap=groups)
+        | Q(asked_users__overlap=covering)
+    )
+    return visible_cards(user, channels).exclude(run_created_by=user).filter(asked)

@@ -1,15 +1,21 @@
 """Notifications in Django admin: one that kept failing stays visible here with its last error, and can be sent
 again. The Approve and Reject links their emails carried (approvals.links), read-only: who got which, until when,
-and whether it was used."""
+and whether it was used. Approval policies and their stages, edited here, each change audited; delegations,
+read-only."""
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils.html import format_html
 from procrastinate.contrib.django import app
 
-from approvals.models import DecisionLink, Notification
+from approvals import rules
+from approvals.models import ApprovalPolicy, DecisionLink, Delegation, Notification, PolicyStage
+from core.admin import AuditedDeletion
+from core.models import AuditEntry
 
 
 @admin.register(Notification)
@@ -88,3 +94,124 @@ class DecisionLinkAdmin(admin.ModelAdmin):
     @admin.display(description="card", ordering="approval_id")
     def card(self, obj: DecisionLink):
         return format_html('<a href="/approvals/{}/">card {}</a>', obj.approval_id, obj.approval_id)
+
+
+# --- approval policies ------------------------------------------------------------------------------------------
+
+
+class PolicyStageFormSet(forms.BaseInlineFormSet):
+    """A policy's stages, checked together (approvals.rules.stage_errors, policy_errors): at least one, the first
+    one approving, each naming someone, no quorum above the people it names. A refused form saves nothing."""
+
+    def clean(self) -> None:
+        super().clean()
+        purposes = []
+        for form in sorted(self.forms, key=lambda f: f.cleaned_data.get("position") or 0):
+            data = getattr(form, "cleaned_data", None)
+            if not data or data.get("DELETE"):
+                continue
+            users = {u.pk for u in data.get("users") or []}
+            for group in data.get("groups") or []:
+                users |= set(group.user_set.filter(is_active=True).values_list("pk", flat=True))
+            for error in rules.stage_errors(
+                anyone=bool(data.get("channel_approvers")), quorum=data.get("quorum"), people=len(users)
+            ):
+                form.add_error(None, f"Stage '{data.get('name', '')}': {error}.")
+            purposes.append(data.get("purpose"))
+        for error in rules.policy_errors(purposes):
+            raise ValidationError(error[0].upper() + error[1:] + ".")
+
+
+class PolicyStageInline(admin.TabularInline):
+    model = PolicyStage
+    formset = PolicyStageFormSet
+    extra = 1
+    fields = ["position", "name", "purpose", "quorum", "sla", "channel_approvers", "groups", "users"]
+    filter_horizontal = ["groups", "users"]
+
+
+def policy_state(policy: ApprovalPolicy) -> dict:
+    """A policy and its stages as stored, for its audit entries (people and groups by name)."""
+    return {
+        "name": policy.name,
+        "channel": policy.channel.name,
+        "applies_to": policy.applies_to,
+        "at_end": policy.at_end,
+        "version": policy.version,
+        "stages": [
+            {
+                "position": stage.position,
+                "name": stage.name,
+                "purpose": stage.purpose,
+                "quorum": stage.quorum,
+                "sla": stage.sla.total_seconds() if stage.sla else None,
+                "channel_approvers": stage.channel_approvers,
+                "groups": sorted(g.name for g in stage.groups.all()),
+                "users": sorted(u.username for u in stage.users.all()),
+            }
+            for stage in policy.stages.order_by("position", "pk")
+        ],
+    }
+
+
+@admin.register(ApprovalPolicy)
+class ApprovalPolicyAdmin(AuditedDeletion, admin.ModelAdmin):
+    """Approval policies (approvals.models.ApprovalPolicy). Every save and delete is audited with the policy as it
+    was and as it is; a save raises its version. Open cards keep the policy they were opened under."""
+
+    list_display = ["name", "channel", "applies_to", "at_end", "version"]
+    list_filter = ["channel"]
+    inlines = [PolicyStageInline]
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        # One transaction for the policy, its stages and the audit entry (Django admin's own is per view too).
+        with transaction.atomic():
+            if object_id:
+                locked = ApprovalPolicy.objects.select_for_update().filter(pk=object_id).first()
+                request._policy_before = policy_state(locked) if locked else None
+            return super().changeform_view(request, object_id, form_url, extra_context)
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            obj.version = ApprovalPolicy.objects.get(pk=obj.pk).version + 1
+        super().save_model(request, obj, form, change)
+
+    def save_related(self, request, form, formsets, change):
+        super().save_related(request, form, formsets, change)
+        policy = form.instance
+        AuditEntry.record(
+            "policy.change" if change else "policy.create",
+            actor=request.user,
+            target=f"policy:{policy.name}",
+            channel=policy.channel.name,
+            data={
+                "before": getattr(request, "_policy_before", None) if change else None,
+                "after": policy_state(policy),
+            },
+        )
+
+    def _record_deletion(self, request, policy: ApprovalPolicy) -> None:
+        AuditEntry.record(
+            "policy.delete",
+            actor=request.user,
+            target=f"policy:{policy.name}",
+            channel=policy.channel.name,
+            data={"before": policy_state(policy), "after": None},
+        )
+
+
+@admin.register(Delegation)
+class DelegationAdmin(admin.ModelAdmin):
+    """Who covers for whom (read-only here: each person sets their own in the console, audited)."""
+
+    list_display = ["user", "cover", "until"]
+    readonly_fields = ["user", "cover", "until", "created_at"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False

@@ -63,8 +63,19 @@ class CardOut(Schema):
     risk: str
     shadow: bool
     version: int
-    due_at: datetime
+    due_at: datetime  # the deadline of the card's stage, under an approval policy
     created_at: datetime
+    # Under an approval policy (null otherwise): which policy, version and stage the card is at, and who it asks.
+    policy_stage: dict | None = None
+    asked: dict | None = None
+
+    @staticmethod
+    def resolve_policy_stage(card):
+        return card.policy_stage()
+
+    @staticmethod
+    def resolve_asked(card):
+        return card.asked_names() if card.policy else None
 
     @staticmethod
     def resolve_channel(card):

@@ -29,7 +29,7 @@ def records(entries: Iterable[AuditEntry]) -> list[dict]:
         card.pk: card
         for card in Approval.objects.filter(pk__in={e.approval_id for e in entries if e.approval_id is not None})
         .select_related("channel", "assigned_group")
-        .prefetch_related("decisions__actor")
+        .prefetch_related("decisions__actor", "decisions__on_behalf_of")
     }
     runs = _RunsAtExport({card.run_id for card in cards.values()})
     places = _places_in_their_cards(cards)
@@ -144,6 +144,8 @@ def _as_read_from_the_database(summary: dict, card: Approval | None, runs: _Runs
             "opened_at": card.created_at,
             "due_at": card.due_at,
             "escalated_to": card.assigned_group.name if card.assigned_group else None,
+            # The approval policy the card was opened under, as it kept it (null: its channel's rule).
+            "policy": card.policy,
             "status": card.status,
             "decided_at": card.decided_at,
         },
@@ -174,6 +176,9 @@ def _decision_row(decision) -> dict:
         "payload": decision.payload,
         "agreement": decision.agreement,
         "done_by_hand": decision.done_by_hand,
+        # Under an approval policy: the stage the decision was taken at, and the absent person it was taken for.
+        "policy_stage": decision.stage_name or None,
+        "on_behalf_of": decision.on_behalf_of.get_username() if decision.on_behalf_of else None,
     }
 
 
@@ -193,4 +198,8 @@ def _agreement(summary: dict, card: Approval, row) -> dict:
             disagreements.append("the decision row differs from the entry (decision, person or comment)")
         if row.decision == "edit" and row.payload != summary["approved_to_run"]:
             disagreements.append("the edit's payload differs from the one the entry recorded")
+        stage = (summary["policy_stage"] or {}).get("stage") if isinstance(summary["policy_stage"], dict) else None
+        behalf = row.on_behalf_of.get_username() if row.on_behalf_of else None
+        if (row.stage_name or None, behalf) != (stage, summary["on_behalf_of"]):
+            disagreements.append("the decision row's policy stage or 'on behalf of' differs from the entry's")
     return {"agrees_with_the_entry": not disagreements, "disagreements": disagreements}

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from django import forms
+from django.contrib.auth.models import User
 from django.core.validators import RegexValidator
 
 from approvals import edits
@@ -22,6 +23,27 @@ from core import safe_input
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
+
+
+class AwayForm(forms.Form):
+    """ "Away until ..., cover: X". The rules (not yourself, in the future, X may approve your channels) are
+    approvals.models.Delegation.refusal, checked when it is set; this form only reads the fields."""
+
+    cover = forms.ModelChoiceField(
+        queryset=User.objects.none(),
+        to_field_name="username",
+        error_messages={"required": "Choose who covers for you.", "invalid_choice": "Choose one of the listed users."},
+    )
+    until = forms.DateTimeField(
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M"],
+        error_messages={"required": "Say until when you are away.", "invalid": "Enter a date and time."},
+    )
+
+    def __init__(self, user, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Every active user but a superuser's own listing: who may approve which channel is checked on save.
+        self.fields["cover"].queryset = User.objects.filter(is_active=True).order_by("username")
 
 
 class RejectForm(forms.Form):

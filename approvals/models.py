@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.contrib.auth.models import Group
+from django.contrib.auth.models import Group, User
+from django.contrib.postgres.fields import ArrayField
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, transaction
 from django.db.models import Q
@@ -21,7 +23,8 @@ from approvals.errors import InvalidDecision as InvalidDecision
 from approvals.errors import NotAllowed as NotAllowed
 from approvals.errors import SecondApproverNeeded as SecondApproverNeeded
 from approvals.errors import StaleVersion as StaleVersion
-from approvals.rules import Agreement, DecisionKind
+from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
+from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel
 from runs.gates import Kind
 from runs.models import Run
@@ -109,6 +112,15 @@ class Approval(models.Model):
     assigned_group = models.ForeignKey(
         Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="escalated_approvals"
     )
+    # The approval policy the card was opened under (ApprovalPolicy.snapshot: an admin's later edit does not
+    # change it), and the row of it the card is at; null: its channel's rule (required_approvals, its SLA policy).
+    policy = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    stage = models.PositiveSmallIntegerField(default=0)
+    # Who the card asks now (rules.Asking of its stage), as columns the inbox filters on: anyone who may approve
+    # the channel, or these users and the members of these groups (and whoever covers for these users).
+    asked_anyone = models.BooleanField(default=True)
+    asked_users = ArrayField(models.IntegerField(), default=list, blank=True)
+    asked_groups = ArrayField(models.IntegerField(), default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     decided_at = models.DateTimeField(null=True, blank=True)
 
@@ -216,10 +228,15 @@ class Approval(models.Model):
             run = Run.objects.select_for_update().get(pk=self.run_id)
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)
             card.run = run
-            rules.check(actor, card, asked, version)  # on what the lock lets us read: whoever the caller is
+            covering = Delegation.covered_by(actor)
+            rules.check(actor, card, asked, version, covering)  # on what the lock lets us read: whoever the caller is
             earlier = list(card.decisions.order_by("created_at", "pk"))
-            count = rules.TwoPersonCount.of(card, asked.decision, earlier)
+            if card.policy:
+                count = rules.PolicyCount.of(card, actor, asked.decision, earlier, covering)
+            else:
+                count = rules.TwoPersonCount.of(card, asked.decision, earlier)
             count.check(actor)
+            on_policy = isinstance(count, rules.PolicyCount)
             Decision.objects.create(
                 approval=card,
                 actor=actor,
@@ -229,15 +246,25 @@ class Approval(models.Model):
                 payload=asked.payload,
                 agreement=asked.agreement,
                 done_by_hand=asked.done_by_hand,
+                stage=count.stage if on_policy else None,
+                stage_name=count.stage_name if on_policy else "",
+                on_behalf_of_id=count.on_behalf_of if on_policy else None,
             )
+            moved = []
             if count.complete:
                 card.status, card.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
-            card.version += 1
+            elif on_policy and count.to_stage != card.stage:
+                moved = card.enter_stage(count.to_stage, timezone.now())
+            # Under a policy the version names what runs (a quorum's second person approves what the first one
+            # saw, even when both clicked at once): an edit or the card's end changes it, another yes does not.
+            # The two-person rule of a channel without a policy keeps its own (every decision changes it).
+            if not on_policy or count.complete or asked.decision == DecisionKind.EDIT:
+                card.version += 1
             # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
             display = card.display_of(card.to_execute) if asked.decision == DecisionKind.EDIT else {}
             for column, value in display.items():
                 setattr(card, column, value)
-            card.save(update_fields=["status", "decided_at", "version", *display])
+            card.save(update_fields=["status", "decided_at", "version", *moved, *display])
             card._audit_decision(actor, asked, count, earlier, via=via)
             if count.complete:
                 card_closed.send(Approval, card=card)
@@ -246,10 +273,58 @@ class Approval(models.Model):
                 run.resume()
         return card
 
-    def _audit_decision(
-        self, actor, asked: rules.Asked, count: rules.TwoPersonCount, earlier: list[Decision], via: str = ""
-    ) -> None:
+    def policy_stage(self, row: int | None = None) -> dict | None:
+        """Which policy, at which version, and which of its stages (row `row`, else the card's): for the audit log
+        and the evidence export."""
+        if not self.policy:
+            return None
+        row = self.stage if row is None else row
+        stage = self.policy["stages"][row]
+        return {
+            "policy": self.policy["name"],
+            "version": self.policy["version"],
+            "stage": stage["name"],
+            "position": row + 1,
+            "of": len(self.policy["stages"]),
+        }
+
+    def asked_names(self) -> dict:
+        """Who the card asks now, by name (its asked_* columns): for audit entries and the card page."""
+        return {
+            "anyone_on_channel": self.asked_anyone,
+            "users": sorted(User.objects.filter(pk__in=self.asked_users).values_list("username", flat=True)),
+            "groups": sorted(Group.objects.filter(pk__in=self.asked_groups).values_list("name", flat=True)),
+        }
+
+    STAGE_COLUMNS = ("stage", "due_at", "status", "asked_anyone", "asked_users", "asked_groups", "assigned_group")
+
+    def enter_stage(self, row: int, now: datetime) -> tuple[str, ...]:
+        """Move this open card (locked by the caller) to row `row` of its policy: who it asks, and its deadline,
+        the row's SLA from `now`. Returns the columns changed, for the caller's save or UPDATE. An escalation level
+        makes the card `escalated`, assigned to the level's first group."""
+        stage = self.policy["stages"][row]
+        asking = rules.Asking.at(self.policy, row)
+        self.stage, self.due_at = row, now + timedelta(seconds=stage["sla"])
+        escalated = stage["purpose"] == StagePurpose.ESCALATE
+        self.status = self.Status.ESCALATED if escalated else self.Status.PENDING
+        self.asked_anyone, self.asked_users, self.asked_groups = (
+            asking.anyone,
+            sorted(asking.users),
+            sorted(asking.groups),
+        )
+        self.assigned_group_id = stage["groups"][0] if escalated and stage["groups"] else None
+        return self.STAGE_COLUMNS
+
+    def _audit_decision(self, actor, asked: rules.Asked, count, earlier: list[Decision], via: str = "") -> None:
         edit_pending = any(d.decision == DecisionKind.EDIT for d in earlier)
+        policy = {}
+        if isinstance(count, rules.PolicyCount):
+            # The evidence export reads `policy_stage` and `on_behalf_of` (core.audit_verifier.decision_summary).
+            policy = {
+                "policy_stage": self.policy_stage(count.stage),
+                **({"on_behalf_of": _username(count.on_behalf_of)} if count.on_behalf_of else {}),
+                **({"next_stage": self.policy_stage(self.stage)} if not count.complete else {}),
+            }
         AuditEntry.record(
             f"approval.{asked.decision.value}",
             actor=actor,
@@ -273,6 +348,7 @@ class Approval(models.Model):
                     else {}
                 ),
                 **({"approvals": count.given, "required": count.required} if count.applies else {}),
+                **policy,
                 **({"via": via} if via else {}),
             },
         )
@@ -292,6 +368,13 @@ class Decision(models.Model):
     # Shadow cards only (Approval.shadow): the reviewer's agreement with the agent and what they did by hand.
     agreement = models.CharField(max_length=8, choices=Agreement.choices, blank=True)
     done_by_hand = models.TextField(blank=True)
+    # Under an approval policy (Approval.policy): the row of it the decision was taken at, its name, and the
+    # absent person it was taken for (Delegation), when the actor decided as their cover.
+    stage = models.PositiveSmallIntegerField(null=True, blank=True)
+    stage_name = models.CharField(max_length=100, blank=True)
+    on_behalf_of = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -406,3 +489,216 @@ class DecisionLink(models.Model):
         if used:
             self.used_at = now
         return used
+
+
+def _username(user_id: int | None) -> str:
+    return User.objects.filter(pk=user_id).values_list("username", flat=True).first() or ""
+
+
+# --- approval policies --------------------------------------------------------------------------------------------
+
+
+class ApprovalPolicy(models.Model):
+    """Who decides a channel's cards, how many, and by when (rules: approvals.rules, "approval policies").
+
+    Bound to a channel: `applies_to` empty, every card of the channel; else the cards of one workflow step (its
+    name) or one agent tool (`tool:<name>`), which it overrides. A gate may also name its policy in code
+    (`wf.gate(..., policy="<name>")`), which wins over both. A channel with no policy keeps its own rule
+    (`required_approvals` of any approvers, its SLA policy). Each card keeps a snapshot of the policy it was
+    opened under (`snapshot`), so an edit here applies to cards opened after it. Edited in Django admin, audited."""
+
+    AtEnd = AtEnd
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    channel = models.ForeignKey(Channel, on_delete=models.CASCADE, related_name="approval_policies")
+    applies_to = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="Empty: every card of the channel. Else a workflow step's name, or tool:<name> for an agent's tool.",
+    )
+    at_end = models.CharField(
+        max_length=8,
+        choices=AtEnd.choices,
+        default=AtEnd.REJECT,
+        help_text="When the last escalation level's SLA runs out.",
+    )
+    version = models.PositiveIntegerField(default=1, editable=False)
+
+    class Meta:
+        verbose_name_plural = "approval policies"
+        ordering = ["channel__name", "applies_to"]
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "applies_to"], name="approvals_policy_one_per_key"),
+            models.CheckConstraint(condition=Q(at_end__in=AtEnd.values), name="approvals_policy_at_end_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def for_card(cls, channel: Channel, step: str = "", tool: str = "", named: str = "") -> ApprovalPolicy | None:
+        """The policy a card opening on `channel` follows: the one its gate names, else the channel's for its
+        step or tool, else the channel's own, else None (the channel's rule)."""
+        policies = cls.objects.prefetch_related("stages__users", "stages__groups")
+        if named:
+            policy = policies.filter(name=named).first()
+            if policy is None:
+                raise LookupError(f"the gate names approval policy {named!r}, which does not exist")
+            return policy
+        keys = [*([step] if step else []), *([f"tool:{tool}"] if tool else []), ""]
+        found = {p.applies_to: p for p in policies.filter(channel=channel, applies_to__in=keys)}
+        return next((found[key] for key in keys if key in found), None)
+
+    @staticmethod
+    def missing(name: str, channel: Channel) -> dict:
+        """The snapshot a card gets when its gate names policy `name` and there is none: fail closed. One stage
+        that asks nobody (nobody may approve it), rejected by the system at the channel's SLA."""
+        stage = {"name": f"policy {name} does not exist", "purpose": StagePurpose.APPROVE, "quorum": 1}
+        stage |= {"sla": int(channel.sla.total_seconds()), "anyone": False, "users": [], "groups": []}
+        return {"id": None, "name": name, "version": 0, "at_end": AtEnd.REJECT, "stages": [stage]}
+
+    def snapshot(self) -> dict:
+        """What a card keeps of this policy (approvals.rules reads it)."""
+        return {
+            "id": self.pk,
+            "name": self.name,
+            "version": self.version,
+            "at_end": self.at_end,
+            "stages": [stage.snapshot() for stage in self.stages.all()],
+        }
+
+
+class PolicyStage(models.Model):
+    """One row of an approval policy, in order: a stage of the chain (`approve`), or an escalation level of the
+    stage above it (`escalate`), with who decides there, how many distinct people, and its SLA."""
+
+    Purpose = StagePurpose
+
+    policy = models.ForeignKey(ApprovalPolicy, on_delete=models.CASCADE, related_name="stages")
+    position = models.PositiveSmallIntegerField(default=0)
+    name = models.CharField(max_length=100)
+    purpose = models.CharField(max_length=8, choices=StagePurpose.choices, default=StagePurpose.APPROVE)
+    quorum = models.PositiveSmallIntegerField(default=1, help_text="How many distinct people must approve here.")
+    sla = models.DurationField(null=True, blank=True, help_text="Empty: the channel's SLA.")
+    channel_approvers = models.BooleanField(
+        default=False, help_text="Anyone who may approve the channel decides here (else the groups and users named)."
+    )
+    groups = models.ManyToManyField(Group, blank=True, related_name="+")
+    users = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="+")
+
+    class Meta:
+        ordering = ["position", "pk"]
+        constraints = [
+            models.CheckConstraint(condition=Q(quorum__gte=1), name="approvals_policystage_quorum_positive"),
+            models.CheckConstraint(
+                condition=Q(purpose__in=StagePurpose.values), name="approvals_policystage_purpose_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.policy}: {self.name}"
+
+    def snapshot(self) -> dict:
+        return {
+            "name": self.name,
+            "purpose": self.purpose,
+            "quorum": self.quorum,
+            "sla": int((self.sla or self.policy.channel.sla).total_seconds()),
+            "anyone": self.channel_approvers,
+            "users": sorted(u.pk for u in self.users.all()),
+            "groups": sorted(g.pk for g in self.groups.all()),
+        }
+
+
+# --- delegation ---------------------------------------------------------------------------------------------------
+
+
+class DelegationRefused(ValueError):
+    """A delegation that may not be set: said to the person, nothing changed."""
+
+
+class Delegation(models.Model):
+    """ "Away until ..., cover: X": until `until`, the cards whose policy names `user` are decided by `cover`
+    as well, each such decision recorded and audited as taken on `user`'s behalf. Set and cleared by the user in
+    the console (approvals.views.away), audited."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="delegation")
+    cover = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="covering")
+    until = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=~Q(user=models.F("cover")), name="approvals_delegation_not_to_self")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} away until {self.until:%Y-%m-%d %H:%M}, cover {self.cover}"
+
+    @classmethod
+    def covered_by(cls, user, now: datetime | None = None) -> list[int]:
+        """The people `user` covers for now (their delegation's window is open)."""
+        if user is None or not getattr(user, "pk", None):
+            return []
+        return list(
+            cls.objects.filter(cover=user, until__gt=now or timezone.now())
+            .order_by("user_id")
+            .values_list("user_id", flat=True)
+        )
+
+    @classmethod
+    def refusal(cls, user, cover, until: datetime | None, now: datetime | None = None) -> str:
+        """Why `user` may not hand their cards to `cover` until `until` ("" when they may): not to themselves,
+        not in the past, and only to someone who may approve every channel `user` approves."""
+        now = now or timezone.now()
+        if cover is None or not cover.is_active:
+            return "choose an active user to cover for you"
+        if cover.pk == user.pk:
+            return "you cannot delegate to yourself"
+        if until is None or until <= now:
+            return "the end of your absence must be in the future"
+        channels = list(decidable_channels(user))
+        if not channels:
+            return "you approve no channel: there is nothing to delegate"
+        missing = [channel.name for channel in channels if not may_approve(cover, channel)]
+        if missing:
+            return f"{cover.get_username()} may not approve {', '.join(missing)}: choose someone who may"
+        return ""
+
+    @classmethod
+    def set(cls, user, cover, until: datetime | None) -> Delegation:
+        """Record (or replace) `user`'s delegation, audited; DelegationRefused, and nothing changed, otherwise."""
+        if refusal := cls.refusal(user, cover, until):
+            raise DelegationRefused(refusal)
+        with transaction.atomic():
+            before = cls.objects.select_for_update().filter(user=user).first()
+            delegation, _ = cls.objects.update_or_create(user=user, defaults={"cover": cover, "until": until})
+            AuditEntry.record(
+                "delegation.set",
+                actor=user,
+                target=f"user:{user.get_username()}",
+                data={
+                    "user": user.get_username(),
+                    "cover": cover.get_username(),
+                    "until": until,
+                    "before": before and {"cover": before.cover.get_username(), "until": before.until},
+                },
+            )
+        return delegation
+
+    @classmethod
+    def clear(cls, user) -> bool:
+        """End `user`'s delegation now, audited. False when there was none."""
+        with transaction.atomic():
+            before = cls.objects.select_for_update().select_related("cover").filter(user=user).first()
+            if before is None:
+                return False
+            before.delete()
+            AuditEntry.record(
+                "delegation.clear",
+                actor=user,
+                target=f"user:{user.get_username()}",
+                data={"user": user.get_username(), "cover": before.cover.get_username(), "until": before.until},
+            )
+        return True

@@ -12,22 +12,28 @@ find nothing to do.
 
 A card may override its channel (`Approval.on_expiry`, an external agent's request): `expire` closes it as
 expired at its deadline (fail closed: nothing runs), `escalate` escalates it once and expires it at the next.
+
+A card opened under an approval policy (`Approval.policy`) follows it instead: its deadline is its stage's; when
+it passes, the card moves to the stage's next escalation level (announced: an audit entry and a notification),
+and past the last level the policy's end applies: `reject` (fail closed, as the safe default; a reconcile card
+waits instead) or `wait` (the card stays open and ops are alerted, again at each of the level's SLA).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import structlog
+from django.contrib.auth.models import Group
 from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from procrastinate.contrib.django import app
 from procrastinate.exceptions import AlreadyEnqueued
 
-from approvals import notify
+from approvals import notify, rules
 from approvals.models import Approval, Decision, Notification, OnExpiry, card_closed
-from core.models import AuditEntry, Channel
+from core.models import AuditEntry, Channel, Role
 from runs.gates import Kind
 from runs.models import Run
 
@@ -36,6 +42,20 @@ log = structlog.get_logger("approvals.policy")
 SAFE_DEFAULT_COMMENT = "SLA expired: safe default"
 SAFE_DEFAULT_REASON = "policy"
 SYSTEM = "system"  # the actor named in the audit log
+
+
+def _audit(card: Approval, action: str, data: dict) -> None:
+    """The system's audit entry about `card` (in the caller's transaction)."""
+    AuditEntry.record(
+        action,
+        actor=SYSTEM,
+        target=f"approval:{card.pk}",
+        run_id=card.run_id,
+        approval_id=card.pk,
+        channel=card.channel.name,
+        trace_id=card.run.trace_id,
+        data=data,
+    )
 
 
 def schedule_timer(card: Approval) -> None:
@@ -72,6 +92,8 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
         return "expire" if _expire(card, now) else None
     if card.on_expiry == OnExpiry.ESCALATE:
         return "escalate" if _escalate(card, now) else None
+    if card.policy:
+        return _policy_deadline(card, now)
     # A reconcile card is never auto-rejected: there a rejection means "it did not happen: do the write now",
     # an ambiguous write done again with nobody deciding. It escalates instead.
     if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind != Kind.RECONCILE:
@@ -102,15 +124,10 @@ def _escalate(card: Approval, now: datetime) -> bool:
             return False
         missed, card.due_at = card.due_at, due_at
         card.status, card.assigned_group = Approval.Status.ESCALATED, group
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.escalate",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=card.run_id,
-            approval_id=card.pk,
-            channel=channel.name,
-            trace_id=card.run.trace_id,
-            data={"missed_due_at": missed, "due_at": due_at, "group": group.name if group else None},
+            {"missed_due_at": missed, "due_at": due_at, "group": group.name if group else None},
         )
         schedule_timer(card)
         _notify(card, missed)
@@ -118,9 +135,80 @@ def _escalate(card: Approval, now: datetime) -> bool:
     return True
 
 
-def _notify(card: Approval, missed: datetime) -> None:
+def _policy_deadline(card: Approval, now: datetime) -> str | None:
+    """The deadline of a card's policy stage passed: its next escalation level, else the policy's end."""
+    row = rules.next_level(card.policy, card.stage)
+    if row is not None:
+        return "escalate" if _escalate_level(card, now, row) else None
+    if card.policy["at_end"] == rules.AtEnd.REJECT and card.kind != Kind.RECONCILE:
+        return "safe_default" if _safe_default(card, now, comment=FAIL_CLOSED_COMMENT) else None
+    return "alert_ops" if _alert_ops(card, now) else None
+
+
+FAIL_CLOSED_COMMENT = "Approval policy exhausted: fail closed"
+
+
+def _stage_swap(card: Approval, now: datetime, columns) -> bool:
+    """The compare-and-swap of a policy card: change it only if it is still open, at the stage and with the
+    deadline we read. A decision holding the row (Approval.decide) is waited for; one that moved the card on (to
+    its next stage, or decided it) makes this find nothing."""
+    changes = {("assigned_group_id" if c == "assigned_group" else c): getattr(card, c) for c in columns}
+    return (
+        Approval.objects.filter(
+            pk=card.pk, status__in=Approval.OPEN, due_at=card._missed, stage=card._from, due_at__lte=now
+        ).update(**changes)
+        == 1
+    )
+
+
+def _escalate_level(card: Approval, now: datetime, row: int) -> bool:
+    card._missed, card._from = card.due_at, card.stage
+    columns = card.enter_stage(row, card.due_at)  # counted from the missed deadline, as a channel's escalation
+    level = timedelta(seconds=card.policy["stages"][row]["sla"])
+    card.due_at = max(card.due_at, now + level / 10)  # never in the past
+    with transaction.atomic():
+        if not _stage_swap(card, now, columns):
+            return False
+        _audit(
+            card,
+            "policy.escalate",
+            {
+                "missed_due_at": card._missed,
+                "due_at": card.due_at,
+                "from": card.policy_stage(card._from),
+                "policy_stage": card.policy_stage(row),
+                "asked": card.asked_names(),
+            },
+        )
+        schedule_timer(card)
+        _notify(card, card._missed, event="policy.escalate")
+    log.info("card escalated to its policy's next level", card_id=card.pk, stage=row)
+    return True
+
+
+def _alert_ops(card: Approval, now: datetime) -> bool:
+    """The end of a `wait` policy: the card stays open where it is, ops are alerted, and again after the level's
+    SLA if nobody decides it meanwhile."""
+    card._missed, card._from = card.due_at, card.stage
+    card.due_at = max(card.due_at, now) + timedelta(seconds=card.policy["stages"][card.stage]["sla"])
+    with transaction.atomic():
+        if not _stage_swap(card, now, ["due_at"]):
+            return False
+        _audit(
+            card,
+            "policy.exhausted",
+            {"missed_due_at": card._missed, "due_at": card.due_at, "policy_stage": card.policy_stage()},
+        )
+        schedule_timer(card)
+        _notify(card, card._missed, event="policy.exhausted", group=Group.objects.filter(name=Role.OPS).first())
+    log.warning("approval policy exhausted: the card waits, ops alerted", card_id=card.pk)
+    return True
+
+
+def _notify(card: Approval, missed: datetime, event: str = "sla.escalate", group: Group | None = None) -> None:
     """A Notification row and its job per enabled backend, in the escalation's transaction: sent if and only
     if the escalation commits, and sent (with retries) by the `outbound` queue, never by this transaction."""
+    group = group or card.assigned_group
     payload = {
         "approval_id": card.pk,
         "run_id": str(card.run_id),
@@ -128,21 +216,22 @@ def _notify(card: Approval, missed: datetime) -> None:
         "channel": card.channel.name,
         "summary": card.summary,
         "risk": card.risk,
-        "group": card.assigned_group.name if card.assigned_group else None,
+        "group": group.name if group else None,
+        **({"policy_stage": card.policy_stage()} if card.policy else {}),
         "missed_due_at": missed.isoformat(),
         "due_at": card.due_at.isoformat(),
         "url": f"/approvals/{card.pk}/",
     }
     for backend in notify.enabled_backends():
         notification = Notification.objects.create(
-            approval=card, event="sla.escalate", backend=backend, group=card.assigned_group, payload=payload
+            approval=card, event=event, backend=backend, group=group, payload=payload
         )
         app.configure_task("approvals.tasks.send_notification", allow_unknown=False).defer(
             notification_id=notification.pk
         )
 
 
-def _safe_default(card: Approval, now: datetime) -> bool:
+def _safe_default(card: Approval, now: datetime, comment: str = SAFE_DEFAULT_COMMENT) -> bool:
     with transaction.atomic():
         # Same lock order as Approval.decide() and Run.cancel(): the run, then the card (the UPDATE below).
         run = Run.objects.select_for_update().get(pk=card.run_id)
@@ -153,21 +242,19 @@ def _safe_default(card: Approval, now: datetime) -> bool:
             approval=card,
             actor=None,
             decision=Decision.Kind.REJECT,
-            comment=SAFE_DEFAULT_COMMENT,
+            comment=comment,
             reason=SAFE_DEFAULT_REASON,
+            stage=card.stage if card.policy else None,
+            stage_name=card.policy["stages"][card.stage]["name"] if card.policy else "",
         )
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.safe_default",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=run.id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=run.trace_id,
-            data={
+            {
                 "missed_due_at": card.due_at,
-                "comment": SAFE_DEFAULT_COMMENT,
+                "comment": comment,
                 "reason": SAFE_DEFAULT_REASON,
+                **({"policy_stage": card.policy_stage()} if card.policy else {}),
                 "kind": card.kind,
                 "proposed": card.proposed,
             },
@@ -188,15 +275,10 @@ def _expire(card: Approval, now: datetime) -> bool:
         if not _swap(card, now, status=Approval.Status.EXPIRED, decided_at=timezone.now(), version=F("version") + 1):
             return False
         card.refresh_from_db()
-        AuditEntry.record(
+        _audit(
+            card,
             "sla.expire",
-            actor=SYSTEM,
-            target=f"approval:{card.pk}",
-            run_id=run.id,
-            approval_id=card.pk,
-            channel=card.channel.name,
-            trace_id=run.trace_id,
-            data={"missed_due_at": card.due_at, "kind": card.kind, "proposed": card.proposed},
+            {"missed_due_at": card.due_at, "kind": card.kind, "proposed": card.proposed},
         )
         card_closed.send(Approval, card=card)
         if run.status in Run.PARKED:

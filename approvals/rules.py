@@ -106,27 +106,29 @@ def started_the_run(user, card: Approval) -> bool:
     return card.run.created_by_id == getattr(user, "pk", None)
 
 
-def decider_refusal(actor, card: Approval) -> str:
+def decider_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
     """Why `actor` may not decide `card`, or "" when they may. Who may decide a card: a person with
     `approve_channel` on its channel (core.access.may_approve; a superuser holds it everywhere) who did not start
-    its run. The system (no actor: the SLA policy) always may. Approval.decide applies it to every caller; the
-    pages and the API ask approvals.access.card_for, which applies it too."""
+    its run, and, on a card opened under an approval policy, whom its current stage asks (or who covers for
+    someone it names: `covering`, approvals.models.Delegation.covered_by). The system (no actor: the SLA policy)
+    always may. Approval.decide applies it to every caller; the pages and the API ask approvals.access.card_for,
+    which applies it too."""
     if actor is None:
         return ""
     if not may_approve(actor, card.channel):
         return f"you may not decide cards on {card.channel.name} (no approve_channel there)"
     if started_the_run(actor, card):
         return "you started this run: someone else must decide its cards"
-    return ""
+    return policy_refusal(actor, card, covering)
 
 
 # --- the checks of Approval.decide, in order -----------------------------------------------------------------
 
 
-def check(actor, card: Approval, asked: Asked, version: int | None) -> None:
+def check(actor, card: Approval, asked: Asked, version: int | None, covering: Iterable[int] = ()) -> None:
     """Everything that refuses `asked` on `card` (locked, re-read) before anything is written: who decides, whether
     the card is still open as the person saw it, whether the decision fits the card."""
-    if refusal := decider_refusal(actor, card):
+    if refusal := decider_refusal(actor, card, covering):
         raise NotAllowed(refusal)
     if card.status not in card.OPEN:
         raise AlreadyDecided(card)
@@ -280,3 +282,193 @@ def sla_state_expression(channels: Iterable[Channel], now: datetime) -> Case:
         default=Value(SlaState.ON_TIME),
         output_field=CharField(),
     )
+
+
+# --- approval policies ------------------------------------------------------------------------------------------
+# A card opened under an approval policy (approvals.models.ApprovalPolicy) carries a snapshot of it
+# (`Approval.policy`, made by `ApprovalPolicy.snapshot`): {id, name, version, at_end, stages: [{name, purpose,
+# quorum, sla (seconds), anyone, users: [ids], groups: [ids]}]}. The rules below read that snapshot, never the
+# policy's rows, so an admin's edit does not change an open card's rules. A card without one follows its channel
+# (the two-person count above, the channel's SLA policy).
+
+
+class StagePurpose(models.TextChoices):
+    """What a row of a policy is: a stage of the ordered chain (its quorum must approve), or an escalation level
+    of the stage above it (it takes that stage over when the SLA of the level before it runs out)."""
+
+    APPROVE = "approve", "a stage that must approve"
+    ESCALATE = "escalate", "escalation of the stage above"
+
+
+class AtEnd(models.TextChoices):
+    """What the policy does when the last escalation level's SLA runs out."""
+
+    REJECT = "reject", "reject the card (fail closed)"
+    WAIT = "wait", "keep waiting, alert ops"
+
+
+def stage_errors(*, anyone: bool, quorum: int | None, people: int) -> list[str]:
+    """What is wrong with one stage of a policy (Django admin's form shows them): nobody may decide, a quorum
+    below one, or more people asked for than the stage names (`people`: the distinct users it names, directly or
+    through its groups)."""
+    if quorum is None or quorum < 1:
+        return ["the quorum must be at least 1"]
+    if anyone:
+        return []
+    if people == 0:
+        return ["the stage names nobody: tick 'the channel's approvers' or name groups or users"]
+    if quorum > people:
+        return [f"the quorum ({quorum}) is more than the {people} people the stage names"]
+    return []
+
+
+def policy_errors(purposes: Sequence[str]) -> list[str]:
+    """What is wrong with a policy's stages as a whole (in order): none, or an escalation level with no stage
+    above it."""
+    if not purposes:
+        return ["a policy needs at least one stage"]
+    if purposes[0] != StagePurpose.APPROVE:
+        return ["the first stage must be one that approves (an escalation level escalates the stage above it)"]
+    return []
+
+
+def stage_of_level(policy: dict, row: int) -> int:
+    """The approving stage that row `row` belongs to: itself, or the nearest approving stage above an
+    escalation level."""
+    stages = policy["stages"]
+    while row > 0 and stages[row]["purpose"] == StagePurpose.ESCALATE:
+        row -= 1
+    return row
+
+
+def next_level(policy: dict, row: int) -> int | None:
+    """Where the card goes when row `row`'s SLA runs out: the next escalation level of its stage, or None (the
+    end of the chain: the policy's `at_end`)."""
+    stages = policy["stages"]
+    if row + 1 < len(stages) and stages[row + 1]["purpose"] == StagePurpose.ESCALATE:
+        return row + 1
+    return None
+
+
+def next_stage(policy: dict, row: int) -> int | None:
+    """The next approving stage after the stage of row `row` (its escalation levels skipped), or None: the last."""
+    stages = policy["stages"]
+    for i in range(row + 1, len(stages)):
+        if stages[i]["purpose"] == StagePurpose.APPROVE:
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class Asking:
+    """Who a card asks now (row `row` of its policy): the people of its stage and of every escalation level up
+    to the row (an escalation adds people; those asked before may still answer)."""
+
+    anyone: bool
+    users: frozenset[int]
+    groups: frozenset[int]
+
+    @classmethod
+    def at(cls, policy: dict, row: int) -> Asking:
+        rows = policy["stages"][stage_of_level(policy, row) : row + 1]
+        return cls(
+            any(s["anyone"] for s in rows),
+            frozenset(u for s in rows for u in s["users"]),
+            frozenset(g for s in rows for g in s["groups"]),
+        )
+
+    def includes(self, user) -> bool:
+        if self.anyone or user.pk in self.users:
+            return True
+        return bool(self.groups) and user.groups.filter(pk__in=self.groups).exists()
+
+    def covered(self, covering: Iterable[int], creator_id: int | None) -> int | None:
+        """Of the absent people `covering` lists (those whose cover is deciding), the first this card names by
+        name: the decision is theirs, taken on their behalf. Never the run's creator (they may not decide it)."""
+        return next((u for u in covering if u in self.users and u != creator_id), None)
+
+
+def policy_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
+    """Why `actor` may not decide `card` at its current stage ("" when they may): the card's policy asks other
+    people now, and nobody the actor covers for (approvals.models.Delegation) is among them."""
+    policy = card.policy
+    if actor is None or not policy:
+        return ""
+    asking = Asking.at(policy, card.stage)
+    if asking.includes(actor) or asking.covered(covering, card.run_created_by_id) is not None:
+        return ""
+    return f"this card is at stage '{policy['stages'][card.stage]['name']}' of its policy, which does not ask you"
+
+
+def on_behalf_of(actor, card: Approval, covering: Iterable[int] = ()) -> int | None:
+    """Whose decision `actor` takes on `card` at its stage: None for their own (the stage asks them), else the
+    absent person they cover for whom the stage names (approvals.models.Delegation)."""
+    asking = Asking.at(card.policy, card.stage)
+    if actor is None or asking.includes(actor):
+        return None
+    return asking.covered(covering, card.run_created_by_id)
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """The decision being taken, as the count reads a Decision."""
+
+    decision: str
+    actor_id: int | None
+    on_behalf_of_id: int | None
+    stage: int
+
+
+@dataclass(frozen=True)
+class PolicyCount:
+    """A decision on a card under an approval policy: the row it is taken at, whose it is (the actor's, or the
+    absent person's they cover), and where it leaves the card.
+
+    Each stage needs its quorum of distinct people (an escalation level's own quorum once the card reached it),
+    counting the decisions given at the stage or any of its levels since the card's last edit; when it is met the
+    card goes to the next stage, and past the last one it is decided. One person counts once per card, across
+    stages (as the absent person they cover, too). An edit restarts the count: the card goes back to its first
+    stage, its author counting as one at the stage they edited at. A rejection by anyone asked ends the card,
+    except on a reconcile card, where "it did not happen" (the write is done now) needs the quorums too."""
+
+    applies: bool
+    stage: int  # the row this decision is taken at
+    stage_name: str
+    on_behalf_of: int | None
+    counted: tuple  # the earlier decisions that count with this one (all stages)
+    given: int  # at the card's stage, with this decision
+    required: int
+    to_stage: int | None  # where the card goes (None once it is decided)
+    complete: bool
+
+    @classmethod
+    def of(cls, card: Approval, actor, decision: str, earlier: Sequence[Decision], covering: Iterable[int] = ()):
+        policy, row = card.policy, card.stage
+        on_behalf = on_behalf_of(actor, card, covering)
+        taken = _Taken(decision, getattr(actor, "pk", None), on_behalf, row)
+        name = policy["stages"][row]["name"]
+        ends = decision == DecisionKind.REJECT and card.kind != Kind.RECONCILE
+        if ends:
+            return cls(True, row, name, on_behalf, (), 1, 1, None, True)
+        decisions = counted([*earlier, taken], DecisionKind.APPROVE if decision == DecisionKind.EDIT else decision)
+        if decision == DecisionKind.EDIT and stage_of_level(policy, row) != 0:
+            row = 0  # an edit restarts the chain
+        while True:
+            stage = stage_of_level(policy, row)
+            here = [d for d in decisions if d.stage is not None and stage_of_level(policy, d.stage) == stage]
+            given, required = len(here), policy["stages"][row]["quorum"]
+            if given < required:
+                return cls(True, taken.stage, name, on_behalf, tuple(decisions[:-1]), given, required, row, False)
+            row = next_stage(policy, row)
+            if row is None:
+                return cls(True, taken.stage, name, on_behalf, tuple(decisions[:-1]), given, required, None, True)
+
+    def check(self, actor) -> None:
+        if actor is None:
+            return
+        people = {actor.pk, self.on_behalf_of} - {None}
+        if any({d.actor_id, d.on_behalf_of_id} & people for d in self.counted):
+            raise SecondApproverNeeded(
+                "you (or the person you cover for) already answered this card as it stands: its policy counts each "
+                "person once, across its stages"
+            )

@@ -18,13 +18,15 @@ import json
 from datetime import datetime, timedelta
 from urllib.parse import urlparse
 
+from django.contrib import messages
+from django.contrib.auth.models import User
 from django.core.exceptions import PermissionDenied
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
@@ -40,8 +42,8 @@ from approvals.errors import (
     SecondApproverNeeded,
     StaleVersion,
 )
-from approvals.forms import EditForm, RejectForm
-from approvals.models import Approval, RejectReason
+from approvals.forms import AwayForm, EditForm, RejectForm
+from approvals.models import Approval, Delegation, DelegationRefused, RejectReason
 from approvals.rules import Agreement, DecisionKind
 from runs.gates import Kind
 from runs.models import Receipt
@@ -124,18 +126,20 @@ def prepare(card: Approval, user, **state) -> Approval:
     ]
     reasons = dict(RejectReason.choices)
     card.decision_list = []
-    for decision in card.decisions.select_related("actor").order_by("created_at"):
+    for decision in card.decisions.select_related("actor", "on_behalf_of").order_by("created_at"):
         decision.by = decision.actor.get_username() if decision.actor else "system"
         decision.reason_label = reasons.get(decision.reason, decision.reason)
         decision.edit_diff = changes(card.proposed, decision.payload) if decision.payload else []
         card.decision_list.append(decision)
     card.is_open = card.status in Approval.OPEN
     card.is_creator = rules.started_the_run(user, card)
-    card.can_decide = card.is_open and not card.is_creator
     # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
-    card.required_approvals = card.channel.required_approvals
+    card.required_approvals = card.channel.required_approvals if not card.policy else 1
     card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
+    card.standing = _standing(card, user) if card.policy else None
+    card.policy_refusal = card.standing["refusal"] if card.standing and card.is_open else ""
+    card.can_decide = card.is_open and not card.is_creator and not card.policy_refusal
     card.labels = labels.for_card(card)
     if not edits.accepts_edits(card):
         card.labels = {**card.labels, "edit": ""}  # no edit offered
@@ -155,6 +159,44 @@ def prepare(card: Approval, user, **state) -> Approval:
     if card.via_link and card.via_link["decision"] == DecisionKind.REJECT and not card.opened:
         card.opened = "reject"
     return card
+
+
+def _standing(card: Approval, user) -> dict:
+    """Where a card under an approval policy stands: its stage, who answered (since its last edit), who is still
+    asked, the next escalation and when; and whether `user` may decide it now (approvals.rules), in whose name."""
+    policy, row = card.policy, card.stage
+    stage = rules.stage_of_level(policy, row)
+    given = rules.counted(card.decision_list, DecisionKind.APPROVE)  # since the last edit, open or decided
+    answered = [
+        {
+            "by": d.by,
+            "on_behalf_of": d.on_behalf_of.get_username() if d.on_behalf_of else "",
+            "stage": d.stage_name,
+            "decision": d.decision,
+        }
+        for d in given
+        if d.stage is not None
+    ]
+    here = [d for d in given if d.stage is not None and rules.stage_of_level(policy, d.stage) == stage]
+    asked = card.asked_names()
+    done = {d.by for d in given} | {a["on_behalf_of"] for a in answered}
+    covering = Delegation.covered_by(user)
+    refusal = rules.decider_refusal(user, card, covering) if not card.is_creator else ""
+    on_behalf = rules.on_behalf_of(user, card, covering)
+    following = rules.next_level(policy, row)
+    return {
+        **card.policy_stage(),
+        "given": len(here),
+        "quorum": policy["stages"][row]["quorum"],
+        "answered": answered,
+        "still_users": [name for name in asked["users"] if name not in done],
+        "still_groups": asked["groups"],
+        "anyone": asked["anyone_on_channel"],
+        "next_to": policy["stages"][following]["name"] if following is not None else "",
+        "at_end": policy["at_end"],
+        "refusal": refusal,
+        "on_behalf_of": User.objects.get(pk=on_behalf).get_username() if on_behalf else "",
+    }
 
 
 def _render(request, card: Approval, status: int = 200) -> HttpResponse:
@@ -297,3 +339,36 @@ def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:
         when = timezone.localtime(exc.card.decided_at).strftime("%Y-%m-%d %H:%M:%S %Z") if exc.card.decided_at else ""
         return f"Not recorded: this card was already {exc.card.status} by {exc.by}" + (f" at {when}." if when else ".")
     return "Not recorded: the card changed since you opened it. Here it is again: check it and decide again."
+
+
+# --- away: delegation ----------------------------------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+def away(request):
+    """ "Away until ..., cover: X" for the person signed in (approvals.models.Delegation: its checks, its audit
+    entries). POST `action=set` (cover, until) or `action=clear`."""
+    user, status = request.user, 200
+    form = AwayForm(user)
+    if request.method == "POST":
+        if request.POST.get("action") == "clear":
+            if Delegation.clear(user):
+                messages.success(request, "Your delegation has ended: your cards come to you again.")
+            return redirect("away")
+        form = AwayForm(user, request.POST)
+        if form.is_valid():
+            try:
+                Delegation.set(user, form.cleaned_data["cover"], form.cleaned_data["until"])
+            except DelegationRefused as exc:
+                form.add_error(None, f"Not set: {exc}.")
+            else:
+                messages.success(request, "Delegation set.")
+                return redirect("away")
+        status = 422
+    current = Delegation.objects.select_related("cover").filter(user=user).first()
+    return render(
+        request,
+        "approvals/away.html",
+        {"form": form, "current": current, "active": current is not None and current.until > timezone.now()},
+        status=status,
+    )

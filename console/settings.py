@@ -90,6 +90,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.postgres",  # ArrayField (approvals: who a card asks)
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "django_htmx",

@@ -33,6 +33,7 @@ urlpatterns = [
     path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
     # An email's Approve or Reject link (approvals.links): opens the card with the choice pre-selected, after login.
     path("approvals/email/<str:token>/", approval_views.decision_link, name="decision-link"),
+    path("approvals/away/", approval_views.away, name="away"),  # audited
     path("runs/", run_views.run_list, name="runs"),
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("runs/<uuid:pk>/cancel", run_views.run_cancel, name="run-cancel"),

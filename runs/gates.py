@@ -114,6 +114,8 @@ class GateSpec:
     editable: tuple[str, ...] = ()
     check_edit: Callable[[dict, dict], list[dict]] | None = None
     display: Display = field(default_factory=Display)
+    # The approval policy (approvals.models.ApprovalPolicy, by name) its cards follow, over their channel's.
+    policy: str = ""
 
     def accepts_edits(self) -> bool:
         """Whether a person may edit the proposal at all (the card offers an edit)."""

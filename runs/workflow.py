@@ -97,13 +97,16 @@ class Workflow:
         editable: tuple[str, ...] = (),
         check_edit: Callable[[dict, dict], list[dict]] | None = None,
         display: Display | None = None,
+        policy: str = "",
     ):
         """A person's sign-off on `channel`: the step returns `ctx.gate(...)` (or decides by itself).
 
         `proposal` (a pydantic model) is the shape of what the gate proposes; `editable` the dotted paths of the
         leaves a person may change (nothing else may change); `check_edit(proposed, edited)` returns further
-        errors ({loc, msg}) such as bounds relative to the proposal; `display` the card's headline and amount."""
-        spec = GateSpec(proposal, tuple(editable), check_edit, display or Display())
+        errors ({loc, msg}) such as bounds relative to the proposal; `display` the card's headline and amount;
+        `policy` the name of the approval policy its cards follow (approvals.models.ApprovalPolicy), over the
+        channel's."""
+        spec = GateSpec(proposal, tuple(editable), check_edit, display or Display(), policy)
         return self._add("gate", channel=channel, name=name, gate=spec)
 
     def agent(

@@ -99,3 +99,12 @@ def think_then_lose(ctx):
     answer = ctx.model.complete("classify", reason="late delivery", amount_cents=100)
     Run.objects.filter(pk=ctx.run.pk).update(owner="another-job")
     return answer
+
+
+# A gate that names its approval policy in code (approvals.models.ApprovalPolicy), over its channel's.
+named_policy = register(Workflow("test_named_policy"))
+
+
+@named_policy.gate("payments", policy="declared-in-code")
+def ask_under_a_named_policy(ctx):
+    return ctx.gate(proposed={"do": "it"}, summary="please")

@@ -8,7 +8,7 @@
   the clients PgBouncer sees never exceed the formula.
 
 Debian's PgBouncer (`make pgbouncer`, which `make test` runs) is started by the test on a free port with an ini of
-its own (tests/pgbouncer.py). Sizes: PGBOUNCER_WORKERS (16), PGBOUNCER_RUNS (48), PGBOUNCER_KILLS (8),
+its own (tests/pgbouncer.py). Sizes: PGBOUNCER_WORKERS (16), PGBOUNCER_RUNS (40), PGBOUNCER_KILLS (6),
 PGBOUNCER_SEED.
 """
 
@@ -34,7 +34,6 @@ from tests.engine_helpers import SMALL_REFUND
 from tests.pgbouncer import PGBOUNCER, PgBouncer
 from tests.system.conftest import (
     Approver,
-    WebServer,
     describe_runs,
     effects_per_run,
     env_int,
@@ -48,8 +47,9 @@ from tests.worker import wait_until
 pytestmark = pytest.mark.skipif(not Path(PGBOUNCER).exists(), reason=f"no PgBouncer at {PGBOUNCER}: make pgbouncer")
 
 WORKERS = env_int("PGBOUNCER_WORKERS", 16)
-RUNS = env_int("PGBOUNCER_RUNS", 48)
-KILLS = env_int("PGBOUNCER_KILLS", 8)
+RUNS = env_int("PGBOUNCER_RUNS", 40)
+KILLS = env_int("PGBOUNCER_KILLS", 6)
+SPACING = 0.5  # seconds between two submissions
 SEED = env_int("PGBOUNCER_SEED", 20261202)
 # Small workers: 16 of them share 2 cores with the web server and PostgreSQL.
 CONCURRENCY = 1
@@ -133,12 +133,22 @@ def bouncers(test_db):
 
 
 @pytest.fixture
-def system_env(bouncers, test_db) -> dict:
-    session, _ = bouncers
+def system_env(bouncers, test_db, monkeypatch) -> dict:
+    """The system (tests/system/conftest.py) with its web server on the transaction pool and WORKERS small workers
+    on the session pool, polling less often than other system tests do: 16 idle workers polling 5 times a second
+    would take a core of their own."""
+    session, transaction = bouncers
+    monkeypatch.setenv("SYSTEM_WORKERS", str(WORKERS))
     return {
+        "DATABASE_URL": transaction.url(test_db["NAME"]),
+        "DATABASE_TRANSACTION_POOL": "1",
         "WORKER_DATABASE_URL": session.url(test_db["NAME"]),
         "WORKER_CONCURRENCY": str(CONCURRENCY),
         "WORKER_POOL_SIZE": str(POOL_SIZE),
+        "WORKER_POLL_INTERVAL": "1",  # LISTEN wakes a worker at once; the poll is the fallback
+        "WORKER_HEARTBEAT_INTERVAL": "1",
+        "STALLED_AFTER_SECONDS": "4",
+        "STALLED_SWEEP_SECONDS": "2",
         "TENANT_MAX_RUNNING": "4",
     }
 
@@ -175,29 +185,14 @@ class ConnectionWatch(threading.Thread):
         self.join(10)
 
 
-def test_sixteen_workers_behind_pgbouncer_finish_every_run_once_while_some_are_killed(
-    system, bouncers, test_db, _console_env, tmp_path
-):
+def test_sixteen_workers_behind_pgbouncer_finish_every_run_once_while_some_are_killed(system, bouncers, test_db):
     """16 small workers (concurrency 1, a pool of 2: 4 connections each) through a session-mode PgBouncer, the web
     tier through a transaction-mode one; runs arrive through the API while workers are SIGKILLed and replaced."""
-    session, transaction = bouncers
+    session, _ = bouncers
     rng = random.Random(SEED)
     per_worker = connections_per_worker(CONCURRENCY, POOL_SIZE)
-    # The web tier through the transaction pool (the fixture's server talks to PostgreSQL directly).
-    system.server.stop()
-    web_env = {
-        **system.workers.env,
-        "DATABASE_URL": transaction.url(test_db["NAME"]),
-        "DATABASE_TRANSACTION_POOL": "1",
-    }
-    system.server = WebServer(web_env, tmp_path / "web-transaction-pool.log")
-    system.url = system.server.url
-    for api in (system.agent, system.reviewer, system.second_reviewer, system.ops):
-        api.url = system.url
     watch = ConnectionWatch(session, test_db["NAME"])
     watch.start()
-    while len(system.workers.alive) < WORKERS:
-        system.workers.start()
     approver = Approver(system.reviewer)
     approver.start()
     inputs = [chaos_input(i, rng) for i in range(RUNS)]
@@ -210,7 +205,7 @@ def test_sixteen_workers_behind_pgbouncer_finish_every_run_once_while_some_are_k
                 system.submit(run_input, tenant=f"tenant-{i % 4}")
             except AssertionError as exc:
                 submit_errors.append(str(exc))
-            time.sleep(0.5)
+            time.sleep(SPACING)
 
     submitter = threading.Thread(target=submit_all, name="submitter", daemon=True)
     submitter.start()

@@ -24,12 +24,13 @@ not count):
    used server; with `server_round_robin` the rounds walk the idle servers) or A hops to another backend. A
    statement pool refuses B's transaction block outright. Any of these stops the worker, naming what it saw.
 
-Connections (measured by tests/system/test_pgbouncer.py through `pg_stat_activity`, each connection named by
-`application_name` as `<name>:<pid>:<role>`): a worker process holds `connections_per_worker()`: its pool
-(WORKER_POOL_SIZE, opened at start: the fetch loop, heartbeats, job statuses, the abort poll, the periodic
-deferrer, the async stalled-job sweep), one LISTEN connection, and one Django connection per job thread
-(WORKER_CONCURRENCY threads at most: jobs.worker gives the worker a thread pool of that size; each keeps its
-connection between jobs for DATABASE_CONN_MAX_AGE seconds; the sync sweeps run on them too).
+Connections (README, "Connections and PgBouncer"; measured by tests/system/test_pgbouncer.py through
+`pg_stat_activity`, each connection named by `application_name` as `<name>:<pid>:<role>`): a worker process holds
+`connections_per_worker()`: its pool (WORKER_POOL_SIZE, opened at start: the fetch loop, heartbeats, job statuses,
+the abort poll, the periodic deferrer, the async stalled-job sweep), one LISTEN connection, and one Django
+connection per job thread (a sync job runs in a thread of asyncio's default executor, which reuses an idle thread
+before it starts another: WORKER_CONCURRENCY threads, each keeping its connection between jobs for
+DATABASE_CONN_MAX_AGE seconds; the sync sweeps run on them too).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Debian's PgBouncer (`make pgbouncer` installs it), started by a test on a free port with an ini of its own in a
 temporary folder, in front of the test database's server. The Debian service is never used.
 
-Run as root (CI, containers), PgBouncer refuses to keep root: the ini names an unprivileged user to switch to."""
+Run as root (CI, containers), PgBouncer refuses to keep root: the ini names an unprivileged user to switch to, the
+one who may reach the server's unix socket when the test database is on one (the embedded server)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from tests.conftest import _free_port
 PGBOUNCER = os.environ.get("PGBOUNCER", "/usr/sbin/pgbouncer")
 
 
-def _unprivileged_user() -> str:
+def _unprivileged_user(host: str) -> str:
+    """Whom PgBouncer runs as when we are root: the owner of the server's socket directory (the embedded server's
+    user, the only one who may enter it), else `postgres` or `nobody` (TCP)."""
+    if host.startswith("/"):
+        return pwd.getpwuid(Path(host).stat().st_uid).pw_name
     for name in ("postgres", "nobody"):
         try:
             pwd.getpwnam(name)
@@ -67,7 +72,7 @@ class PgBouncer:
             **settings,
         }
         if os.geteuid() == 0:
-            values["user"] = _unprivileged_user()
+            values["user"] = _unprivileged_user(host)
         ini = "[databases]\n* = " + server + "\n\n[pgbouncer]\n"
         ini += "".join(f"{key} = {value}\n" for key, value in values.items())
         (self.dir / "pgbouncer.ini").write_text(ini)

@@ -27,6 +27,7 @@ from django.core.management import call_command
 from django.db import connection
 from procrastinate.contrib.django.models import ProcrastinateJob
 
+from core.models import AuditEntry
 from jobs.sessions import connections_per_worker
 from runs import submission
 from runs.models import Run
@@ -245,6 +246,9 @@ def test_sixteen_workers_behind_pgbouncer_finish_every_run_once_while_some_are_k
         most_server_connections_at_once=watch.max_servers,
         worker_connections_at_the_server_after=at_server,
         most_connections_of_one_worker=max(watch.max_per_worker.values(), default=0),
+        retries_by_cause=dict(
+            Counter(AuditEntry.objects.filter(action="run.retry").values_list("data__cause", flat=True))
+        ),
         cards_decided=dict(approver.decided),
         sandbox=stats,
         chaos_s=chaos_ended - started,

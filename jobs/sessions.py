@@ -11,18 +11,15 @@ re-entrant within a session). Two jobs would drive one run. So a worker that fin
 refuses to start (`check_own_sessions`, before it registers or takes a job).
 
 The probe, on two connections A and B of the worker's own pool (so it opens no connection the formula below does
-not count):
-
-1. A's first query asks PostgreSQL for its backend's pid (`pg_backend_pid()`) and compares it with the pid the
-   server announced in the protocol's start-up (BackendKeyData, psycopg's `info.backend_pid`). Equal: nothing
-   sits in between (or a plain TCP proxy, which keeps one backend per client): done, one query.
-   A pooler such as PgBouncer answers the start-up itself with a key of its own, so they differ.
-2. Behind a pooler, for a few rounds: A runs a statement (its backend, if it does not own one, is now the pool's
-   most recently freed server), then B opens a transaction and asks for its pid, then A asks again. In a session
-   pool A owns its backend for as long as it is connected: B's pid is never A's, and A's never changes. In a
-   transaction pool B's transaction is given the server A just freed (PgBouncer's default reuses the most recently
-   used server; with `server_round_robin` the rounds walk the idle servers) or A hops to another backend. A
-   statement pool refuses B's transaction block outright. Any of these stops the worker, naming what it saw.
+not count), for a few rounds: A runs a statement (its backend, if A does not own one, is now the pool's most
+recently freed server), then B opens a transaction and asks for its backend's pid (`pg_backend_pid()`), then A
+asks for its own again. In a session pool, or directly, A owns its backend for as long as it is connected: B's pid
+is never A's, and A's never changes. In a transaction pool B's transaction is given the server A just freed
+(PgBouncer's default reuses the most recently used server; with `server_round_robin` the rounds walk the idle
+servers) or A hops to another backend. A statement pool refuses B's transaction block outright. Any of these stops
+the worker, naming what it saw. (The pid the server announces at start-up, psycopg's `info.backend_pid`, would tell
+a pooler from PostgreSQL, but not a session pool from a transaction pool; `SHOW pool_mode` is PgBouncer's admin
+console, not a query that reaches through a pool.) Directly it costs a dozen short queries at start-up.
 
 Connections (README, "Connections and PgBouncer"; measured by tests/system/test_pgbouncer.py through
 `pg_stat_activity`, each connection named by `application_name` as `<name>:<pid>:<role>`): a worker process holds
@@ -102,21 +99,18 @@ async def check_own_sessions(pool: psycopg_pool.AsyncConnectionPool, rounds: int
 
 
 async def _probe(pool: psycopg_pool.AsyncConnectionPool, rounds: int) -> None:
-    async with pool.connection() as first:
+    async with pool.connection() as first, pool.connection() as second:
         own = await _pid(first)
-        if first.info.backend_pid == own:
-            return
-        async with pool.connection() as second:
-            for _ in range(rounds):
-                own_now = await _pid(first)
-                async with second.transaction():
-                    theirs = await _select_pid(second)
-                    again = await _pid(first)
-                if theirs in (own, own_now):
-                    raise SessionPoolingRequired(
-                        refusal(f"one connection's transaction ran on another's backend (pid {theirs})")
-                    )
-                if own_now != own or again != own:
-                    raise SessionPoolingRequired(
-                        refusal(f"one connection ran on backends {sorted({own, own_now, again})} in turn")
-                    )
+        for _ in range(rounds):
+            own_now = await _pid(first)
+            async with second.transaction():
+                theirs = await _select_pid(second)
+                again = await _pid(first)
+            if theirs in (own, own_now):
+                raise SessionPoolingRequired(
+                    refusal(f"one connection's transaction ran on another's backend (pid {theirs})")
+                )
+            if own_now != own or again != own:
+                raise SessionPoolingRequired(
+                    refusal(f"one connection ran on backends {sorted({own, own_now, again})} in turn")
+                )

@@ -14,7 +14,9 @@ PGBOUNCER_SEED.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 import signal
 import threading
 import time
@@ -22,13 +24,14 @@ from collections import Counter
 from pathlib import Path
 
 import psycopg
+import psycopg_pool
 import pytest
 from django.core.management import call_command
 from django.db import connection
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from core.models import AuditEntry
-from jobs.sessions import connections_per_worker
+from jobs.sessions import SessionPoolingRequired, check_own_sessions, connections_per_worker
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import SMALL_REFUND
@@ -43,7 +46,7 @@ from tests.system.conftest import (
     sandbox_stats,
 )
 from tests.system.test_chaos import chaos_input
-from tests.worker import wait_until
+from tests.worker import database_url, wait_until
 
 pytestmark = pytest.mark.skipif(not Path(PGBOUNCER).exists(), reason=f"no PgBouncer at {PGBOUNCER}: make pgbouncer")
 
@@ -96,7 +99,8 @@ def test_a_worker_holds_the_connections_the_formula_says(start_worker, concurren
 
 
 @pytest.fixture
-def test_db() -> dict:
+def test_db(django_db_setup) -> dict:
+    """The test database's connection settings (its name once pytest-django has created it)."""
     return dict(connection.settings_dict)
 
 
@@ -121,6 +125,36 @@ def test_a_worker_behind_a_transaction_pool_refuses_to_start_and_claims_nothing(
         cursor.execute("SELECT count(*) FROM procrastinate_workers")
         assert cursor.fetchone()[0] == 0
     assert Run.objects.get(pk=run.pk).status == Run.Status.QUEUED
+
+
+@pytest.mark.parametrize(
+    ("pool_mode", "refused"),
+    [
+        (None, None),  # PostgreSQL itself
+        ("session", None),
+        ("transaction", "one connection's transaction ran on another's backend"),
+        ("statement", "a transaction block was refused (transaction blocks not allowed in statement pooling mode)"),
+    ],
+)
+def test_the_probe_tells_a_session_from_a_pooled_transaction(test_db, pool_mode, refused):
+    """jobs.sessions.check_own_sessions on a pool of two connections, as a worker's, directly and through each of
+    PgBouncer's modes."""
+    bouncer = PgBouncer(test_db, pool_mode) if pool_mode else None
+    url = bouncer.url(test_db["NAME"]) if bouncer else database_url(test_db)
+
+    async def probe() -> None:
+        async with psycopg_pool.AsyncConnectionPool(url, min_size=2, open=False) as pool:
+            await check_own_sessions(pool)
+
+    try:
+        if refused is None:
+            asyncio.run(probe())
+        else:
+            with pytest.raises(SessionPoolingRequired, match=re.escape(refused)):
+                asyncio.run(probe())
+    finally:
+        if bouncer:
+            bouncer.stop()
 
 
 @pytest.fixture

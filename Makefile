@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast browser wrk lint format install clean bench bench-smoke
+.PHONY: run test test-fast browser pgbouncer wrk lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -44,13 +44,20 @@ endef
 
 # Browser tests drive Debian's Chromium through Playwright (tests/conftest.py).
 CHROMIUM ?= /usr/bin/chromium
-BROWSER_AFTER := run 'make test' again, or run 'make test-fast', which skips the browser and other slow tests.
+SLOW_TESTS_AFTER := run 'make test' again, or run 'make test-fast', which skips the browser and other slow tests.
 
 browser:
-	$(call debian_program,$(CHROMIUM),chromium,the browser tests,$(BROWSER_AFTER))
+	$(call debian_program,$(CHROMIUM),chromium,the browser tests,$(SLOW_TESTS_AFTER))
+
+# The PgBouncer system test (tests/system/test_pgbouncer.py) starts Debian's pgbouncer on a port and ini of its own
+# (the Debian service is not used): 16 workers through a session pool, one refused behind a transaction pool.
+PGBOUNCER ?= /usr/sbin/pgbouncer
+
+pgbouncer:
+	$(call debian_program,$(PGBOUNCER),pgbouncer,the PgBouncer system tests,$(SLOW_TESTS_AFTER))
 
 # The whole suite, slow system and browser tests included. `make test-fast` skips those.
-test: install browser
+test: install browser pgbouncer
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

@@ -90,8 +90,9 @@ def env_secret(name: str, *, development_default: str, development: bool) -> str
     raise ImproperlyConfigured(f"{name} must be set when CONSOLE_ENV is not 'development'")
 
 
-def database_from_url(url: str) -> dict:
-    """Django's DATABASES entry for a `postgres://user:password@host:port/name?option=value` URL.
+def database_from_url(url: str, name: str = "DATABASE_URL") -> dict:
+    """Django's DATABASES entry for a `postgres://user:password@host:port/name?option=value` URL (read from the
+    variable `name`, which error messages name).
 
     A unix socket goes in the host (`postgresql://postgres@/db?host=/run/postgresql`).
     """
@@ -99,17 +100,17 @@ def database_from_url(url: str) -> dict:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ImproperlyConfigured(f"DATABASE_URL is not a valid URL ({exc}): {_redact(url)}") from None
+        raise ImproperlyConfigured(f"{name} is not a valid URL ({exc}): {_redact(url)}") from None
     if parts.scheme not in ("postgres", "postgresql"):
-        raise ImproperlyConfigured(f"DATABASE_URL must start with postgres:// or postgresql://, got {_redact(url)}")
-    name = unquote(parts.path.lstrip("/"))
-    if not name:
-        raise ImproperlyConfigured(f"DATABASE_URL names no database: {_redact(url)}")
+        raise ImproperlyConfigured(f"{name} must start with postgres:// or postgresql://, got {_redact(url)}")
+    database = unquote(parts.path.lstrip("/"))
+    if not database:
+        raise ImproperlyConfigured(f"{name} names no database: {_redact(url)}")
     options = dict(parse_qsl(parts.query))
     host = options.pop("host", None) or unquote(parts.hostname or "")
     return {
         "ENGINE": "django.db.backends.postgresql",
-        "NAME": name,
+        "NAME": database,
         "USER": unquote(parts.username or ""),
         "PASSWORD": unquote(parts.password or ""),
         "HOST": host,

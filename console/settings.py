@@ -24,6 +24,8 @@ from console.env import (
     env_str,
     webhook_secrets,
 )
+from jobs.sessions import ROLES as CONNECTION_ROLES
+from jobs.sessions import application_name
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -44,7 +46,19 @@ if not DATABASE_URL:
     DATABASE_IS_EMBEDDED = True
 else:
     DATABASE_IS_EMBEDDED = False
-DATABASES = {"default": database_from_url(DATABASE_URL)}
+# A worker process (`manage.py worker`) may reach PostgreSQL by another way than the rest: WORKER_DATABASE_URL, when
+# set, is its URL. The web tier may go through a transaction-mode pool (PgBouncer); a worker only directly or
+# through a session-mode pool, and refuses to start otherwise (jobs.sessions; README, "Connections and PgBouncer").
+_WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
+WORKER_DATABASE_URL = env_str("WORKER_DATABASE_URL")
+if _WORKER_COMMAND and WORKER_DATABASE_URL:
+    DATABASES = {"default": database_from_url(WORKER_DATABASE_URL, name="WORKER_DATABASE_URL")}
+else:
+    DATABASES = {"default": database_from_url(DATABASE_URL)}
+# DATABASE_TRANSACTION_POOL=1: DATABASE_URL goes through a transaction-mode pool, where a cursor held open across
+# transactions (Django's server-side cursors, `.iterator()`) cannot live: Django reads such querysets in chunks
+# of ordinary queries instead. (Workers never run on one.)
+DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = env_bool("DATABASE_TRANSACTION_POOL", False)
 # A worker holds its runs' advisory locks for as long as its database session lives (runs.ownership). Over TCP,
 # have the server probe an idle client, so that a machine that vanished without closing its connections loses its
 # sessions, and their locks, within about 25 s instead of the operating system's two hours. (Unix sockets need no
@@ -58,7 +72,6 @@ if not DATABASES["default"]["HOST"].startswith("/"):
 # decided card's run resumes without a new PostgreSQL backend first (bench/resume_latency.py: p99 ~25 instead of
 # ~85 ms), so a worker keeps them 300 s unless DATABASE_CONN_MAX_AGE says otherwise. Under ASGI Django advises
 # against it for the web server, which has its pool instead (below).
-_WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE", 300 if _WORKER_COMMAND else 0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # --- Database connection pool (the web server's) --------------------------------------------------------------
@@ -199,6 +212,20 @@ PROCRASTINATE_WORKER_DEFAULTS = {
     "stalled_worker_timeout": env_float("STALLED_AFTER_SECONDS", 30),
     "fetch_job_polling_interval": env_float("WORKER_POLL_INTERVAL", 1),
 }
+# The worker's psycopg pool (the fetch loop, heartbeats, job statuses, the abort poll, periodic defers), all opened at
+# start; with its LISTEN connection and one per job thread, a worker holds WORKER_POOL_SIZE + 1 + WORKER_CONCURRENCY
+# connections (jobs.sessions.connections_per_worker; README, "Connections and PgBouncer"). Two at least: the
+# start-up check of its sessions takes two.
+WORKER_POOL_SIZE = env_int("WORKER_POOL_SIZE", 4)
+if WORKER_POOL_SIZE < 2:
+    raise ImproperlyConfigured(f"WORKER_POOL_SIZE must be 2 or more, got {WORKER_POOL_SIZE}")
+# A worker's connections name themselves in pg_stat_activity `<name>:<pid>:<role>` (role: pool, listen, job), the
+# name being the URL's application_name or `worker`: the connection count per worker and role is one query away.
+WORKER_APPLICATION_NAMES = {}
+if _WORKER_COMMAND:
+    _base_name = DATABASES["default"]["OPTIONS"].get("application_name") or "worker"
+    WORKER_APPLICATION_NAMES = {role: application_name(_base_name, os.getpid(), role) for role in CONNECTION_ROLES}
+    DATABASES["default"]["OPTIONS"]["application_name"] = WORKER_APPLICATION_NAMES["job"]
 # Keep LISTEN/NOTIFY wake-ups that procrastinate 3.10 can drop (jobs/worker.py); 0 only to compare, in bench/.
 PROCRASTINATE_ON_APP_READY = "jobs.worker.on_app_ready" if env_bool("WORKER_KEEP_NOTIFICATIONS", True) else None
 # A job whose worker has sent no heartbeat for this long is requeued by the sweep (runs.tasks).

@@ -36,6 +36,7 @@ from typing import Any
 import psycopg
 import psycopg_pool
 import structlog
+from django.core.exceptions import ImproperlyConfigured
 from procrastinate import App, exceptions, jobs, manager, signals, sql, utils
 from procrastinate import worker as procrastinate_worker
 from procrastinate.contrib.django.django_connector import DjangoConnector
@@ -43,7 +44,7 @@ from procrastinate.contrib.django.utils import connector_params
 from procrastinate.psycopg_connector import PsycopgConnector
 from psycopg_pool.base import AttemptWithBackoff
 
-from jobs import internals
+from jobs import internals, sessions
 
 log = structlog.get_logger("jobs.worker")
 
@@ -76,6 +77,9 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 def _is_database_error(exc: BaseException) -> bool:
+    if isinstance(exc, ImproperlyConfigured):
+        # A refusal to start (InternalsMismatch, SessionPoolingRequired), even one caused by a driver error.
+        return False
     return isinstance(exc, exceptions.ConnectorException | psycopg.Error | OSError) or is_connection_error(exc)
 
 
@@ -124,7 +128,9 @@ class WorkerConnector(PsycopgConnector):
     job manager's sync methods) through Django's connection of the calling thread, so they take part in its
     transaction."""
 
-    def __init__(self, *, django_connector: DjangoConnector, **kwargs: Any) -> None:
+    def __init__(self, *, django_connector: DjangoConnector, listen_application_name: str = "", **kwargs: Any) -> None:
+        # The LISTEN connection's name in pg_stat_activity (its own role in the connection count), when given.
+        self.listen_application_name = listen_application_name
         kwargs.setdefault("pool_factory", ReconnectingPool)
         kwargs.setdefault("timeout", POOL_TIMEOUT_SECONDS)
         kwargs.setdefault("reconnect_timeout", POOL_RECONNECT_TIMEOUT_SECONDS)
@@ -132,8 +138,27 @@ class WorkerConnector(PsycopgConnector):
         self.django_connector = django_connector
 
     @classmethod
-    def for_django(cls, django_connector: DjangoConnector) -> WorkerConnector:
-        return cls(django_connector=django_connector, kwargs=connector_params(django_connector.alias))
+    def for_django(
+        cls,
+        django_connector: DjangoConnector,
+        *,
+        pool_size: int | None = None,
+        application_names: dict[str, str] | None = None,
+    ) -> WorkerConnector:
+        """The worker's connector on Django's connection settings: a pool of `pool_size` connections, all opened at
+        start (psycopg_pool's default, 4, when None); `application_names` ("pool", "listen"), when given, name its
+        connections in pg_stat_activity."""
+        params = connector_params(django_connector.alias)
+        names = application_names or {}
+        if "pool" in names:
+            params["application_name"] = names["pool"]
+        sizes = {} if pool_size is None else {"min_size": pool_size, "max_size": pool_size}
+        return cls(
+            django_connector=django_connector,
+            listen_application_name=names.get("listen", ""),
+            kwargs=params,
+            **sizes,
+        )
 
     def get_sync_connector(self) -> DjangoConnector:
         return self.django_connector
@@ -294,7 +319,10 @@ class Worker(procrastinate_worker.Worker):
     async def _register(self) -> int:
         if not self._database_checked:
             # Once per worker, before it takes a job: the SQL functions, types and columns we use are as we expect
-            # (an InternalsMismatch is no database error: it stops the worker, naming what differs).
+            # (an InternalsMismatch is no database error: it stops the worker, naming what differs), and our
+            # connections keep their sessions (not behind a transaction pool: SessionPoolingRequired stops it).
+            if isinstance(self.app.connector, PsycopgConnector):
+                await sessions.check_own_sessions(self.app.connector.pool)
             await internals.check_database_async(self.app.connector)
             self._database_checked = True
         pruned = await self.app.job_manager.prune_stalled_workers(self.stalled_worker_timeout)
@@ -525,6 +553,8 @@ async def _listen_once(
 
     try:
         async with connector._get_standalone_connection() as connection:
+            if name := getattr(connector, "listen_application_name", ""):
+                await connection.execute("SELECT set_config('application_name', %s, false)", [name])
             for channel in manager.get_channel_for_queues(queues=queues):
                 await connection.execute(
                     connector._make_dynamic_query(query=sql.queries["listen_queue"], channel_name=channel)

@@ -448,7 +448,8 @@ def _token(username: str) -> str:
 @pytest.fixture
 def system_env() -> dict:
     """Environment variables for the system's web server and workers on top of SYSTEM_ENV: a test module
-    overrides this fixture to deploy its own workflows (WORKFLOW_MODULES) or model (AGENT_MODEL)."""
+    overrides this fixture to deploy its own workflows (WORKFLOW_MODULES) or model (AGENT_MODEL), or to reach the
+    test database through PgBouncer (DATABASE_URL, WORKER_DATABASE_URL)."""
     return {}
 
 
@@ -469,8 +470,8 @@ def system(_console_env, system_env, transactional_db, tmp_path):
     env = {
         **{k: v for k, v in _console_env.items() if not k.startswith("STALLED_SWEEP_")},
         **SYSTEM_ENV,
-        **system_env,
         "DATABASE_URL": database_url(connection.settings_dict),
+        **system_env,  # may route the web tier (DATABASE_URL) or the workers (WORKER_DATABASE_URL) through a pooler
     }
     server = WebServer(env, tmp_path / "web.log")
     workers = Workers(env, tmp_path)

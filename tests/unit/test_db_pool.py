@@ -20,9 +20,10 @@ SHOW = (
 )
 
 
-def _settings(env: dict, *argv: str) -> subprocess.CompletedProcess:
+def _settings(env: dict, *argv: str, show: str = SHOW) -> subprocess.CompletedProcess:
+    """The settings of a `manage.py <argv>` process with `env`: `show` prints what a test reads of them."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN_MAX_AGE"))}
-    code = f"import sys; sys.argv = ['manage.py', *{list(argv)!r}]; {SHOW}"
+    code = f"import sys; sys.argv = ['manage.py', *{list(argv)!r}]; {show}"
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=settings.BASE_DIR,

@@ -11,12 +11,14 @@ import asyncio
 import logging
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from procrastinate import cli
 from procrastinate.contrib.django import app
 from procrastinate.contrib.django.django_connector import DjangoConnector
 
 from jobs.internals import InternalsMismatch
+from jobs.sessions import SessionPoolingRequired
 from jobs.worker import Worker, WorkerConnector
 
 
@@ -50,10 +52,14 @@ class Command(BaseCommand):
         connector = app.connector
         if not isinstance(connector, DjangoConnector):
             raise CommandError(f"the procrastinate app has a {type(connector).__name__}, not a DjangoConnector")
-        with app.replace_connector(WorkerConnector.for_django(connector)):
+        worker_connector = WorkerConnector.for_django(
+            connector, pool_size=settings.WORKER_POOL_SIZE, application_names=settings.WORKER_APPLICATION_NAMES
+        )
+        with app.replace_connector(worker_connector):
             try:
                 asyncio.run(self._run(options))
-            except InternalsMismatch as exc:  # the database's procrastinate is not the one we expect
+            # The database's procrastinate is not the one we expect, or the worker is behind a transaction pool.
+            except (InternalsMismatch, SessionPoolingRequired) as exc:
                 raise CommandError(str(exc)) from exc
 
     async def _run(self, options: dict[str, Any]) -> None:

@@ -8,6 +8,10 @@ import re
 from importlib import resources
 from typing import NamedTuple
 
+from django.db import connection
+from django.db.backends.postgresql.base import ServerBindingCursor
+from django.db.backends.utils import CursorWrapper
+
 from runs.transitions import TRANSITIONS, Transition
 
 # procrastinate.sql's: a `-- name --` line, then the comment lines that belong to it.
@@ -52,3 +56,18 @@ def _render(templates: dict[str, str]) -> dict[str, str]:
 
 templates = parse((resources.files(__package__) / "queries.sql").read_text(encoding="utf-8"))
 queries = _render(templates)
+
+
+def prepared_cursor() -> CursorWrapper:
+    """A cursor of this thread's Django connection (same session, same transaction) with server-side binding, for
+    the engine's hot statements (the step's checkpoint): psycopg prepares a statement on the server once it has run
+    it `prepare_threshold` times (5) in the session, and PostgreSQL then skips parsing and planning it, which cost
+    more of its CPU than executing it (~0.8 of the checkpoint's ~1.3 ms on PostgreSQL 15, bench/throughput_workers.py).
+    Django's own cursors bind client-side (one query string may hold several statements, none is prepared), so this
+    one is made as Django makes its own: the connection's health check and opening, its errors wrapped as Django's
+    (DatabaseError, OperationalError), its queries counted and logged when Django's are (assertNumQueries). One
+    statement per execute(); parameters as psycopg's, %(name)s or %s."""
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        return connection._prepare_cursor(ServerBindingCursor(connection.connection))

@@ -59,15 +59,19 @@ queries = _render(templates)
 
 
 def prepared_cursor() -> CursorWrapper:
-    """A cursor of this thread's Django connection (same session, same transaction) with server-side binding, for
-    the engine's hot statements (the step's checkpoint): psycopg prepares a statement on the server once it has run
-    it `prepare_threshold` times (5) in the session, and PostgreSQL then skips parsing and planning it, which cost
-    more of its CPU than executing it (~0.8 of the checkpoint's ~1.3 ms on PostgreSQL 15, bench/throughput_workers.py).
+    """A cursor of this thread's Django connection (same session, same transaction) with server-side binding and
+    prepared statements, for the engine's hot statements (the claim, the step's checkpoint): PostgreSQL then skips
+    parsing and planning them, which cost more of its CPU than executing them (~0.8 of the checkpoint's ~1.3 ms on
+    PostgreSQL 15, docs/PROFILE-engine.md).
     Django's own cursors bind client-side (one query string may hold several statements, none is prepared), so this
     one is made as Django makes its own: the connection's health check and opening, its errors wrapped as Django's
     (DatabaseError, OperationalError), its queries counted and logged when Django's are (assertNumQueries). One
     statement per execute(); parameters as psycopg's, %(name)s or %s."""
     connection.close_if_health_check_failed()
     connection.ensure_connection()
+    # Django turns psycopg's automatic preparing off (prepare_threshold None); client-side binding cursors never
+    # prepare, so this only concerns the statements sent through here: prepared at their first execution, kept
+    # per session (psycopg's prepared_max, 100, most recently used).
+    connection.connection.prepare_threshold = 0
     with connection.wrap_database_errors:
         return connection._prepare_cursor(ServerBindingCursor(connection.connection))

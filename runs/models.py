@@ -298,10 +298,10 @@ class Run(models.Model):
                 "max": settings.TENANT_MAX_RUNNING,
             }
         waiting = None
-        # One prepared statement (sql.prepared_cursor). The last step's wake-up count is a statement of its own
-        # (its snapshot comes after the tenant's lock): Run.wake_waiting_for_slot's, or, with a client-side
-        # binding cursor, in the same query string.
-        with prepared_cursor() as cursor:
+        # The steps before the last: one prepared statement (sql.prepared_cursor). The last step's: the wake-up's
+        # count, a statement of its own (its snapshot comes after the tenant's lock), in the same query string
+        # when the binding is client-side (Run._row_for_update): once a run, one round trip.
+        with connection.cursor() if finish else prepared_cursor() as cursor:
             together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
             cursor.execute(
                 (queries["checkpoint_finish"] + ";" + queries["wake"] if together else queries["checkpoint_finish"])
@@ -463,9 +463,9 @@ class Run(models.Model):
         the run's lock (OwnershipLost if not: the claim is made under it, runs.ownership). Then the start of a
         queued run under `owner` (`queries["start"]`: a free slot of its tenant and no older run of it waiting for one),
         a statement of its own, whose snapshot comes after the tenant's lock (Run.free_slots); then the run's step
-        rows (`queries["step_rows"]`, in a snapshot after the row lock), kept as `step_rows`. Three prepared
-        statements (sql.prepared_cursor: PostgreSQL planned the one query string of a client-side binding cursor,
-        which it cannot prepare, at every claim, for more CPU than two round trips cost). Returns (run, started)."""
+        rows (`queries["step_rows"]`, in a snapshot after the row lock), kept as `step_rows`. All in one round trip
+        (Django's client-side binding cursor runs them as one query string; with server-side binding, one after
+        the other). Returns (run, started)."""
         fields = _run_fields()
         params = {
             "id": run_id,
@@ -474,7 +474,7 @@ class Run(models.Model):
             "max": settings.TENANT_MAX_RUNNING,
             **ownership.lock_params(run_id),
         }
-        with prepared_cursor() as cursor:
+        with connection.cursor() as cursor:
             together = isinstance(cursor.cursor, psycopg.ClientCursor)
             sql = _claim_select_sql() + (";" + queries["start"] + ";" + queries["step_rows"] if together else "")
             cursor.execute(sql, params)

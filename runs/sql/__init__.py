@@ -60,9 +60,11 @@ queries = _render(templates)
 
 def prepared_cursor() -> CursorWrapper:
     """A cursor of this thread's Django connection (same session, same transaction) with server-side binding and
-    prepared statements, for the engine's hot statements (the claim, the step's checkpoint): PostgreSQL then skips
-    parsing and planning them, which cost more of its CPU than executing them (~0.8 of the checkpoint's ~1.3 ms on
-    PostgreSQL 15, docs/PROFILE-engine.md).
+    prepared statements, for the engine's hottest statement (the checkpoint of every step but the last): PostgreSQL
+    then skips parsing and planning it, which cost more of its CPU than executing it (~0.8 of the checkpoint's ~1.3
+    ms on PostgreSQL 15, docs/PROFILE-engine.md). Not for the claim and the last checkpoint, once a run each: their
+    several statements go in one query string (one round trip, which a resume waits for), which only a client-side
+    binding cursor can send, and preparing them as separate statements saved less CPU than the round trips cost.
     Django's own cursors bind client-side (one query string may hold several statements, none is prepared), so this
     one is made as Django makes its own: the connection's health check and opening, its errors wrapped as Django's
     (DatabaseError, OperationalError), its queries counted and logged when Django's are (assertNumQueries). One

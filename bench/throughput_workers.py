@@ -131,6 +131,10 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
                 f"{workers_n} worker heartbeats",
             )
         ids = submit(kind, runs, f"{kind}{workers_n}")
+        with psycopg.connect(url, autocommit=True) as conn:
+            # Statistics, as a production database has them: a new one has none until autovacuum's first ANALYZE,
+            # which would otherwise land in the middle of the first batches (and their plans made without them).
+            conn.execute("ANALYZE")
         time.sleep(0.3)
         before = snapshot(url)
         with psycopg.connect(url, autocommit=True) as conn:

@@ -183,9 +183,9 @@ def render(meta: dict, sections: list[dict]) -> str:
                 f" (engine's own: ~{extra:.2f}) | {'yes' if extra <= 1.05 else 'no'} |"
             )
     for title, resume in _resume(sections):
-        met = resume["p50"] < 10 and resume["p99"] < 25 and resume["max"] < 100
+        met = resume["p99"] < 25 and resume["max"] < 100  # issue 21's goal (p50 is shown, not a goal)
         out.append(
-            f"| {title}: p50 < 10, p99 < 25, max < 100 ms | p50 {resume['p50']:g}, p99 {resume['p99']:g},"
+            f"| {title}: p99 < 25, max < 100 ms | p50 {resume['p50']:g}, p99 {resume['p99']:g},"
             f" max {resume['max']:g} ms | {'yes' if met else 'no'} |"
         )
     for s in sections:

@@ -253,7 +253,9 @@ def main() -> None:
                 x if x["title"] not in fresh else next(y for y in sections if y["title"] == x["title"])
                 for x in previous["sections"]
             ] + [y for y in sections if y["title"] not in {x["title"] for x in previous["sections"]}]
-            reruns = [*previous["meta"].get("reruns", []), {**meta, "only": ONLY}]
+            # A re-run of the same sections replaces the earlier re-run's note, as it replaced its sections.
+            earlier = [r for r in previous["meta"].get("reruns", []) if r.get("only") != ONLY]
+            reruns = [*earlier, {**meta, "only": ONLY}]
             meta = {**{k: v for k, v in previous["meta"].items() if k != "rerun"}, "reruns": reruns}
         last.write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
         render()

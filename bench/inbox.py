@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/inbox.py [--cards 100000] [--requests 50]
 
-Runs on a new embedded PostgreSQL in a temporary folder (EMBEDDED_PGDATA; DATABASE_URL is ignored), migrated
-from scratch (so the indexes are the migrations' own) and seeded by demo_setup. Requests go through Django's
-test Client in this process, logged in as the demo `reviewer` (approve_channel on payments, email and crm through
-guardian): the whole middleware stack, the view, its queries and the template, but no HTTP server. Django opens
-a new database connection per request as in production (CONN_MAX_AGE 0), so every figure includes that.
+Runs on a new database (DATABASE_URL is ignored): with --database pg15 (default), `bench_inbox_<pid>` on the
+machine's PostgreSQL 15 over TCP, dropped at the end; with --database embedded, a new embedded PostgreSQL in a
+temporary folder (EMBEDDED_PGDATA). Migrated from scratch (so the indexes are the migrations' own) and seeded by
+demo_setup. Requests go through Django's test Client in this process, logged in as the demo `reviewer`
+(approve_channel on payments, email and crm through guardian): the whole middleware stack, the view, its queries
+and the template, but no HTTP server. Django opens a new database connection per request as in production
+(CONN_MAX_AGE 0), so every figure includes that.
 
 1. Baseline: 10 open cards (3 channels, 3 risks, 3 workflows), cases below.
 2. Fill: `--cards` more open cards in two INSERT ... SELECT generate_series (runs_run, then approvals_approval):
@@ -75,11 +77,31 @@ FROM generate_series(%(first)s::bigint, %(last)s) AS i
 """
 
 
-def setup_django() -> None:
-    pgdata = Path(tempfile.mkdtemp(prefix="bench-inbox-"))
-    atexit.register(shutil.rmtree, pgdata, True)  # runs after the embedded server's own stop handler
-    os.environ["EMBEDDED_PGDATA"] = str(pgdata / "pgdata")
-    os.environ.pop("DATABASE_URL", None)
+def setup_django(database: str, pg_url: str) -> None:
+    for name in list(os.environ):
+        if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
+            del os.environ[name]
+    if database == "pg15":
+        import psycopg
+
+        dbname = f"bench_inbox_{os.getpid()}"
+        with psycopg.connect(f"{pg_url}/postgres", autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
+            admin.execute(f'CREATE DATABASE "{dbname}"')
+        os.environ["DATABASE_URL"] = f"{pg_url}/{dbname}"
+
+        def drop() -> None:
+            from django.db import connections
+
+            connections.close_all()
+            with psycopg.connect(f"{pg_url}/postgres", autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+        atexit.register(drop)
+    else:
+        pgdata = Path(tempfile.mkdtemp(prefix="bench-inbox-"))
+        atexit.register(shutil.rmtree, pgdata, True)  # runs after the embedded server's own stop handler
+        os.environ["EMBEDDED_PGDATA"] = str(pgdata / "pgdata")
     os.environ.setdefault("LOG_LEVEL", "WARNING")  # no JSON line per request
     os.environ["DJANGO_SETTINGS_MODULE"] = "console.settings"
     os.environ.setdefault("DEMO_TRAFFIC", "0")
@@ -109,9 +131,11 @@ def main() -> None:
     parser.add_argument("--cards", type=int, default=100_000)
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--explain", action="store_true", help="print the plan of each case's slowest query")
+    parser.add_argument("--database", choices=("pg15", "embedded"), default="pg15")
+    parser.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432")
     args = parser.parse_args()
 
-    setup_django()
+    setup_django(args.database, args.pg_url)
     from django.contrib.auth.models import User
     from django.db import connection
     from django.test import Client
@@ -208,6 +232,9 @@ def main() -> None:
                 f"{len(ctx.captured_queries):8d} {rows:5d}"
             )
 
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        print(f"{args.database}: PostgreSQL {cursor.fetchone()[0]}")
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     fill(1, 10)
     run(f"Baseline: {open_cards():,} open cards")

@@ -8,9 +8,13 @@ process, the default concurrency) resumes and finishes them. Latency = the gate 
 (Step.started_at, written by the worker) minus the decision's creation (Decision.created_at, written just
 before the decision commits), both on this machine's clock.
 
-Measured twice in the same run, on the same database: with the notification latch of jobs/worker.py (what
-ships), and as a baseline without it (WORKER_KEEP_NOTIFICATIONS=0: procrastinate 3.10's stock worker, which
-can drop a notification that arrives during an empty fetch and then waits for its poll, here 5 s).
+Measured twice in the same run, on the same database: the production worker with its defaults (`manage.py worker`:
+the notification latch of jobs/worker.py, the 1 s fallback poll, INFO logs), and as a baseline procrastinate 3.10's
+stock worker loop (WORKER_KEEP_NOTIFICATIONS=0, which can drop a notification that arrives during an empty fetch and
+then waits for its poll, here 5 s, LOG_LEVEL=WARNING).
+
+--database pg15 (default): a new database on the machine's PostgreSQL 15 over TCP (bench_resume_<pid>, dropped at
+the end); embedded: a new embedded PostgreSQL in a temporary folder.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from runs import submission
+import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+SPLITS: list[tuple[float, float]] = []  # (decision -> fetch, fetch -> step) of the last measure()
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -38,19 +45,19 @@ def percentile(values: list[float], p: float) -> float:
 def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: bool = False) -> list[float]:
     from django.conf import settings
     from django.contrib.auth.models import User
+    from django.db import connection
 
     from approvals.models import Approval, Decision
+    from runs import submission
     from runs.models import Run, Step
 
-    env = {
-        **os.environ,
-        "DATABASE_URL": settings.DATABASE_URL,
-        "WORKER_POLL_INTERVAL": "5",
-        "WORKER_KEEP_NOTIFICATIONS": "1" if keep_notifications else "0",
-        "LOG_LEVEL": "WARNING",
-    }
+    env = {**os.environ, "DATABASE_URL": settings.DATABASE_URL}
+    for name in ("WORKER_POLL_INTERVAL", "WORKER_KEEP_NOTIFICATIONS", "LOG_LEVEL", "DATABASE_CONN_MAX_AGE"):
+        env.pop(name, None)  # the production defaults
+    if not keep_notifications:
+        env |= {"WORKER_POLL_INTERVAL": "5", "WORKER_KEEP_NOTIFICATIONS": "0", "LOG_LEVEL": "WARNING"}
     worker = subprocess.Popen(
-        [sys.executable, "manage.py", "procrastinate", "worker"],
+        [sys.executable, "manage.py", "worker"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -74,7 +81,7 @@ def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: b
                 deadline = time.monotonic() + 30
                 while Run.objects.filter(pk=card.run_id, status="queued").exists():
                     assert time.monotonic() < deadline, "a decided run was not resumed within 30 s"
-                    time.sleep(0.001)
+                    time.sleep(0.002)
             time.sleep(interval)
         deadline = time.monotonic() + 60
         while Run.objects.filter(id__in=ids, status="succeeded").count() < runs:
@@ -82,6 +89,20 @@ def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: b
             time.sleep(0.1)
         decided = dict(Decision.objects.filter(approval__run_id__in=ids).values_list("approval__run_id", "created_at"))
         resumed = dict(Step.objects.filter(run_id__in=ids, name="approve_refund").values_list("run_id", "started_at"))
+        # Split at the job's `started` event (procrastinate_events: the worker's fetch): the decision's commit,
+        # NOTIFY, LISTEN and the fetch; then the job's start-up, the run's lock and claim, up to the step.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT substr(j.lock, 5)::uuid, max(e.at) FROM procrastinate_jobs j"
+                " JOIN procrastinate_events e ON e.job_id = j.id AND e.type = 'started'"
+                " WHERE j.lock = ANY(%s) GROUP BY j.lock",
+                [[f"run:{i}" for i in ids]],
+            )
+            fetched = dict(cursor.fetchall())
+        for i in ids:
+            SPLITS.append(
+                ((fetched[i] - decided[i]).total_seconds() * 1000, (resumed[i] - fetched[i]).total_seconds() * 1000)
+            )
         return [(resumed[i] - decided[i]).total_seconds() * 1000 for i in ids]
     finally:
         worker.terminate()
@@ -97,16 +118,46 @@ def main() -> None:
         action="store_true",
         help="decide the next card once the worker has taken the previous run again (then --interval-ms more)",
     )
+    parser.add_argument("--database", choices=("pg15", "embedded"), default="pg15")
+    parser.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432")
     args = parser.parse_args()
-    os.environ.pop("DATABASE_URL", None)
-    os.environ["EMBEDDED_PGDATA"] = str(Path(tempfile.mkdtemp(prefix="bench-resume-")) / "pgdata")
+    for name in list(os.environ):
+        if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
+            del os.environ[name]
+    admin, dbname = None, f"bench_resume_{os.getpid()}"
+    if args.database == "pg15":
+        admin = psycopg.connect(f"{args.pg_url}/postgres", autocommit=True)
+        admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
+        admin.execute(f'CREATE DATABASE "{dbname}"')
+        os.environ["DATABASE_URL"] = f"{args.pg_url}/{dbname}"
+    else:
+        os.environ["EMBEDDED_PGDATA"] = str(Path(tempfile.mkdtemp(prefix="bench-resume-")) / "pgdata")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
     os.environ["LOG_LEVEL"] = "WARNING"
     import django
+
+    django.setup()
+    from django.db import connections
+
+    try:
+        run(args)
+    finally:
+        connections.close_all()
+        if admin is not None:
+            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+            admin.close()
+
+
+def run(args) -> None:
     from django.core.management import call_command
     from django.db import connection, transaction
 
-    django.setup()
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        print(
+            f"{args.database}: PostgreSQL {cursor.fetchone()[0]}; load average "
+            + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        )
     call_command("migrate", verbosity=0)
     call_command("demo_setup", verbosity=0)
     results = {}
@@ -117,12 +168,18 @@ def main() -> None:
             cursor.execute("SET LOCAL console.allow_audit_truncate = on")
             call_command("flush", interactive=False, verbosity=0)
         call_command("demo_setup", verbosity=0)
+        SPLITS.clear()
         latencies = measure(args.runs, args.interval_ms / 1000, keep, args.closed_loop)
         results[name] = latencies
+        to_fetch, to_step = [a for a, _ in SPLITS], [b for _, b in SPLITS]
         print(
             f"{name:26s} n={len(latencies)}  p50 {percentile(latencies, 50):7.1f} ms  "
             f"p99 {percentile(latencies, 99):7.1f} ms  max {max(latencies):7.1f} ms  "
             f"mean {statistics.mean(latencies):7.1f} ms  over 1 s: {sum(v > 1000 for v in latencies)}"
+        )
+        print(
+            f"{'':26s} decision -> fetch p50 {percentile(to_fetch, 50):6.1f} p99 {percentile(to_fetch, 99):6.1f} ms;"
+            f" fetch -> step p50 {percentile(to_step, 50):6.1f} p99 {percentile(to_step, 99):6.1f} ms"
         )
     stock, shipped = results.values()
     print(f"p99 ratio stock / shipped: {percentile(stock, 99) / percentile(shipped, 99):.1f}x")

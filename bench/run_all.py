@@ -35,8 +35,8 @@ def pg15_up() -> bool:
     return subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"], check=False).returncode == 0
 
 
-def cases() -> list[tuple[str, str, list[str], dict, str]]:
-    """(section, title, argv, extra env, what the baseline is)"""
+def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
+    """(section, title, argv, extra env, what the baseline is); `only`: those BENCH_ONLY names."""
     enqueue_args = ["--duration", "1" if SMOKE else "10", "--connections", "16" if SMOKE else "1,16,64"]
     if not SMOKE:
         enqueue_args.append("--profile")
@@ -74,6 +74,9 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
                 "GET /healthz on the same server under the same connections; the duplicate-delivery path",
             )
         )
+    # The latency a person waits for (issue 21.4): on PostgreSQL 15 when it is up, else on the embedded server.
+    latency_db = ["--database", "pg15"] if pg15_up() else ["--database", "embedded"]
+    latency_on = "machine's PostgreSQL 15 (TCP)" if pg15_up() else "embedded PostgreSQL"
     out += [
         (
             "enqueue",
@@ -93,22 +96,22 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
         ),
         (
             "resume",
-            "resume latency, back to back, embedded PostgreSQL",
-            ["bench/resume_latency.py", "--runs", str(n(200, 5)), "--interval-ms", "0", "--closed-loop"],
-            {},  # a production worker's defaults (it keeps its connections)
-            "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
+            f"resume latency, back to back, {latency_on}",
+            ["bench/resume_latency.py", *latency_db, "--runs", str(n(200, 5)), "--interval-ms", "0", "--closed-loop"],
+            {},  # the production worker with its defaults (manage.py worker)
+            "procrastinate 3.10's stock worker loop (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
         ),
         (
             "resume",
-            "resume latency, with idle gaps, embedded PostgreSQL",
-            ["bench/resume_latency.py", "--runs", str(n(50, 3)), "--interval-ms", "250"],
-            {},  # a production worker's defaults (it keeps its connections)
-            "procrastinate 3.10's stock worker (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
+            f"resume latency, with idle gaps, {latency_on}",
+            ["bench/resume_latency.py", *latency_db, "--runs", str(n(50, 3)), "--interval-ms", "250"],
+            {},  # the production worker with its defaults (manage.py worker)
+            "procrastinate 3.10's stock worker loop (WORKER_KEEP_NOTIFICATIONS=0) on the same database",
         ),
         (
             "console",
-            "console: inbox and card",
-            ["bench/inbox.py", "--cards", str(n(100_000, 200)), "--requests", str(n(50, 2))],
+            f"console: inbox and card, {latency_on}",
+            ["bench/inbox.py", *latency_db, "--cards", str(n(100_000, 200)), "--requests", str(n(50, 2))],
             {},
             "the same pages with 10 open cards",
         ),
@@ -136,7 +139,7 @@ def cases() -> list[tuple[str, str, list[str], dict, str]]:
                 seen.add(key)
                 smoke.append(case)
         out = smoke
-    return [c for c in out if not ONLY or c[0] in ONLY]
+    return [c for c in out if not only or not ONLY or c[0] in ONLY]
 
 
 def render() -> None:
@@ -242,12 +245,17 @@ def main() -> None:
         if ONLY and last.exists():
             # A subset re-run (BENCH_ONLY): its sections replace those of the last full run, the others stay.
             previous = json.loads(last.read_text())
+            # Sections `make bench` no longer produces (a renamed or moved case) go; the others stay.
+            produced = {case[1] for case in cases(only=False)}
+            previous["sections"] = [x for x in previous["sections"] if x["title"] in produced]
             fresh = {x["title"] for x in sections}
             sections = [
                 x if x["title"] not in fresh else next(y for y in sections if y["title"] == x["title"])
                 for x in previous["sections"]
             ] + [y for y in sections if y["title"] not in {x["title"] for x in previous["sections"]}]
-            reruns = [*previous["meta"].get("reruns", []), {**meta, "only": ONLY}]
+            # A re-run of the same sections replaces the earlier re-run's note, as it replaced its sections.
+            earlier = [r for r in previous["meta"].get("reruns", []) if r.get("only") != ONLY]
+            reruns = [*earlier, {**meta, "only": ONLY}]
             meta = {**{k: v for k, v in previous["meta"].items() if k != "rerun"}, "reruns": reruns}
         last.write_text(json.dumps({"meta": meta, "sections": sections}, indent=1))
         render()

@@ -36,8 +36,6 @@ from pathlib import Path
 
 import psycopg
 
-from runs import submission
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 HOLD_SECONDS = 3.0
@@ -100,6 +98,7 @@ def submit(kind: str, runs: int, batch: str) -> list[int]:
     from django.db import connection, transaction
 
     from bench.noop_workflow import bench_plain_run
+    from runs import submission
 
     with transaction.atomic():
         with connection.cursor() as cursor:
@@ -132,6 +131,10 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
                 f"{workers_n} worker heartbeats",
             )
         ids = submit(kind, runs, f"{kind}{workers_n}")
+        with psycopg.connect(url, autocommit=True) as conn:
+            # Statistics, as a production database has them: a new one has none until autovacuum's first ANALYZE,
+            # which would otherwise land in the middle of the first batches (and their plans made without them).
+            conn.execute("ANALYZE")
         time.sleep(0.3)
         before = snapshot(url)
         with psycopg.connect(url, autocommit=True) as conn:

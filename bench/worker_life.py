@@ -35,8 +35,6 @@ from pathlib import Path
 
 import psutil
 
-from runs import submission
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -83,6 +81,7 @@ def recovery(env: dict, tmp: Path) -> dict:
     from django.contrib.auth.models import User
     from procrastinate.contrib.django.models import ProcrastinateWorker
 
+    from runs import submission
     from runs.models import Run
 
     agent = User.objects.get(username="agent")
@@ -142,6 +141,7 @@ def memory(env: dict, tmp: Path, sizes: list[int]) -> dict:
     from django.contrib.auth.models import User
     from django.db import transaction
 
+    from runs import submission
     from runs.models import Run
 
     agent = User.objects.get(username="agent")

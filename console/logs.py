@@ -15,6 +15,9 @@ _SHARED_PROCESSORS = [
 def configure_structlog() -> None:
     structlog.configure(
         processors=[
+            # An event below the logger's level is dropped here, before the timestamp and the context are built
+            # (the engine logs every step at INFO: with LOG_LEVEL=WARNING it cost ~5 % of a worker's CPU).
+            structlog.stdlib.filter_by_level,
             *_SHARED_PROCESSORS,
             structlog.processors.StackInfoRenderer(),
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,

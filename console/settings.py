@@ -245,6 +245,11 @@ AGENT_MODEL = env_str("AGENT_MODEL", "runs.llm.model_for_run")
 SCRIPTED_MODEL = env_str("SCRIPTED_MODEL", "demo.model.ScriptedModel" if DEMO_ENABLED else "")
 # The tools a step sees as ctx.tools (a factory of (run, step)); unset, ctx.tools is None.
 AGENT_TOOLS = env_str("AGENT_TOOLS", "demo.sandbox.Tools" if DEMO_ENABLED else "")
+# The modules of those factories, imported by a worker when it starts (procrastinate's import paths, which only a
+# worker imports), not by its first step: runs.llm brings the OpenAI client, ~1 s of a core (a first resume's wait).
+PROCRASTINATE_IMPORT_PATHS = sorted(
+    {path.rpartition(".")[0] for path in (AGENT_MODEL, SCRIPTED_MODEL, AGENT_TOOLS) if path}
+)
 # Modules that register workflows, imported at start-up (the demo's when it is enabled).
 WORKFLOW_MODULES = [*(["demo.workflows"] if DEMO_ENABLED else []), *env_list("WORKFLOW_MODULES")]
 # An OpenAI-compatible endpoint for the model; unset, the demo's scripted fake model answers.

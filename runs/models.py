@@ -18,7 +18,7 @@ from procrastinate.jobs import JobDeferrer
 from core.models import AuditEntry
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
-from runs.sql import queries
+from runs.sql import prepared_cursor, queries
 from runs.transitions import FINISHED, PARKED, TRANSITIONS, RunStatus
 
 
@@ -298,9 +298,10 @@ class Run(models.Model):
                 "max": settings.TENANT_MAX_RUNNING,
             }
         waiting = None
-        with connection.cursor() as cursor:
-            # The last step's: the wake-up's count, a statement of its own (its snapshot comes after the tenant's
-            # lock), in the same query string when the binding is client-side (Run._row_for_update).
+        # The steps before the last: one prepared statement (sql.prepared_cursor). The last step's: the wake-up's
+        # count, a statement of its own (its snapshot comes after the tenant's lock), in the same query string
+        # when the binding is client-side (Run._row_for_update): once a run, one round trip.
+        with connection.cursor() if finish else prepared_cursor() as cursor:
             together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
             cursor.execute(
                 (queries["checkpoint_finish"] + ";" + queries["wake"] if together else queries["checkpoint_finish"])

@@ -614,3 +614,21 @@ def test_two_runs_never_share_a_lock_unless_their_ids_share_64_bits():
     assert ownership.key(a) == ownership.key(b) != ownership.key(c)
     assert ownership.key("ffffffff-ffff-ffff-0000-000000000000") == (-1, -1)  # signed, as pg_advisory_lock takes
     assert ownership.lock_params("ffffffff-ffff-ffff-0000-000000000000") == {"lock_hi": 2**32 - 1, "lock_lo": 2**32 - 1}
+
+
+def test_a_step_checkpoint_is_prepared_in_the_jobs_session_and_still_refuses_a_session_without_the_lock(demo):
+    run, _ = submission.submit(workflow="refund", input=SMALL_REFUND)
+    claimed, _ = _claim(run.pk, "job-a")
+    claimed.checkpoint(0, Usage(), **_step_fields())
+    # Prepared on the server, in this session (runs.sql.prepared_cursor), not parsed and planned at every step.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH moved AS%%'")
+        assert cursor.fetchone()[0] == 1
+    assert Run.objects.values_list("cursor", flat=True).get(pk=run.pk) == 1
+    # The prepared statement checks the session's lock as the unprepared one did: let it go, and nothing is written.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s, %s)", ownership.key(run.pk))
+    with pytest.raises(OwnershipLost):
+        claimed.checkpoint(1, Usage(), **_step_fields(name="lookup"))
+    assert Run.objects.values_list("cursor", flat=True).get(pk=run.pk) == 1
+    assert list(Step.objects.filter(run=run).values_list("seq", flat=True)) == [0]

@@ -1,13 +1,83 @@
+"""The application the production server (uvicorn, console/webserver.py) serves: Django as WSGI in a fixed pool of
+threads for every sync view, Django's ASGI handler only for async views (the long-poll of the approval-request
+API), behind the body limit (console/body_limit.py).
+
+Why not Django's ASGI handler for everything: it runs a sync view and the sync middlewares in a thread of their
+own per request and crosses from the event loop to a thread and back several times per request; the one-INSERT
+baseline cost ~4-5 ms of web-process CPU that way against ~1.5 as WSGI in a thread pool (docs/BENCHMARKS.md,
+enqueue). Why not a WSGI server alone (gunicorn gthread, granian): the same CPU per request as this, measured in the
+same runs, but a long-poll would hold one of its threads for up to a minute; here it holds none.
+
+The WSGI side (a2wsgi's WSGIMiddleware): WEB_THREADS threads per process (default 8, as the database pool's
+DATABASE_POOL_MAX_SIZE: one connection per thread). A body is read by the request's thread as the view asks for
+it; a client that went away mid-body makes that read fail (ClientDisconnected) instead of ending the body early,
+so a view never sees a truncated body as a whole one.
+"""
+
+from __future__ import annotations
+
+import functools
 import os
 import warnings
 
+from a2wsgi import WSGIMiddleware
+from asgiref.sync import iscoroutinefunction
 from django.core.asgi import get_asgi_application
+from django.core.wsgi import get_wsgi_application
+from django.urls import Resolver404, resolve
 
-from console.body_limit import BodyLimit
+from console.body_limit import BodyLimit, WsgiBodyLimit
+from console.env import env_int
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 # WhiteNoise hands Django's ASGI handler a file iterator, which Django reads in a thread and warns about on
 # every static file: the price of serving hashed, compressed, far-future-cached files without a CDN.
 warnings.filterwarnings("ignore", message="StreamingHttpResponse must consume synchronous iterators")
-# The body limit wraps Django: Django's handler reads the whole body before any middleware could refuse it.
-application = BodyLimit(get_asgi_application())
+
+
+class ClientDisconnected(OSError):
+    """The client went away before its body was read whole. An OSError: Django answers a body it cannot read with
+    UnreadablePostError, and the view does not run."""
+
+
+@functools.lru_cache(maxsize=4096)
+def is_async_view(path: str) -> bool:
+    """Whether the view of `path` is async (served by Django's ASGI handler). Cached: an API path repeats."""
+    try:
+        return iscoroutinefunction(resolve(path).func)
+    except Resolver404:
+        return False
+
+
+class Hybrid:
+    def __init__(self, wsgi, asgi):
+        self.wsgi, self.asgi = wsgi, asgi
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or is_async_view(scope["path"]):
+            return await self.asgi(scope, receive, send)
+
+        async def guarded_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected("the client went away before its body was read whole")
+            return message
+
+        try:
+            return await self.wsgi(scope, guarded_receive, send)
+        except ClientDisconnected:
+            # Read outside a view (WsgiBodyLimit reading a chunked body): nothing ran. If it was the body limit
+            # that cut the body off, BodyLimit answers 413; otherwise nobody is left to answer.
+            return None
+
+
+def build():
+    asgi = get_asgi_application()  # sets Django up
+    # The WSGI body limit inside: it reads a chunked body (at most the limit + 1 bytes) and hands Django its
+    # length, which a2wsgi, like Django's WSGI handler, would otherwise not know (so Django would read nothing).
+    wsgi = WSGIMiddleware(WsgiBodyLimit(get_wsgi_application()), workers=env_int("WEB_THREADS", 8))
+    # The body limit outside: a declared length over the limit is refused before a byte is read.
+    return BodyLimit(Hybrid(wsgi, asgi))
+
+
+application = build()

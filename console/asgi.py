@@ -9,9 +9,8 @@ enqueue). Why not a WSGI server alone (gunicorn gthread, granian): the same CPU 
 same runs, but a long-poll would hold one of its threads for up to a minute; here it holds none.
 
 The WSGI side (a2wsgi's WSGIMiddleware): WEB_THREADS threads per process (default 8, as the database pool's
-DATABASE_POOL_MAX_SIZE: one connection per thread). A body is read by the request's thread as the view asks for
-it; a client that went away mid-body makes that read fail (ClientDisconnected) instead of ending the body early,
-so a view never sees a truncated body as a whole one.
+DATABASE_POOL_MAX_SIZE: one connection per thread). The body is read whole in the event loop before the request
+goes to a thread (Hybrid): a view never sees a truncated body, nor runs for a client gone before its body came.
 """
 
 from __future__ import annotations
@@ -35,11 +34,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 warnings.filterwarnings("ignore", message="StreamingHttpResponse must consume synchronous iterators")
 
 
-class ClientDisconnected(OSError):
-    """The client went away before its body was read whole. An OSError: Django answers a body it cannot read with
-    UnreadablePostError, and the view does not run."""
-
-
 @functools.lru_cache(maxsize=4096)
 def is_async_view(path: str) -> bool:
     """Whether the view of `path` is async (served by Django's ASGI handler). Cached: an API path repeats."""
@@ -56,19 +50,27 @@ class Hybrid:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or is_async_view(scope["path"]):
             return await self.asgi(scope, receive, send)
-
-        async def guarded_receive():
+        # The body first, here in the event loop (its size is bounded: BodyLimit, outside), then the request's
+        # thread: a client gone before its body arrived whole is dropped without a view running (as Django's ASGI
+        # handler drops it), and the thread does not come back to the loop for each part of the body.
+        chunks = []
+        while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise ClientDisconnected("the client went away before its body was read whole")
-            return message
+                return None  # if BodyLimit cut the body off, it answers 413
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        try:
-            return await self.wsgi(scope, guarded_receive, send)
-        except ClientDisconnected:
-            # Read outside a view (WsgiBodyLimit reading a chunked body): nothing ran. If it was the body limit
-            # that cut the body off, BodyLimit answers 413; otherwise nobody is left to answer.
-            return None
+        async def replay():
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        return await self.wsgi(scope, replay, send)
 
 
 def build():

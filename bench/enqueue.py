@@ -1,7 +1,7 @@
-"""Enqueue: POST /api/runs on the production server under wrk, against a one-INSERT endpoint of the same server.
+"""Enqueue: POST /api/runs on the production server under wrk, against the HTTP floor and a one-INSERT endpoint.
 
     .venv/bin/python bench/enqueue.py [--database pg15|embedded] [--duration 10] [--connections 1,16,64]
-                                      [--web-workers N] [--profile]
+                                      [--web-workers N] [--profile] [--compare uvicorn-asgi,gunicorn-gthread,...]
 
 A fresh database: on the machine's PostgreSQL 15 over TCP (`--pg-url`, default postgres://postgres@127.0.0.1:5432,
 a database `bench_enqueue_<pid>` created and dropped here), or a new embedded PostgreSQL in a temporary folder.
@@ -9,14 +9,19 @@ a database `bench_enqueue_<pid>` created and dropped here), or a new embedded Po
 console.webserver --workers N` (WEB_CONCURRENCY, default the number of cores), DEBUG off, JSON request logs to a
 file, and BENCH_ENDPOINTS=1 for the baseline. No job worker runs: the figure is the API's alone.
 
-For each connection count, interleaved: `wrk -d<duration>` with bench/enqueue_wrk.lua against
-* the baseline, `POST /bench/insert` (console/bench_views.py): same server, processes, middleware and pool, one
+For each connection count, in turns: `wrk -d<duration>` with bench/enqueue_wrk.lua against
+* the floor, `POST /insert` of bench/floor_app.py: a bare ASGI app (no framework) under uvicorn with TCP_NODELAY,
+  the same number of processes, a psycopg pool each, one INSERT per request;
+* `POST /bench/insert` (console/bench_views.py): the production server, its processes, middleware and pool, one
   INSERT in autocommit, no authentication;
-* `POST /api/runs`: a refund input with a bearer token and a fresh idempotency key per request.
+* `POST /api/runs`: a refund input with a bearer token and a fresh idempotency key per request;
+* with --compare, the last two again under each named server (the same app: Django's ASGI handler under uvicorn,
+  gunicorn gthread 2 x 8 threads or granian WSGI 2 x 8 blocking threads, console/wsgi.py), all in the same run.
 Latency percentiles and req/s from wrk; the web processes' CPU time per request from /proc; wrk's own CPU time
 (it must not compete for the cores). At the end the database must hold one run and one queued job per 202.
 `--profile`: py-spy (when installed in the venv) samples the web processes during one more 16-connection run of
-POST /api/runs, and the inclusive share of the hottest frames of the request threads is printed.
+POST /api/runs, and the inclusive share of the hottest frames of the request threads is printed. In process, with
+cProfile: bench/profile_api.py.
 
 Prints a table and one line `BENCH_JSON {...}` per database for `bench/run_all.py`.
 """
@@ -356,6 +361,7 @@ def main() -> None:
             summary["goal_ratio_16"] = round(
                 runs16["rps"] / max(results["production", "baseline"][at16]["rps"], 0.1), 3
             )
+            summary["floor_p99_16_ms"] = results["floor", "floor"][at16]["p99_ms"]
             summary["goal_floor_ratio_16"] = round(runs16["rps"] / max(results["floor", "floor"][at16]["rps"], 0.1), 3)
         print("BENCH_JSON " + json.dumps(summary))
         if runs < accepted or jobs < accepted:

@@ -6,18 +6,23 @@ import re
 
 ENQUEUE_BOUND = """\
 **The server (issue 21).** `POST /api/runs` and the one-INSERT `/bench/insert` were measured side by side under
-Django's ASGI handler (uvicorn, the server before), gunicorn `gthread` (2 x 8 threads, WSGI), granian (WSGI, 2 x 8
-blocking threads) and the shipped server, each against the bare-ASGI floor in the same run (`bench/enqueue.py
---compare uvicorn-asgi,gunicorn-gthread,granian-wsgi`; on 2026-12-02 at load average 12-31, 5 s cells: web CPU per
-`/bench/insert` 4.4-5.1 ms under Django's ASGI handler, 1.3-1.7 under gunicorn, 1.1-1.2 under granian, 1.6-2.1
-under the shipped server; per `POST /api/runs` 6.0-7.1, 3.1-3.9, 2.8-4.5 and 2.7-3.8). The shipped server is
-uvicorn serving `console/asgi.py`: every sync view as WSGI in a fixed pool of threads (a2wsgi, WEB_THREADS=8 per
-process, one pooled connection each), async views (the approval-request long-poll) through Django's ASGI handler.
-It costs what gunicorn `gthread` costs per request (within this machine's noise), and a long-poll waiting for a
-decision holds no thread and, between its looks, no connection (gunicorn or granian would hold one of their
-threads per waiting client for up to a minute); it keeps uvicorn's graceful shutdown, TCP_NODELAY and the body
-limit enforced while the body arrives. Granian's Rust HTTP layer is the cheapest for the one-INSERT endpoint
-(~0.4 ms less CPU per request); for `POST /api/runs` the application's own CPU dominates.
+Django's ASGI handler for every view (uvicorn, the server before), gunicorn `gthread` (2 x 8 threads, WSGI),
+granian (WSGI, 2 x 8 blocking threads) and the shipped server, each against the bare-ASGI floor in the same run
+(`bench/enqueue.py --connections 16 --compare uvicorn-asgi,gunicorn-gthread,granian-wsgi`, 2026-12-02, load
+average 5-31 from other sessions' tests, so only figures of one run compare). Before this issue's trims of the
+request path, web CPU per `/bench/insert` was 4.4-5.1 ms under Django's ASGI handler against 1.3-1.7 under gunicorn
+and 1.1-1.2 under granian, and per `POST /api/runs` 6.0-7.1 against 3.7-3.9 and 3.8-4.5. After them (at commit
+e54e56f, load 10-13, 8 s cells), per `/bench/insert`: ASGI 1.19 ms, gunicorn 0.94, granian 0.81, shipped 1.46; per
+`POST /api/runs`: 1.89, 1.91, 1.95 and 2.52, at 456, 316, 307 and 301 req/s (p99 86, 280, 279 and 252 ms): for
+`POST /api/runs` the server no longer decides the figure (PostgreSQL does, below). The shipped server is uvicorn
+serving `console/asgi.py`: every sync view as WSGI in a fixed pool of threads (a2wsgi, WEB_THREADS=8 per process,
+one pooled connection each), async views (the approval-request long-poll) through Django's ASGI handler. It was
+chosen for the long-poll: a client waiting for a decision holds no thread and, between its looks, no database
+connection, where gunicorn or granian would hold one of their threads per waiting client for up to a minute; and
+it keeps uvicorn's graceful shutdown, TCP_NODELAY and the body limit enforced while the body arrives. Its price,
+measured: the hop from the event loop to a thread and back costs ~0.5 ms of CPU per request more than gunicorn's
+or granian's own threads. If the long-poll moves to a push (a webhook, which the API has) or its own small
+server, granian WSGI is the cheapest server measured here.
 
 **The API path (issue 21).** Profiled in process (`bench/profile_api.py`: cProfile over 1,000 requests through the
 WSGI stack, CPU time; the top entries before and after: [docs/PROFILE-api.md](PROFILE-api.md)): a quarter of the
@@ -28,16 +33,23 @@ console.db_pool), and the middleware a token request does not use is skipped (co
 job (two round trips), ninja's parsing and validation, two JSON log lines (the request's and the run's), Django's
 request, URL resolution and response objects.
 
-**What bounds it now.** CPU on two cores shared by the web processes, PostgreSQL and wrk. At 16 connections the
-floor costs {floor_cpu} ms of web CPU per request and reached {floor_rps} req/s; `POST /api/runs` costs {runs_cpu}
-ms and reached {runs_rps} req/s (load average {load}, other sessions' tests running). wrk keeps every connection busy
-(a closed loop), so by Little's law the mean latency at 16 connections is 16 / throughput: a p99 under 50 ms needs
-well over 320 req/s, which the floor itself misses whenever the machine is loaded (its p99 in this run:
-{floor_p99} ms). The next bound, for 0.5 of the floor: Django's own per-request cost (request and response objects,
-URL resolution, ninja's operation and pydantic, ~1 ms of CPU on a quiet core) and the token lookup's round trip;
-the levers left are a token cache (a revoked token would then work for its lifetime in the cache, which needs a
-revocation signal to every process), one JSON log line per request instead of two, and a framework-free path for
-`POST /api/runs` (the floor's shape), none taken here."""
+**What bounds it now: PostgreSQL's NOTIFY, one commit at a time.** In the py-spy profile above, request threads
+spend ~70 % of their wall clock waiting for the run's one statement (the run's INSERT with Procrastinate's defer
+of its first job), not computing: Procrastinate's insert trigger on `procrastinate_jobs`
+(`procrastinate_notify_queue_job_inserted_v1`) calls `pg_notify` for every job, and PostgreSQL serialises the
+commits of transactions that notified (a lock held until the commit is durable, its WAL flush included). Measured
+on this machine's PostgreSQL 15 with 16 clients (`bench/notify_probe.py`, 2026-12-02, load average 13-15): 4,300-5,900
+commits/s for a plain INSERT, 300-510 with a `pg_notify` in the same transaction. The floor and `/bench/insert`
+notify nothing; every accepted run does, so `POST /api/runs` stays under a few hundred per second whatever the web
+tier costs ({runs_rps} req/s at 16 connections in this run, at {runs_cpu} ms of web CPU per request against the
+floor's {floor_cpu} ms and {floor_rps} req/s, load average {load}, other sessions' tests running). The same queue
+bounds the p99: wrk keeps 16 requests in flight (a closed loop), so the mean latency is 16 / throughput, and a p99
+under 50 ms needs well over 320 req/s; the floor's own p99 in this run was {floor_p99} ms. So 0.5 of the floor is
+out of reach while each run's job is announced by its own NOTIFY. The next levers, none taken here (they change
+the job queue's contract, not the web tier): defer the first job without the trigger's NOTIFY and wake workers by
+one NOTIFY per batch of accepted runs (a short-lived coalescing notifier), or leave workers to their poll
+(WORKER_POLL_INTERVAL, which the resume latency goal rules out); after that, the web tier's own next bound is
+Django's per-request cost and the token lookup's round trip (docs/PROFILE-api.md)."""
 
 THROUGHPUT_NOTE = """\
 Write transactions are transaction ids consumed (cluster-wide: exact on the private embedded server, other

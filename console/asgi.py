@@ -3,10 +3,11 @@ threads for every sync view, Django's ASGI handler only for async views (the lon
 API), behind the body limit (console/body_limit.py).
 
 Why not Django's ASGI handler for everything: it runs a sync view and the sync middlewares in a thread of their
-own per request and crosses from the event loop to a thread and back several times per request; the one-INSERT
-baseline cost ~4-5 ms of web-process CPU that way against ~1.5 as WSGI in a thread pool (docs/BENCHMARKS.md,
-enqueue). Why not a WSGI server alone (gunicorn gthread, granian): the same CPU per request as this, measured in the
-same runs, but a long-poll would hold one of its threads for up to a minute; here it holds none.
+own per request and crosses from the event loop to a thread and back several times per request (the one-INSERT
+baseline cost 4.4-5.1 ms of web-process CPU that way against 1.3-1.7 under gunicorn, before issue 21's trims of
+the request path; docs/BENCHMARKS.md, enqueue). Why not a WSGI server alone (gunicorn gthread, granian): a
+long-poll would hold one of its threads for up to a minute; here it holds none. Its price: ~0.5 ms of CPU per
+request more than their own threads (the loop-to-thread hop), measured in the same runs.
 
 The WSGI side (a2wsgi's WSGIMiddleware): WEB_THREADS threads per process (default 8, as the database pool's
 DATABASE_POOL_MAX_SIZE: one connection per thread). The body is read whole in the event loop before the request

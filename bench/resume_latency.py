@@ -24,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from runs import submission
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -40,6 +38,7 @@ def measure(runs: int, interval: float, keep_notifications: bool, closed_loop: b
     from django.contrib.auth.models import User
 
     from approvals.models import Approval, Decision
+    from runs import submission  # after django.setup(): it imports the models
     from runs.models import Run, Step
 
     env = {

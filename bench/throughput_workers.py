@@ -36,8 +36,6 @@ from pathlib import Path
 
 import psycopg
 
-from runs import submission
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 HOLD_SECONDS = 3.0
@@ -100,6 +98,7 @@ def submit(kind: str, runs: int, batch: str) -> list[int]:
     from django.db import connection, transaction
 
     from bench.noop_workflow import bench_plain_run
+    from runs import submission  # after django.setup(): it imports the models
 
     with transaction.atomic():
         with connection.cursor() as cursor:

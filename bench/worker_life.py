@@ -35,8 +35,6 @@ from pathlib import Path
 
 import psutil
 
-from runs import submission
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -83,6 +81,7 @@ def recovery(env: dict, tmp: Path) -> dict:
     from django.contrib.auth.models import User
     from procrastinate.contrib.django.models import ProcrastinateWorker
 
+    from runs import submission  # after django.setup(): it imports the models
     from runs.models import Run
 
     agent = User.objects.get(username="agent")
@@ -155,6 +154,8 @@ def memory(env: dict, tmp: Path, sizes: list[int]) -> dict:
     try:
 
         def run_batch(n: int) -> None:
+            from runs import submission  # after django.setup(): it imports the models
+
             nonlocal done
             with transaction.atomic():
                 for i in range(n):

@@ -5,45 +5,51 @@ from __future__ import annotations
 import re
 
 ENQUEUE_BOUND = """\
-**What bounds it now.** wrk keeps every connection busy (a closed loop), so by Little's law the latency at 16
-connections is 16 / throughput: a p99 under 25 ms needs more than ~640 req/s, i.e. under ~3 ms of CPU per request
-for web server *and* PostgreSQL together on these 2 cores. The baseline, one INSERT through the same server, costs
-{base_cpu} ms of web-process CPU alone and reaches {base_rps} req/s (p50 {base_p50} ms at 16 connections); `POST
-/api/runs` costs {runs_cpu} ms and the machine is shared (load average {load}). A run's request is two statements:
-the bearer-token lookup (its SQL compiled once per process, `ApiToken.find`) and the run's INSERT with
-Procrastinate's defer of its first job as one statement in autocommit (`runs/submission.py`, one implicit transaction),
-where it was seven (BEGIN, the token, the INSERT, a savepoint, the defer, its release, COMMIT); measured on the
-server alone, that statement costs 0.4-0.5 ms of PostgreSQL CPU against 0.15 ms for the baseline's INSERT, and the
-token lookup 0.19 ms. The profile of the request threads (py-spy, wall clock, in the enqueue section above) shows
-where a request's time goes: in wall clock (`--idle`, 16 connections, run by hand on 2026-12-01) a request thread
-spends 97 % waiting for its process's event loop (`CurrentThreadExecutor.run_until_future`: the async half of
-Django's ASGI handler and the middlewares) and 23 % working, of which the run's statement 15 %, the token lookup
-6.5 %, the pool's health check 2.9 %, the log line ~1 %; the request threads hold the GIL ~28 % of the time. None
-of it is a lock or a serial section: it is CPU per request on two cores, shared with PostgreSQL (a bigger pool, 16
-instead of 8, removed the wait for a connection and left the ratio at 0.62). The p99 goal is bounded by the
-baseline itself, whose p99 at 16 connections is above it. What moved it: the two statements (0.40-0.52 of the
-baseline's req/s before, 0.61-0.67 after, alternated in one hour at load average 5-8); the pool (DATABASE_POOL,
-on in `console.webserver`): before it, every request opened a PostgreSQL
-connection (a backend fork, on the same two cores): at 16 connections 62 req/s, p50 248 ms, p99 580 ms, against
-113-135 req/s and p50 110-126 ms with the pool (same machine, same hour, load average 15; 1 connection: p50 43 ms
-before, 14.5 ms with the pool). Measured and rejected: 1 or 4 web processes instead of 2 (119 and 100 req/s, p99
-362 and 1418 ms: one per core is best), dropping the per-request JSON log line (LOG_LEVEL=WARNING: 0.4 ms of CPU a
-request, ~6 %, kept: it carries the request id operators need). Sync views do not run one at a time per process
-here: Django's ASGI handler gives each request its own thread-sensitive context, so requests of one process
-overlap, but under one GIL.
+**The server (issue 21).** `POST /api/runs` and the one-INSERT `/bench/insert` were measured side by side under
+Django's ASGI handler for every view (uvicorn, the server before), gunicorn `gthread` (2 x 8 threads, WSGI),
+granian (WSGI, 2 x 8 blocking threads) and the shipped server, each against the bare-ASGI floor in the same run
+(`bench/enqueue.py --connections 16 --compare uvicorn-asgi,gunicorn-gthread,granian-wsgi`, 2026-12-02, load
+average 5-31 from other sessions' tests, so only figures of one run compare). Before this issue's trims of the
+request path, web CPU per `/bench/insert` was 4.4-5.1 ms under Django's ASGI handler against 1.3-1.7 under gunicorn
+and 1.1-1.2 under granian, and per `POST /api/runs` 6.0-7.1 against 3.7-3.9 and 3.8-4.5. After them (at commit
+e54e56f, load 10-13, 8 s cells), per `/bench/insert`: ASGI 1.19 ms, gunicorn 0.94, granian 0.81, shipped 1.46; per
+`POST /api/runs`: 1.89, 1.91, 1.95 and 2.52, at 456, 316, 307 and 301 req/s (p99 86, 280, 279 and 252 ms): for
+`POST /api/runs` the server no longer decides the figure (PostgreSQL does, below). The shipped server is uvicorn
+serving `console/asgi.py`: every sync view as WSGI in a fixed pool of threads (a2wsgi, WEB_THREADS=8 per process,
+one pooled connection each), async views (the approval-request long-poll) through Django's ASGI handler. It was
+chosen for the long-poll: a client waiting for a decision holds no thread and, between its looks, no database
+connection, where gunicorn or granian would hold one of their threads per waiting client for up to a minute; and
+it keeps uvicorn's graceful shutdown, TCP_NODELAY and the body limit enforced while the body arrives. Its price,
+measured: the hop from the event loop to a thread and back costs ~0.5 ms of CPU per request more than gunicorn's
+or granian's own threads. If the long-poll moves to a push (a webhook, which the API has) or its own small
+server, granian WSGI is the cheapest server measured here.
 
-Where the CPU goes (py-spy `--gil`, samples of the thread holding the GIL, 16 connections, PostgreSQL 15, run by
-hand on 2026-12-01 next to this bench): 42 % in the event loop's thread (uvicorn and h11, asgiref scheduling, and
-the async-capable middlewares), 38 % in the request threads, of which the view (ninja's `Operation.run`) is 29 %:
-the bearer-token lookup 14 %, `Run.submit` 13 % (ORM compile, INSERT, Procrastinate's defer). Each request crosses
-from the loop to a thread and back several times: Django's ASGI handler gives every request a new thread-sensitive
-context (a new single-thread executor, so a new OS thread per request), and WhiteNoise is a sync-only middleware in
-the middle of async-capable ones, so the stack goes sync -> async -> sync around it. An experiment (not shipped)
-showed the size of that: the same Django app as WSGI in a fixed pool of threads (uvicorn's deprecated
-`WSGIMiddleware`) answered the one-INSERT baseline at 942 req/s against 392 and `POST /api/runs` at 252 against 164
-req/s (16 connections, same machine and minutes). It is not a drop-in change (that middleware is deprecated and,
-with the pool, kept connections checked out at 1 connection), but it is the next lever for the web server: a
-threaded WSGI server (e.g. gunicorn's gthread workers) or an async view path."""
+**The API path (issue 21).** Profiled in process (`bench/profile_api.py`: cProfile over 1,000 requests through the
+WSGI stack, CPU time; the top entries before and after: [docs/PROFILE-api.md](PROFILE-api.md)): a quarter of the
+request was the ORM compiling the run's INSERT on every request (now compiled once per process:
+runs.submission.run_insert), one of its three round trips was the pool's health check (now a look at the socket:
+console.db_pool), and the middleware a token request does not use is skipped (console.middleware.browser_only):
+29 % fewer Python calls per request. What is left, per request: the token lookup and the run's INSERT with its
+job (two round trips), ninja's parsing and validation, two JSON log lines (the request's and the run's), Django's
+request, URL resolution and response objects.
+
+**What bounds it now: PostgreSQL's NOTIFY, one commit at a time.** In the py-spy profile above, request threads
+spend ~70 % of their wall clock waiting for the run's one statement (the run's INSERT with Procrastinate's defer
+of its first job), not computing: Procrastinate's insert trigger on `procrastinate_jobs`
+(`procrastinate_notify_queue_job_inserted_v1`) calls `pg_notify` for every job, and PostgreSQL serialises the
+commits of transactions that notified (a lock held until the commit is durable, its WAL flush included). Measured
+on this machine's PostgreSQL 15 with 16 clients (`bench/notify_probe.py`, 2026-12-02, load average 13-15): 4,300-5,900
+commits/s for a plain INSERT, 300-510 with a `pg_notify` in the same transaction. The floor and `/bench/insert`
+notify nothing; every accepted run does, so `POST /api/runs` stays under a few hundred per second whatever the web
+tier costs ({runs_rps} req/s at 16 connections in this run, at {runs_cpu} ms of web CPU per request against the
+floor's {floor_cpu} ms and {floor_rps} req/s, load average {load}, other sessions' tests running). The same queue
+bounds the p99: wrk keeps 16 requests in flight (a closed loop), so the mean latency is 16 / throughput, and a p99
+under 50 ms needs well over 320 req/s; the floor's own p99 in this run was {floor_p99} ms. So 0.5 of the floor is
+out of reach while each run's job is announced by its own NOTIFY. The next levers, none taken here (they change
+the job queue's contract, not the web tier): defer the first job without the trigger's NOTIFY and wake workers by
+one NOTIFY per batch of accepted runs (a short-lived coalescing notifier), or leave workers to their poll
+(WORKER_POLL_INTERVAL, which the resume latency goal rules out); after that, the web tier's own next bound is
+Django's per-request cost and the token lookup's round trip (docs/PROFILE-api.md)."""
 
 THROUGHPUT_NOTE = """\
 Write transactions are transaction ids consumed (cluster-wide: exact on the private embedded server, other
@@ -158,15 +164,20 @@ def render(meta: dict, sections: list[dict]) -> str:
         "|---|---|---|",
     ]
     for _s, r in _results(sections, "enqueue"):
-        p99, ratio = r.get("goal_p99_16_ms"), r.get("goal_ratio_16")
         db = r["database"]
+        p99, floor_ratio, ratio = r.get("goal_p99_16_ms"), r.get("goal_floor_ratio_16"), r.get("goal_ratio_16")
+        if floor_ratio is not None:
+            out.append(
+                f"| enqueue ({db}): `POST /api/runs` >= 0.25 of the HTTP floor's req/s at 16 connections |"
+                f" {_fmt(floor_ratio)} | {'yes' if floor_ratio >= 0.25 else 'no'} (aim: 0.5) |"
+            )
         out.append(
-            f"| enqueue ({db}): p99 < 25 ms at 16 connections | {_fmt(p99)} ms |"
-            f" {'yes' if p99 and p99 < 25 else 'no'} |"
+            f"| enqueue ({db}): `POST /api/runs` p99 < 50 ms at 16 connections | {_fmt(p99)} ms"
+            f" (the floor's: {_fmt(r.get('floor_p99_16_ms'))} ms) | {'yes' if p99 and p99 < 50 else 'no'} |"
         )
         out.append(
-            f"| enqueue ({db}): >= 70 % of the baseline's req/s at 16 connections | {_fmt(ratio)} |"
-            f" {'yes' if ratio and ratio >= 0.7 else 'no'} |"
+            f"| enqueue ({db}): `POST /api/runs` against `/bench/insert` at 16 connections (reported) |"
+            f" {_fmt(ratio)} | – |"
         )
     for _s, r in _results(sections, "throughput"):
         for w, ratio in r["ratio_steps_per_s"].items():
@@ -233,16 +244,17 @@ def render(meta: dict, sections: list[dict]) -> str:
     enqueue = _results(sections, "enqueue")
     if enqueue:
         r = enqueue[0][1]
-        base16 = next((x for x in r["baseline"] if x["connections"] == 16), r["baseline"][-1])
+        floor16 = next((x for x in r.get("floor", []) if x["connections"] == 16), None)
         runs16 = next((x for x in r["runs"] if x["connections"] == 16), r["runs"][-1])
         out += [
             "## What bounds the enqueue figure",
             "",
             ENQUEUE_BOUND.format(
-                base_cpu=base16["server_cpu_ms_per_request"],
-                base_rps=base16["rps"],
-                base_p50=base16["p50_ms"],
+                floor_cpu=floor16["server_cpu_ms_per_request"] if floor16 else "?",
+                floor_rps=floor16["rps"] if floor16 else "?",
+                floor_p99=floor16["p99_ms"] if floor16 else "?",
                 runs_cpu=runs16["server_cpu_ms_per_request"],
+                runs_rps=runs16["rps"],
                 load=r["load_before"],
             ),
             "",
@@ -264,17 +276,39 @@ def _tables(output: str) -> list[dict[str, tuple[float, float, int]]]:
 def _enqueue_table(r: dict) -> list[str]:
     rows = [
         f"{r['database']} (PostgreSQL {r['server_version']}), {r['web_workers']} web processes, "
-        f"{r['duration_s']:g} s per cell:",
+        f"{r['duration_s']:g} s per cell; production server: {r.get('server', '?')}:",
         "",
         "| case | connections | req/s | p50 ms | p99 ms | max ms | web CPU ms/req | wrk CPU ms/req | non-2xx"
-        " | req/s vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | req/s vs floor | req/s vs /bench/insert |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for base, runs in zip(r["baseline"], r["runs"], strict=True):
-        for label, x in (("baseline: POST /bench/insert", base), ("POST /api/runs", runs)):
-            ratio = "" if x is base else f"{x['rps'] / max(base['rps'], 0.1):.2f}"
+    floors = r.get("floor") or [None] * len(r["runs"])
+    for floor, base, runs in zip(floors, r["baseline"], r["runs"], strict=True):
+        cases = [("floor: bare ASGI app, one INSERT (bench/floor_app.py)", floor)] if floor else []
+        cases += [("POST /bench/insert", base), ("POST /api/runs", runs)]
+        for label, x in cases:
+            vs_floor = f"{x['rps'] / max(floor['rps'], 0.1):.2f}" if floor and x is not floor else ""
+            vs_insert = f"{x['rps'] / max(base['rps'], 0.1):.2f}" if x is runs else ""
             rows.append(
                 f"| {label} | {x['connections']} | {x['rps']} | {x['p50_ms']} | {x['p99_ms']} | {x['max_ms']} |"
-                f" {x['server_cpu_ms_per_request']} | {x['wrk_cpu_ms_per_request']} | {x['non_2xx']} | {ratio} |"
+                f" {x['server_cpu_ms_per_request']} | {x['wrk_cpu_ms_per_request']} | {x['non_2xx']} | {vs_floor}"
+                f" | {vs_insert} |"
             )
+    compared = r.get("compared") or {}
+    if compared:
+        rows += [
+            "",
+            "The same app under other servers, measured in the same run (`--compare`):",
+            "",
+            "| server | case | connections | req/s | p50 ms | p99 ms | web CPU ms/req | req/s vs floor |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, cells in compared.items():
+            for case, label in (("baseline", "POST /bench/insert"), ("runs", "POST /api/runs")):
+                for floor, x in zip(floors, cells[case], strict=True):
+                    vs_floor = f"{x['rps'] / max(floor['rps'], 0.1):.2f}" if floor else ""
+                    rows.append(
+                        f"| {name} | {label} | {x['connections']} | {x['rps']} | {x['p50_ms']} | {x['p99_ms']} |"
+                        f" {x['server_cpu_ms_per_request']} | {vs_floor} |"
+                    )
     return [*rows, ""]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -7,12 +8,20 @@ import uuid
 
 import structlog
 from django.conf import settings
+from django.contrib.auth.middleware import AuthenticationMiddleware, LoginRequiredMiddleware
+from django.contrib.messages.middleware import MessageMiddleware
+from django.contrib.sessions.middleware import SessionMiddleware
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.handlers.exception import response_for_exception
 from django.core.signals import got_request_exception
 from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpResponse, JsonResponse
+from django.middleware.clickjacking import XFrameOptionsMiddleware
+from django.middleware.csp import ContentSecurityPolicyMiddleware
+from django.middleware.csrf import CsrfViewMiddleware
 from django.utils.html import escape
+from django_htmx.middleware import HtmxMiddleware
+from whitenoise.middleware import WhiteNoiseMiddleware
 
 from core.access import Denied
 from core.safe_input import unsafe_char
@@ -229,3 +238,53 @@ class AccessDeniedMiddleware:
             return None
         answer = Http404(str(exception)) if exception.status == 404 else PermissionDenied(str(exception))
         return response_for_exception(request, answer)
+
+
+def is_token_request(request) -> bool:
+    """An API call that brings a bearer token (`Authorization: Bearer ...` under /api/): the API authenticates it
+    by its token alone (console.api), so it has no use for a session, a login, messages, htmx, static files or a
+    page's framing and CSP headers (django-axes stays: it acts on logins only); and no CSRF check to pass: a
+    browser does not add an Authorization header to a cross-site request by itself (a form cannot; a cross-origin
+    fetch with one needs CORS, which the console does not grant). A request without one (a signed webhook, a
+    page) gets them all."""
+    return request.path.startswith("/api/") and request.META.get("HTTP_AUTHORIZATION", "")[:7].lower() == "bearer "
+
+
+_HOOKS = ("process_view", "process_exception", "process_template_response")
+
+
+def browser_only(middleware_class):
+    """`middleware_class` for every request but a token request (is_token_request), which goes straight on to the
+    next middleware: a third of the API's per-request CPU was middleware it does not need (docs/PROFILE-api.md).
+    A subclass, so that what checks for the middleware (the admin's, django-axes' system checks) still finds it."""
+
+    def __call__(self, request):
+        if is_token_request(request):
+            return self.get_response(request)
+        return middleware_class.__call__(self, request)
+
+    namespace = {"__call__": __call__, "__module__": __name__, "__doc__": browser_only.__doc__}
+    for hook in _HOOKS:
+        if hasattr(middleware_class, hook):
+            namespace[hook] = _unless_token_request(getattr(middleware_class, hook))
+    return type(f"BrowserOnly{middleware_class.__name__}", (middleware_class,), namespace)
+
+
+def _unless_token_request(hook):
+    @functools.wraps(hook)
+    def skipping(self, request, *args):
+        return None if is_token_request(request) else hook(self, request, *args)
+
+    return skipping
+
+
+# settings.MIDDLEWARE names these: Django's (and the apps') middleware, skipped for a token request.
+BrowserOnlyCspMiddleware = browser_only(ContentSecurityPolicyMiddleware)
+BrowserOnlyWhiteNoiseMiddleware = browser_only(WhiteNoiseMiddleware)
+BrowserOnlySessionMiddleware = browser_only(SessionMiddleware)
+BrowserOnlyCsrfViewMiddleware = browser_only(CsrfViewMiddleware)
+BrowserOnlyAuthenticationMiddleware = browser_only(AuthenticationMiddleware)
+BrowserOnlyLoginRequiredMiddleware = browser_only(LoginRequiredMiddleware)
+BrowserOnlyMessageMiddleware = browser_only(MessageMiddleware)
+BrowserOnlyXFrameOptionsMiddleware = browser_only(XFrameOptionsMiddleware)
+BrowserOnlyHtmxMiddleware = browser_only(HtmxMiddleware)

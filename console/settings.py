@@ -12,7 +12,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
-from console import logs, schedules
+from console import db_pool, logs, schedules
 from console.env import (
     database_from_url,
     env_bool,
@@ -86,10 +86,14 @@ if env_bool("DATABASE_POOL", False) and not _WORKER_COMMAND:
         raise ImproperlyConfigured("DATABASE_POOL=1 needs DATABASE_CONN_MAX_AGE=0 (a pool keeps the connections)")
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": env_int("DATABASE_POOL_MIN_SIZE", 2),
+        # One per thread of the server's WSGI side (WEB_THREADS, default 8, console/asgi.py): a request never waits
+        # for a connection; a waiting long-poll returns its connection between two looks (external.api).
         "max_size": env_int("DATABASE_POOL_MAX_SIZE", 8),
         # Seconds a request waits for a connection (then 503, Retry-After): also how long a request waits while the
         # database is down, since the pool keeps trying to reconnect meanwhile.
         "timeout": env_float("DATABASE_POOL_TIMEOUT", 2),
+        # A dead connection is still never handed out, without a round trip before every request (console.db_pool).
+        "check": db_pool.check_connection,
     }
 # --- end of database connection pool ----------------------------------------------------------------------------
 # Two test sessions on one server (two checkouts, or CI jobs side by side) need two test database names.
@@ -127,6 +131,8 @@ DEMO_ENABLED = env_bool("DEMO_ENABLED", DEVELOPMENT)
 if DEMO_ENABLED:
     INSTALLED_APPS.append("demo")
 
+# "BrowserOnly...": Django's middleware of that name, skipped for an API call with a bearer token, which needs
+# none of it (console.middleware.is_token_request; docs/PROFILE-api.md).
 MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
     # Outside the session and auth middlewares, whose own queries fail first during an outage.
@@ -135,22 +141,23 @@ MIDDLEWARE = [
     # Before the session middleware: a NUL in a cookie or query string must not reach a query.
     "console.middleware.SafeInputMiddleware",
     "django.middleware.security.SecurityMiddleware",
-    "django.middleware.csp.ContentSecurityPolicyMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    "console.middleware.BrowserOnlyCspMiddleware",
+    "console.middleware.BrowserOnlyWhiteNoiseMiddleware",
+    "console.middleware.BrowserOnlySessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.auth.middleware.LoginRequiredMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "django_htmx.middleware.HtmxMiddleware",
+    "console.middleware.BrowserOnlyCsrfViewMiddleware",
+    "console.middleware.BrowserOnlyAuthenticationMiddleware",
+    "console.middleware.BrowserOnlyLoginRequiredMiddleware",
+    "console.middleware.BrowserOnlyMessageMiddleware",
+    "console.middleware.BrowserOnlyXFrameOptionsMiddleware",
+    "console.middleware.BrowserOnlyHtmxMiddleware",
     "console.middleware.AccessDeniedMiddleware",
     # Last, as django-axes asks: answers a locked-out login attempt with 429.
     "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "console.urls"
+WSGI_APPLICATION = "console.wsgi.application"  # the production server's (console/webserver.py)
 ASGI_APPLICATION = "console.asgi.application"
 
 TEMPLATES = [

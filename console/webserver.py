@@ -1,8 +1,11 @@
-"""The production web server: uvicorn serving the ASGI app, logging through Django's JSON LOGGING.
+"""The production web server: uvicorn serving console.asgi (sync views as WSGI in a pool of WEB_THREADS threads per
+process, async views such as the approval-request long-poll as ASGI), logging through Django's JSON LOGGING.
 
 `python -m console.webserver --host 127.0.0.1 --port 8000 [--workers N]`
 
-Database connections come from a pool per process (DATABASE_POOL, on by default here; off for workers).
+Database connections come from a pool per process (DATABASE_POOL, on by default here; off for workers), one per
+thread. SIGTERM or SIGINT: uvicorn stops accepting, lets the requests in flight finish (their threads included),
+then exits. The choice of server, measured against gunicorn gthread and granian: docs/BENCHMARKS.md, enqueue.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
+from django.db import connection
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
 from ninja.security import HttpBearer
@@ -238,7 +239,13 @@ async def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Q
 
 
 def _look(user, request_id) -> dict:
-    return _out(requests.for_user(user, request_id))
+    try:
+        return _out(requests.for_user(user, request_id))
+    finally:
+        # Back to the pool between two looks: a waiting long-poll holds no database connection either (the pool
+        # has one per WSGI thread, console/asgi.py). Not inside a caller's transaction (tests).
+        if not connection.in_atomic_block:
+            connection.close()
 
 
 @router.post(

@@ -26,6 +26,7 @@ import json
 import structlog
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models.expressions import DatabaseDefault
 from django.db.models.sql import InsertQuery
 
 from runs import workflow as workflows
@@ -86,11 +87,7 @@ def insert_with_first_job(run) -> int:
     model = type(run)
     meta = model._meta
     assert run._state.adding and run.pk is not None, "a new run, its primary key set (uuid4 default)"
-    fields = [f for f in meta.local_concrete_fields if not f.generated]
-    query = InsertQuery(model)
-    query.insert_values(fields, [run])
-    # as_sql() calls each field's pre_save(run, add=True): created_at and updated_at are set on `run` too.
-    ((insert_sql, insert_params),) = query.get_compiler(connection=connection).as_sql()
+    insert_sql, insert_params = run_insert(run)
     pk = connection.ops.quote_name(meta.pk.column)
     job = run.advance_job().job  # the job Run.enqueue would defer: its task, queue, locks, priority, arguments
     row = [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
@@ -101,3 +98,38 @@ def insert_with_first_job(run) -> int:
     run._state.db = connection.alias
     log.info("run submitted", run_id=str(run.pk), job_id=job_id, workflow=run.workflow, tenant=run.tenant)
     return job_id
+
+
+_INSERT_SQL: dict[tuple[str, type], str] = {}
+
+
+def run_insert(run) -> tuple[str, list]:
+    """The SQL and parameters Django's compiler writes for `run.save(force_insert=True)`, the SQL compiled once per
+    process, model and database: compiling it was a quarter of `POST /api/runs`'s CPU (docs/PROFILE-api.md). The
+    parameters are each field's `pre_save(run, add=True)` (which sets created_at and updated_at on `run`, as the
+    compiler does) made ready by its `get_db_prep_save`, as the compiler makes them; a value that is an
+    expression, or a field with a placeholder or a database default of its own, takes the compiler's path."""
+    model = type(run)
+    fields = [f for f in model._meta.local_concrete_fields if not f.generated]
+    key = (connection.alias, model)
+    sql = _INSERT_SQL.get(key)
+    if sql is not None:
+        values = [f.pre_save(run, add=True) for f in fields]
+        if not any(hasattr(v, "resolve_expression") for v in values):
+            return sql, [f.get_db_prep_save(v, connection=connection) for f, v in zip(fields, values, strict=True)]
+    query = InsertQuery(model)
+    query.insert_values(fields, [run])
+    # as_sql() calls each field's pre_save(run, add=True): created_at and updated_at are set on `run` too.
+    ((sql, params),) = query.get_compiler(connection=connection).as_sql()
+    plain = all(
+        not hasattr(f, "get_placeholder_sql") and not f.has_db_default() and not isinstance(v, DatabaseDefault)
+        for f, v in zip(fields, [getattr(run, f.attname) for f in fields], strict=True)
+    )
+    qn = connection.ops.quote_name
+    expected = (
+        f"INSERT INTO {qn(model._meta.db_table)} ({', '.join(qn(f.column) for f in fields)})"
+        f" VALUES ({', '.join(['%s'] * len(fields))})"
+    )
+    if plain and sql == expected and len(params) == len(fields):
+        _INSERT_SQL[key] = sql
+    return sql, list(params)

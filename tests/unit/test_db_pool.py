@@ -16,7 +16,8 @@ from console import webserver
 
 SHOW = (
     "import json, django; django.setup(); from django.conf import settings as s; "
-    "d = s.DATABASES['default']; print(json.dumps([d.get('OPTIONS', {}).get('pool'), d['CONN_MAX_AGE']]))"
+    "d = s.DATABASES['default']; f = lambda v: f'{v.__module__}.{v.__qualname__}'; "
+    "print(json.dumps([d.get('OPTIONS', {}).get('pool'), d['CONN_MAX_AGE']], default=f))"
 )
 
 
@@ -47,7 +48,9 @@ def test_off_unless_asked():
 def test_on_with_sane_defaults():
     pool, max_age = _pool({"DATABASE_POOL": "1"}, "shell")
     assert max_age == 0
-    assert pool == {"min_size": 2, "max_size": 8, "timeout": 2.0}
+    # One connection per thread of the server's WSGI side (WEB_THREADS, default 8); checked without a round trip.
+    check = "console.db_pool.check_connection"
+    assert pool == {"min_size": 2, "max_size": 8, "timeout": 2.0, "check": check}
     assert _pool({"DATABASE_POOL": "1", "DATABASE_POOL_MAX_SIZE": "3"}, "shell")[0]["max_size"] == 3
 
 

@@ -14,7 +14,7 @@ from procrastinate.contrib.django import app
 
 from approvals import rules
 from approvals.models import ApprovalPolicy, DecisionLink, Delegation, Notification, PolicyStage
-from core.admin import AuditedDeletion
+from core.admin import AuditedDeletion, ReadOnly
 from core.models import AuditEntry
 
 
@@ -70,7 +70,7 @@ class NotificationAdmin(admin.ModelAdmin):
 
 
 @admin.register(DecisionLink)
-class DecisionLinkAdmin(admin.ModelAdmin):
+class DecisionLinkAdmin(ReadOnly, admin.ModelAdmin):
     """Read-only: a link is made by the email backend and used by a decision, never edited by hand (the token
     itself is never shown: it is the id signed, and would let its recipient's session decide)."""
 
@@ -81,15 +81,6 @@ class DecisionLinkAdmin(admin.ModelAdmin):
     list_select_related = ["recipient"]
     fields = ["approval", "notification", "recipient", "decision", "expires_at", "created_at", "emailed_at", "used_at"]
     readonly_fields = fields
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
     @admin.display(description="card", ordering="approval_id")
     def card(self, obj: DecisionLink):
@@ -201,17 +192,8 @@ class ApprovalPolicyAdmin(AuditedDeletion, admin.ModelAdmin):
 
 
 @admin.register(Delegation)
-class DelegationAdmin(admin.ModelAdmin):
+class DelegationAdmin(ReadOnly, admin.ModelAdmin):
     """Who covers for whom (read-only here: each person sets their own in the console, audited)."""
 
     list_display = ["user", "cover", "until"]
     readonly_fields = ["user", "cover", "until", "created_at"]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False

@@ -46,6 +46,19 @@ def _audited_permissions_form(form_class, actor, holder_kind: str):
     return AuditedPermissionsForm
 
 
+class ReadOnly:
+    """A Django admin that shows and never adds, changes or deletes: what the code (or the database) writes."""
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
 class AuditedDeletion:
     """Deleting from Django admin, one object or a selection, writes one audit entry per object
     (`_record_deletion`) in the deletion's transaction."""
@@ -111,7 +124,7 @@ class ChannelAdmin(AuditedDeletion, GuardedModelAdmin):
 
 
 @admin.register(AuditEntry)
-class AuditEntryAdmin(admin.ModelAdmin):
+class AuditEntryAdmin(ReadOnly, admin.ModelAdmin):
     """Read-only, like the table itself (the database refuses UPDATE and DELETE). The console's audit page
     (/audit/) has the filters, full-text search and CSV export."""
 
@@ -120,15 +133,6 @@ class AuditEntryAdmin(admin.ModelAdmin):
     show_full_result_count = False
     fields = AuditEntry.COLUMNS[1:]
     readonly_fields = fields
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(ApiToken)
@@ -160,18 +164,9 @@ class ApiTokenAdmin(AuditedDeletion, admin.ModelAdmin):
 
 
 @admin.register(GlobalKillSwitch)
-class GlobalKillSwitchAdmin(admin.ModelAdmin):
+class GlobalKillSwitchAdmin(ReadOnly, admin.ModelAdmin):
     """Read-only here: the switch is engaged and released (with a reason, audited, resuming the runs it paused)
     on the console's channels page (/channels/) or through the API."""
 
     list_display = ["__str__", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
     readonly_fields = fields = ["kill_switch_engaged", "kill_switch_reason", "kill_switch_by", "kill_switch_at"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

@@ -12,6 +12,7 @@ from django.utils.html import format_html
 
 import runs.dead_letter_admin  # noqa: F401 - registers the dead-letter queue (jobs.DeadLetter)
 from core.access import oversees
+from core.admin import ReadOnly
 from runs.models import Receipt, Run, ShadowEffect, Step, WebhookDelivery
 
 
@@ -20,7 +21,7 @@ def _pretty(value):
     return format_html('<pre style="white-space: pre-wrap; margin: 0">{}</pre>', text)
 
 
-class ReadOnlyForOpsAndAdmins:
+class ReadOnlyForOpsAndAdmins(ReadOnly):
     """Ops and admins see runs (as in the API); nobody edits them here."""
 
     def has_module_permission(self, request):
@@ -28,15 +29,6 @@ class ReadOnlyForOpsAndAdmins:
 
     def has_view_permission(self, request, obj=None):
         return oversees(request.user)
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 class StepInline(ReadOnlyForOpsAndAdmins, admin.TabularInline):

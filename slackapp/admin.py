@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db import transaction
 
-from core.admin import AuditedDeletion
+from core.admin import AuditedDeletion, ReadOnly
 from core.models import AuditEntry
 from slackapp.models import SlackIdentity, SlackMessage, SlackRoute
 
@@ -71,15 +71,9 @@ class SlackRouteAdmin(AuditedDeletion, admin.ModelAdmin):
 
 
 @admin.register(SlackMessage)
-class SlackMessageAdmin(admin.ModelAdmin):
+class SlackMessageAdmin(ReadOnly, admin.ModelAdmin):
     """The cards posted to Slack, where (read-only: the notifications that post and update them are under
     Approvals)."""
 
     list_display = ["approval", "slack_channel", "ts", "created_at"]
     readonly_fields = ["approval", "notification", "slack_channel", "ts", "created_at"]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False

@@ -54,7 +54,8 @@ FROM generate_series(%(first)s::bigint, %(last)s) AS i
 CARDS = """
 INSERT INTO approvals_approval
     (run_id, workflow, run_created_by_id, step_seq, kind, channel_id, proposed, current, summary, rule_id,
-     confidence, citations, risk, status, args_hash, version, due_at, created_at, decided_at)
+     confidence, citations, risk, status, args_hash, version, due_at, created_at, decided_at,
+     asked_anyone, asked_users, asked_groups, stage)
 SELECT
     md5('bench-run-' || i)::uuid,
     (ARRAY['refund', 'refund', 'refund', 'dunning', 'kyc'])[1 + abs(hashint8extended(i, 1)) %% 5], %(agent)s,
@@ -72,7 +73,8 @@ SELECT
     CASE WHEN i %% 20 = 0 THEN 'escalated' ELSE 'pending' END,
     md5(i::text), 1,
     now() + (abs(hashint8extended(i, 4)) %% 16200 - 1800) * interval '1 second',
-    now() - interval '1 hour', NULL
+    now() - interval '1 hour', NULL,
+    true, '{}', '{}', 0  -- no approval policy: the channel's approvers are asked (approvals.rules)
 FROM generate_series(%(first)s::bigint, %(last)s) AS i
 """
 

@@ -488,23 +488,7 @@ class AuditEntry(models.Model):
 
     GENESIS = "0" * 64
     # Every column, in the order the admin page and the CSV export show them.
-    COLUMNS = (
-        "id",
-        "at",
-        "actor_type",
-        "actor",
-        "action",
-        "target",
-        "run_id",
-        "approval_id",
-        "channel",
-        "data",
-        "trace_id",
-        "prev_hash",
-        "hash",
-        "hash_scheme",
-        "hmac_key_id",
-    )
+    COLUMNS = ("id", *audit_verifier.CONTENT_FIELDS, "hash", *audit_verifier.SIGNING_FIELDS)
 
     @classmethod
     def record(

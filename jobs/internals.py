@@ -59,6 +59,7 @@ _OVERRIDDEN = [
     Internal("procrastinate.worker.Worker._poll_jobs_to_abort", "async (self)", "jobs/worker.py: outages"),
     Internal("procrastinate.worker.Worker._start_side_tasks", "(self)", "jobs/worker.py: our listener"),
     Internal("procrastinate.worker.Worker._shutdown", "async (self, side_tasks)", "jobs/worker.py: heartbeats"),
+    Internal("procrastinate.worker.Worker._process_job", "async (self, context)", "jobs/worker.py: job threads"),
 ]
 _CALLED = [
     Internal("procrastinate.worker.Worker._run_loop", "async (self)", "jobs/worker.py: Worker._run"),
@@ -108,6 +109,11 @@ _CALLED = [
         "jobs/worker.py: our listener",
     ),
     Internal("procrastinate.manager.get_channel_for_queues", "(queues)", "jobs/worker.py: our listener"),
+    Internal(
+        "procrastinate.utils.sync_to_async",
+        "async (func, *args, **kwargs)",
+        "jobs/worker.py: JobThreads (a sync task runs on the loop's default executor)",
+    ),
     Internal("procrastinate.utils.causes", "(exc)", "jobs/worker.py: telling outages from errors"),
     Internal("procrastinate.utils.wait_any", "async (*coros_or_futures)", "jobs/worker.py: Worker._sleep"),
     Internal("procrastinate.utils.cancel_and_capture_errors", "async (tasks)", "jobs/worker.py: Worker._shutdown"),

@@ -25,9 +25,9 @@ Connections (README, "Connections and PgBouncer"; measured by tests/system/test_
 `pg_stat_activity`, each connection named by `application_name` as `<name>:<pid>:<role>`): a worker process holds
 `connections_per_worker()`: its pool (WORKER_POOL_SIZE, opened at start: the fetch loop, heartbeats, job statuses,
 the abort poll, the periodic deferrer, the async stalled-job sweep), one LISTEN connection, and one Django
-connection per job thread (a sync job runs in a thread of asyncio's default executor, which reuses an idle thread
-before it starts another: WORKER_CONCURRENCY threads, each keeping its connection between jobs for
-DATABASE_CONN_MAX_AGE seconds; the sync sweeps run on them too).
+connection per job thread (a sync job runs on one of the worker's WORKER_CONCURRENCY job threads,
+`jobs.worker.JobThreads`, each keeping its connection between jobs for DATABASE_CONN_MAX_AGE seconds; the sync
+sweeps run on them too).
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@
   finds nothing is running notifies, sets the event, and the clear right after erases it, so the job waits for
   the fallback poll (WORKER_POLL_INTERVAL). A decided run must resume at once, so the event is a
   `NotificationLatch`, whose clear() cannot erase a notification that arrived since the previous clear().
+* Job threads. procrastinate runs a sync task on the event loop's default executor, asyncio's, whose min(32,
+  cores + 4) threads the loop's own work (a DNS lookup for a reconnect) shares: it caps a worker's sync jobs at 6
+  on 2 cores whatever WORKER_CONCURRENCY says, and as it starts a thread whenever none has marked itself idle yet,
+  it sometimes runs the next job on a new thread, which opens one more Django connection than the README's
+  formula. Ours gives jobs exactly WORKER_CONCURRENCY threads of their own (`JobThreads`).
 
 Every worker of this app is a `Worker` from here: `on_app_ready` (PROCRASTINATE_ON_APP_READY) makes
 `app._worker` build one, and `manage.py worker` builds one directly.
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -216,6 +223,29 @@ class Outage:
             self._on_end()
 
 
+# True inside a job's asyncio task (set by Worker._process_job): what it submits to the default executor is a job.
+_IN_JOB: contextvars.ContextVar[bool] = contextvars.ContextVar("in_job", default=False)
+
+
+class JobThreads(ThreadPoolExecutor):
+    """The worker loop's default executor: what a job submits (procrastinate runs a sync task through asgiref's
+    `sync_to_async` on the loop's default executor) runs on `concurrency` threads of its own, each keeping one
+    Django connection; anything else (the loop's getaddrinfo) on the general threads, never behind a long job."""
+
+    def __init__(self, concurrency: int) -> None:
+        super().__init__(thread_name_prefix="worker-loop")
+        self.jobs = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="job")
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if _IN_JOB.get():
+            return self.jobs.submit(fn, *args, **kwargs)
+        return super().submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.jobs.shutdown(wait=wait, cancel_futures=cancel_futures)
+        super().shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
 class Worker(procrastinate_worker.Worker):
     def __init__(self, *args: Any, keep_notifications: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -301,6 +331,7 @@ class Worker(procrastinate_worker.Worker):
         self._stop_event.clear()
         self._stop_requested_at = None
         self._loop = asyncio.get_running_loop()
+        self._loop.set_default_executor(JobThreads(self.concurrency))
         try:
             registered = await self._retrying("register worker", self._register, until_stop=True)
             if registered is None:
@@ -387,6 +418,10 @@ class Worker(procrastinate_worker.Worker):
             "SELECT id FROM procrastinate_workers WHERE id = %(worker_id)s", worker_id=self.worker_id
         )
         return bool(rows)
+
+    async def _process_job(self, context: Any) -> None:
+        _IN_JOB.set(True)  # this job's own task: its sync task runs on a job thread (JobThreads)
+        await super()._process_job(context)
 
     async def _persist_job_status(self, **kwargs: Any) -> None:
         # A job's outcome is not lost to an outage: retried until the database is back (a job left `doing`

@@ -320,15 +320,22 @@ def effects_per_run(run_ids: list[str], system: str) -> Counter:
     return Counter({run_id: made.get(run_id, 0) for run_id in run_ids})
 
 
-def jobs_doing() -> list[tuple]:
+def jobs_doing(settle: float = STALLED_AFTER + 8) -> list[tuple]:
     """Jobs left `doing`: any run's job, and any job whose worker is gone or silent (a periodic sweep that
-    a live worker is running right now is not left behind)."""
-    silent = timezone.now() - timedelta(seconds=STALLED_AFTER)
-    return list(
-        ProcrastinateJob.objects.filter(status="doing")
-        .filter(Q(task_name="advance_run") | Q(worker__isnull=True) | Q(worker__last_heartbeat__lt=silent))
-        .values_list("id", "task_name", "lock", "worker_id", "attempts")
-    )
+    a live worker is running right now is not left behind). A worker killed in the middle of a sweep leaves that
+    sweep's job `doing` until the stalled-job sweep sees the worker silent (STALLED_AFTER) and requeues it: wait
+    up to `settle` seconds for that, so only what the sweeps do not repair counts."""
+    deadline = time.monotonic() + settle
+    while True:
+        silent = timezone.now() - timedelta(seconds=STALLED_AFTER)
+        left = list(
+            ProcrastinateJob.objects.filter(status="doing")
+            .filter(Q(task_name="advance_run") | Q(worker__isnull=True) | Q(worker__last_heartbeat__lt=silent))
+            .values_list("id", "task_name", "lock", "worker_id", "attempts")
+        )
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
 
 
 def failed_maintenance_jobs() -> list[tuple]:

@@ -222,7 +222,7 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system, sig
     assert not not_succeeded, (
         f"{len(not_succeeded)} of {RUNS} runs did not succeed within {SETTLE_SECONDS} s after the chaos "
         f"({dict(statuses)}):\n{describe_runs(not_succeeded)}\n"
-        f"jobs doing: {jobs_doing()[:10]}\n"
+        f"jobs doing: {jobs_doing(settle=0)[:10]}\n"
         f"worker log lines:\n{system.workers.grep('could not record', 'database error', exclude='fetch jobs')}"
     )
     assert len(run_ids) == RUNS and len(refused_ids) == REFUSED

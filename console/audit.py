@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 from django import forms
 from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import BooleanField, QuerySet, Subquery
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
@@ -292,14 +292,35 @@ async def _csv_lines_async(entries: QuerySet[AuditEntry]) -> AsyncIterator[str]:
         yield "".join(writer.writerow(_csv_row(row)) for row in chunk)
 
 
+def audited_csv_export(form: AuditFilter, by) -> QuerySet[AuditEntry]:
+    """The entries a CSV export of `form`'s (valid) filters lists, cut at the log's head, and its `audit.export`
+    entry (who, which filters), written after that head: who took a copy of the log is in the log, as for the
+    evidence bundle (console.audit_bundle.begin), and the export does not list its own entry."""
+    head = AuditEntry.objects.order_by("-id").values_list("id", flat=True).first() or 0
+    filters = {
+        name: str(value)
+        for name, value in form.cleaned_data.items()
+        if name not in ("before", "after") and value not in (None, "")
+    }
+    with transaction.atomic():
+        AuditEntry.record(
+            "audit.export",
+            actor=by,
+            target="audit:csv",
+            data={"format": "csv", "via": "console", "filters": filters, "database_head": head},
+        )
+    return form.entries().filter(id__lte=head)
+
+
 @require_GET
 def audit_export(request):
-    """The entries of the current filters as CSV, every column including the hash chain, newest first."""
+    """The entries of the current filters as CSV, every column including the hash chain, newest first. Audited
+    (audited_csv_export) before a byte is sent."""
     _require_admin(request)
     form = AuditFilter(request.GET, actions=known_actions())
     if not form.is_valid():
         return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain; charset=utf-8")
-    entries = form.entries()
+    entries = audited_csv_export(form, request.user)
     lines = _csv_lines_async(entries) if isinstance(request, ASGIRequest) else _csv_lines(entries)
     response = StreamingHttpResponse(lines, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="audit-{timezone.now():%Y%m%d-%H%M%S}.csv"'

@@ -397,3 +397,28 @@ def test_the_csv_export_streams_under_asgi_too(async_client, alice, varied):
 
     rows = list(csv.DictReader(io.StringIO(async_to_sync(fetch)().decode())))
     assert [int(row["id"]) for row in rows] == [varied["alice_changes"].pk, varied["bob_approves"].pk]
+
+
+def test_a_csv_export_is_audited_and_does_not_list_its_own_entry(admin_client, alice, varied):
+    before = AuditEntry.objects.count()
+    rows = _csv(admin_client.get("/audit/export.csv", {"channel": "payments", "before": "1"}))
+    assert [int(row["id"]) for row in rows] == [varied["alice_changes"].pk, varied["bob_approves"].pk]
+    export = AuditEntry.objects.get(action="audit.export")
+    assert AuditEntry.objects.count() == before + 1
+    assert (export.actor, export.actor_type, export.target) == (alice.username, "human", "audit:csv")
+    assert export.data == {
+        "format": "csv",
+        "via": "console",
+        "filters": {"channel": "payments"},  # the cursor is not a filter
+        "database_head": export.pk - 1,
+    }
+    assert export.prev_hash == AuditEntry.objects.get(pk=export.pk - 1).hash  # on the chain
+
+
+@pytest.mark.parametrize(("user", "query", "status"), [("bob", {}, 403), ("alice", {"before": "-3"}, 400)])
+def test_a_refused_csv_export_writes_no_entry(client, request, varied, user, query, status):
+    before = AuditEntry.objects.count()
+    client.force_login(request.getfixturevalue(user))
+    assert client.get("/audit/export.csv", query).status_code == status
+    assert AuditEntry.objects.count() == before
+    assert not AuditEntry.objects.filter(action="audit.export").exists()

@@ -2,7 +2,7 @@
 
 A backend turns a Notification row into one delivery and raises on failure; the `send_notification` job
 (approvals.tasks) calls it outside any transaction, retries it with backoff, and records the outcome on the
-row. Backends: `email` (Django's mail, to each of the escalation group's members, with their own Approve and Reject
+row. Backends: `email` (Django's mail, to each person the escalation asks, with their own Approve and Reject
 links: approvals.links) and `webhook` (a JSON POST signed
 with Standard Webhooks, like the deliveries we receive: `webhook-id` (the notification's id, the same on every
 retry, so the receiver can drop a copy), `webhook-timestamp` and `webhook-signature: v1,<base64 HMAC-SHA256 of
@@ -16,6 +16,7 @@ from typing import Protocol
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db.models import Q
 from django.core.mail import EmailMultiAlternatives
 from django.core.serializers.json import DjangoJSONEncoder
 from django.template.loader import render_to_string
@@ -38,7 +39,7 @@ class Backend(Protocol):
 
 
 class EmailBackend:
-    """One email per member of the escalation group (with an address), each with that person's own Approve and
+    """One email per person the escalation asks (`_recipients`), each with that person's own Approve and
     Reject links (approvals.links: they open the card with the choice pre-selected; the person logs in and
     presses the button). Templates: approvals/email/escalated.txt and .html. A retry after a failure part way
     mails only those whose email did not go out yet."""
@@ -46,11 +47,11 @@ class EmailBackend:
     name = "email"
 
     def send(self, notification: Notification) -> None:
-        recipients = list(
-            User.objects.filter(groups=notification.group_id, is_active=True).exclude(email="").order_by("email", "pk")
-        )
-        if notification.group_id is None or not recipients:
-            raise NothingToSend("the escalation group has no members with an email address")
+        recipients = list(_recipients(notification))
+        if not recipients:
+            raise NothingToSend(
+                "no members of the escalation group (or people its policy level names) have an email address"
+            )
         payload = notification.payload
         subject = f"[HITL] Card {payload.get('approval_id')} on {payload.get('channel')} escalated: SLA expired"
         base = settings.CONSOLE_URL
@@ -73,6 +74,23 @@ class EmailBackend:
             message.attach_alternative(render_to_string("approvals/email/escalated.html", context), "text/html")
             message.send()
             DecisionLink.objects.filter(pk__in=[link.pk for link in made.values()]).update(emailed_at=timezone.now())
+
+
+def _recipients(notification: Notification):
+    """Who an escalation email goes to: on a card under an approval policy escalated to its next level
+    (`policy.escalate`), the people that level names, its users and the members of its groups (as the card's
+    snapshot of the policy has them), never the run's creator, who may not decide it; otherwise the members of
+    the notification's group (the channel's escalation group, ops when a policy is exhausted). Active users with
+    an email address, each once."""
+    people = User.objects.filter(is_active=True).exclude(email="")
+    card, position = notification.approval, (notification.payload.get("policy_stage") or {}).get("position")
+    if notification.event == "policy.escalate" and card.policy and position:
+        level = card.policy["stages"][position - 1]
+        named = Q(pk__in=level["users"]) | Q(groups__in=level["groups"])
+        return people.filter(named).exclude(pk=card.run.created_by_id).distinct().order_by("email", "pk")
+    if notification.group_id is None:
+        return people.none()
+    return people.filter(groups=notification.group_id).order_by("email", "pk")
 
 
 class WebhookBackend:

@@ -16,6 +16,7 @@ from approvals import evidence, inbox
 from approvals import policy as sla
 from approvals.errors import NotAllowed
 from approvals.models import Approval, ApprovalPolicy, Decision, Delegation, Notification, PolicyStage
+from approvals.tasks import send_notification
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
@@ -287,6 +288,52 @@ def test_escalation_through_two_levels_to_the_fail_closed_end(client, demo, esca
     assert run.status == Run.Status.QUEUED
     # Nobody decides it afterwards.
     assert decide(client, director, card, decision="approve").status_code == 409
+
+
+def test_an_escalation_emails_the_people_its_level_names_users_and_groups(client, demo, mailoutbox, settings):
+    """A level may name users as well as groups (or only users): each person it asks gets one email with links of
+    their own; nobody else (an earlier stage, a person without an address or inactive, the run's creator)."""
+    settings.NOTIFY_BACKENDS = ["email"]
+    managers = Group.objects.create(name="managers")
+    lead, cfo = approver("lead"), approver("cfo")
+    manager, both, _mute, gone = (approver(name, managers) for name in ("manager", "both", "mute", "gone"))
+    for user in (lead, cfo, manager, both, gone):  # mute has no address
+        User.objects.filter(pk=user.pk).update(email=f"{user.username}@x")
+    User.objects.filter(pk=gone.pk).update(is_active=False)
+    demo["agent"].groups.add(managers)  # the run's creator, in the group: never asked
+    User.objects.filter(pk=demo["agent"].pk).update(email="agent@x")
+    make_policy(
+        "named-people",
+        [
+            {"name": "lead", "users": [lead], "sla": timedelta(minutes=30)},
+            {"name": "finance", "purpose": "escalate", "users": [cfo, both], "groups": [managers]},
+        ],
+    )
+    _, card = start_parked_run(client, demo["agent"])
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    notification = Notification.objects.get(approval=card)
+    assert send_notification(notification_id=notification.pk) == "sent"
+    assert sorted(m.to[0] for m in mailoutbox) == ["both@x", "cfo@x", "manager@x"]
+    assert all(m.body.count("/approvals/email/") == 2 for m in mailoutbox)  # their own approve and reject links
+
+
+def test_an_escalation_to_users_alone_emails_them(client, demo, mailoutbox, settings):
+    settings.NOTIFY_BACKENDS = ["email"]
+    lead, cfo = approver("lead"), approver("cfo")
+    User.objects.filter(pk=cfo.pk).update(email="cfo@x")
+    make_policy(
+        "users-only",
+        [
+            {"name": "lead", "users": [lead], "sla": timedelta(minutes=30)},
+            {"name": "cfo", "purpose": "escalate", "users": [cfo]},
+        ],
+    )
+    _, card = start_parked_run(client, demo["agent"])
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    card.refresh_from_db()
+    assert card.assigned_group is None  # no group to send to: before, the email was skipped
+    assert send_notification(notification_id=Notification.objects.get(approval=card).pk) == "sent"
+    assert [m.to for m in mailoutbox] == [["cfo@x"]]
 
 
 def test_a_decision_after_an_escalation_counts_at_the_new_level(client, demo, escalating):

@@ -6,7 +6,7 @@ import structlog
 from django.utils import timezone
 
 from approvals import policy, rules
-from approvals.models import Approval, ApprovalPolicy
+from approvals.models import Approval, ApprovalPolicy, card_closed
 from core.models import Channel
 from runs import workflow as workflows
 from runs.errors import Fatal, UnknownWorkflow
@@ -86,7 +86,13 @@ class CardBackend:
         )
 
     def close_pending(self, run, status: str) -> None:
-        Approval.objects.filter(run=run, status__in=Approval.OPEN).update(status=status, decided_at=timezone.now())
+        """The run's open cards close (its cancel, in its transaction, the run's row locked: no decision is under
+        way); each is announced as closed (approvals.models.card_closed: a posted Slack message loses its buttons)."""
+        open_cards = Approval.objects.filter(run=run, status__in=Approval.OPEN)
+        closed = list(open_cards.values_list("pk", flat=True))
+        open_cards.filter(pk__in=closed).update(status=status, decided_at=timezone.now())
+        for card in Approval.objects.filter(pk__in=closed):
+            card_closed.send(Approval, card=card)
 
 
 def _policy_of(run, seq: int, channel: Channel, request: ApprovalRequest) -> dict | None:

@@ -16,9 +16,9 @@ from typing import Protocol
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db.models import Q
 from django.core.mail import EmailMultiAlternatives
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.utils import timezone
 

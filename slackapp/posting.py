@@ -7,10 +7,7 @@ that opens the card; each decision on a posted card, and its close (the SLA's de
 `card.updated` one, in the transaction that makes it. The job (the `outbound` queue, retried with backoff) calls
 Slack's Web API with slack_sdk's WebClient: chat.postMessage, whose channel and ts are kept as a SlackMessage,
 then chat.update of each such message with the card as it stands when the job runs (so one update waiting in the
-queue is enough: `queueing_lock`). Nothing is posted while SLACK_BOT_TOKEN is unset.
-
-Not updated: a card closed by its run's cancel (the runs app writes it, without a signal): its message keeps its
-buttons, and a click on them is refused as "already cancelled"."""
+queue is enough: `queueing_lock`). Nothing is posted while SLACK_BOT_TOKEN is unset."""
 
 from __future__ import annotations
 
@@ -143,7 +140,7 @@ def card_saved(sender, instance: Approval, created: bool, **_) -> None:
 
 def card_closed(sender, card: Approval, **_) -> None:
     """approvals.models.card_closed: also sent where a card is closed without being saved (the SLA policy's
-    compare-and-swap: a safe default, an expiry)."""
+    compare-and-swap: a safe default, an expiry; its run's cancel)."""
     refresh(card.pk)
 
 

@@ -205,6 +205,14 @@ def test_a_safe_default_at_the_deadline_updates_the_message(slack, posted):
     assert "Rejected by the system at" in blocks and "hitl_approve" not in blocks
 
 
+def test_a_cancelled_runs_card_loses_its_buttons(slack, posted, linked):
+    Run.objects.get(pk=posted.run_id).cancel(by=linked["reviewer"])
+    assert send_slack_notifications() == ["sent"]
+    blocks = str(slack.calls("chat.update")[0]["blocks"])
+    assert "hitl_approve" not in blocks and "hitl_reject" not in blocks
+    assert "ancelled" in blocks
+
+
 # --- replays and refusals: nothing changes, and the clicker is told why ----------------------------------------------
 
 

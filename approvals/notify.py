@@ -21,6 +21,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import Q
 from django.template.loader import render_to_string
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from approvals import labels, links
 from approvals.models import DecisionLink, Notification
@@ -67,6 +68,7 @@ class EmailBackend:
                 "approve_url": base + links.path_for(made["approve"]),
                 "reject_url": base + links.path_for(made["reject"]),
                 "labels": words,
+                "deadline": parse_datetime(payload["due_at"]),  # shown in the console's time zone (TIME_ZONE)
             }
             message = EmailMultiAlternatives(
                 subject, render_to_string("approvals/email/escalated.txt", context), None, [recipient.email]

@@ -12,7 +12,7 @@ from django.contrib.auth.models import Group, User
 from django.core import mail
 from django.core.mail import EmailMultiAlternatives
 from django.test import Client
-from django.utils import timezone
+from django.utils import formats, timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
 from approvals import links, policy
@@ -102,6 +102,9 @@ def test_it_emails_each_recipient_their_own_approve_and_reject_links(leads):
     message = next(m for m in mail.outbox if m.to == ["lena@example.com"])
     assert f"{CONSOLE}/approvals/{card.pk}/" in message.body
     assert "Nothing is decided until you log in and press the button there." in " ".join(message.body.split())
+    card.refresh_from_db()
+    deadline = formats.date_format(timezone.localtime(card.due_at), "j M Y, H:i T")
+    assert f"New deadline: {deadline}\n" in message.body  # readable, in the console's time zone, not ISO 8601
     (html, mimetype), *_ = message.alternatives
     assert mimetype == "text/html"
     assert f'href="{CONSOLE}{lena["approve"]}"' in html and f'href="{CONSOLE}{lena["reject"]}"' in html

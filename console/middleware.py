@@ -6,6 +6,7 @@ import sys
 import time
 import uuid
 
+import pydantic
 import structlog
 from django.conf import settings
 from django.contrib.auth.middleware import AuthenticationMiddleware, LoginRequiredMiddleware
@@ -14,7 +15,7 @@ from django.contrib.sessions.middleware import SessionMiddleware
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.handlers.exception import response_for_exception
 from django.core.signals import got_request_exception
-from django.db import DataError, InterfaceError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError, connection
 from django.http import Http404, HttpResponse, JsonResponse
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.csp import ContentSecurityPolicyMiddleware
@@ -175,7 +176,22 @@ RETRY_AFTER_SECONDS = 5
 
 def _database_unavailable(exc: BaseException) -> bool:
     # Django's InterfaceError ("connection already closed") may carry no driver error to look into.
-    return isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc))
+    if isinstance(exc, InterfaceError) or (isinstance(exc, OperationalError) and is_connection_error(exc)):
+        return True
+    return _lost_while_reading_the_response(exc)
+
+
+def _lost_while_reading_the_response(exc: BaseException) -> bool:
+    """django-ninja validates a response by reading the view's objects (a lazy queryset, a related row): a database
+    error there reaches us as pydantic's ValidationError, which keeps only the error's text. It is an outage when
+    that text names a database error and the connection it came from is gone (Django marked it, and it no longer
+    answers); anything else that does not fit the schema stays a 500."""
+    if not isinstance(exc, pydantic.ValidationError):
+        return False
+    texts = [str((error.get("ctx") or {}).get("error", "")) for error in exc.errors()]
+    if not any(text.startswith(("OperationalError", "InterfaceError")) for text in texts):
+        return False
+    return connection.errors_occurred and (connection.connection is None or not connection.is_usable())
 
 
 def _remember_database_outage(sender, request=None, **kwargs) -> None:

@@ -89,9 +89,10 @@ class CardBackend:
         """The run's open cards close (its cancel, in its transaction, the run's row locked: no decision is under
         way); each is announced as closed (approvals.models.card_closed: a posted Slack message loses its buttons)."""
         open_cards = Approval.objects.filter(run=run, status__in=Approval.OPEN)
-        closed = list(open_cards.values_list("pk", flat=True))
-        open_cards.filter(pk__in=closed).update(status=status, decided_at=timezone.now())
-        for card in Approval.objects.filter(pk__in=closed):
+        closed, now = list(open_cards), timezone.now()
+        open_cards.filter(pk__in=[card.pk for card in closed]).update(status=status, decided_at=now)
+        for card in closed:
+            card.status, card.decided_at = status, now
             card_closed.send(Approval, card=card)
 
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from ninja import Field, Router, Schema
+from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
-from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
+from approvals.errors import AlreadyDecided, DecisionError, Expired, InvalidDecision
 from approvals.models import Approval
 from core.api import ERRORS
 from core.safe_input import NOT_BLANK
@@ -187,6 +187,9 @@ def decide(request, card_id: int, body: DecisionIn):
         )
     except AlreadyDecided as exc:
         raise HttpError(409, str(exc)) from None
+    except Expired as exc:
+        # Its own code: the card's expiry was applied, and deciding again will not help (unlike a stale version).
+        return Status(409, {"error": "expired", "detail": str(exc)})
     except InvalidDecision as exc:
         if exc.errors:
             raise ValidationError(exc.errors) from None  # 422, each field's error

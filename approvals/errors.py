@@ -64,6 +64,21 @@ class StaleVersion(DecisionError):
         self.card = card
 
 
+class Expired(DecisionError):
+    """The decision came after the card's deadline: refused, and the card's expiry (approvals.policy.apply_sla) was
+    applied in the same transaction. `card` is as that left it (escalated to someone, rejected, expired)."""
+
+    status = 409
+    code = "expired"
+
+    def __init__(self, card: Approval, missed):
+        super().__init__(
+            f"this card's deadline ({missed.isoformat()}) has passed: the decision was not recorded, and the card's "
+            "expiry was applied"
+        )
+        self.card = card
+
+
 class LinkRefused(DecisionError):
     """An email's decision link (approvals.links) that cannot be followed, or carried into a decision: tampered
     (404), sent to someone else (403), used, expired or its card closed (410). Nothing is decided."""

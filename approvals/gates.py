@@ -5,8 +5,8 @@ from __future__ import annotations
 import structlog
 from django.utils import timezone
 
-from approvals import policy, rules
-from approvals.models import Approval, ApprovalPolicy, card_closed
+from approvals import cards, rules
+from approvals.models import Approval, card_closed
 from core.models import Channel
 from runs import workflow as workflows
 from runs.errors import Fatal, UnknownWorkflow
@@ -29,33 +29,19 @@ class CardBackend:
             open_card.save(update_fields=["status", "decided_at"])
         # Without display hints when this process cannot resolve the gate (an edit of the card is refused then).
         display = Approval(run=run, step_seq=seq, kind=request.kind).display_of(request.proposed)
-        rule = _policy_of(run, seq, channel, request)
-        card = Approval(
-            **display,
-            run=run,
-            step_seq=seq,
+        spec = cards.CardSpec(
             kind=request.kind,
-            channel=channel,
             proposed=request.proposed,
+            args_hash=args_hash,
             current=request.current,
             summary=request.summary,
             rule_id=request.rule_id,
             confidence=request.confidence,
             citations=request.citations,
             risk=request.risk,
-            # Shadow mode is read as the card opens. Only a proposed action is shadowed: a reconcile card asks
-            # about a write that was really attempted, and a budget card about the run's own spending.
-            shadow=request.kind == Kind.ACTION and Channel.in_shadow(channel.name, run.workflow),
-            args_hash=args_hash,
-            due_at=timezone.now() + channel.sla,
+            display=display,
         )
-        if rule is not None:
-            # The card keeps the policy as it is now, and starts at its first stage (its SLA, who it asks).
-            card.policy = rule
-            card.enter_stage(0, timezone.now())
-        card.save(force_insert=True)
-        # The SLA timer is deferred in the parking transaction: it exists if and only if the card does.
-        policy.schedule_timer(card)
+        cards.open_card(run, seq, channel, spec, policy=_policy_of(run, seq, channel, request))
 
     def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
         card = (
@@ -97,23 +83,17 @@ class CardBackend:
 
 
 def _policy_of(run, seq: int, channel: Channel, request: ApprovalRequest) -> dict | None:
-    """The snapshot of the approval policy a card of this request follows (ApprovalPolicy.for_card): the one its
-    gate names in code, else the channel's for its step or its agent tool, else the channel's own; None: the
-    channel's rule. A gate naming a policy that does not exist gets one that fails closed (ApprovalPolicy.missing:
-    nobody may approve, rejected at the channel's SLA), which its card page shows."""
+    """The approval policy a card of this request follows (approvals.cards.policy_for): the one its gate names in
+    code, else the channel's for its step or its agent tool, else the channel's own; None: the channel's rule."""
     try:
         step = workflows.get(run.workflow, run.workflow_version).step_of(run, seq)
     except UnknownWorkflow:
-        step = None  # an external agent's request: no workflow step, its channel's policy
+        step = None  # a workflow this process does not know: its channel's policy
     spec = step.gate if step is not None else None
     tool = request.rule_id.removeprefix("tool:") if request.rule_id.startswith("tool:") else ""
-    named = spec.policy if spec is not None else ""
-    try:
-        policy = ApprovalPolicy.for_card(channel, step=step.name if step is not None else "", tool=tool, named=named)
-    except LookupError:
-        log.error("a gate names an approval policy that does not exist: its card fails closed", policy=named)
-        return ApprovalPolicy.missing(named, channel)
-    return policy.snapshot() if policy is not None else None
+    return cards.policy_for(
+        channel, step=step.name if step is not None else "", tool=tool, named=spec.policy if spec is not None else ""
+    )
 
 
 def _decision_of(card: Approval) -> Decision:

@@ -19,6 +19,7 @@ from approvals import edits, rules
 from approvals.errors import AlreadyDecided as AlreadyDecided
 from approvals.errors import CannotCheckEdit as CannotCheckEdit
 from approvals.errors import DecisionError as DecisionError
+from approvals.errors import Expired
 from approvals.errors import InvalidDecision as InvalidDecision
 from approvals.errors import NotAllowed as NotAllowed
 from approvals.errors import SecondApproverNeeded as SecondApproverNeeded
@@ -50,6 +51,11 @@ class OnExpiry(models.TextChoices):
     EXPIRE = "expire", "expires: nothing runs (fail closed)"
     ESCALATE = "escalate", "escalates once as the channel says, then expires"
 
+
+# Sent by Approval.decide, in its transaction, when a person's decision finds the card past its deadline: the card's
+# expiry (approvals.policy.apply_sla: escalate, safe default, expire) is applied there and then, whatever the timer
+# jobs do, and the decision is refused (Expired). approvals.apps connects the SLA policy, which imports this module.
+card_overdue = Signal()
 
 # Sent in the transaction that closes a card with an outcome (a decision that completes it, an SLA's safe default
 # or expiry), with `card`: what depends on the outcome (an external agent's callback) is written with it.
@@ -101,6 +107,9 @@ class Approval(models.Model):
     args_hash = models.CharField(max_length=64)
     version = models.PositiveIntegerField(default=1)
     due_at = models.DateTimeField()
+    # A hard end (an external agent's `expires_in`): the card expires then whatever its stage, and no stage's
+    # deadline is later. Null: the card's policy or channel says when it ends.
+    expires_at = models.DateTimeField(null=True, blank=True)
     on_expiry = models.CharField(
         max_length=16,
         choices=OnExpiry.choices,
@@ -230,48 +239,67 @@ class Approval(models.Model):
             card.run = run
             covering = Delegation.covered_by(actor)
             rules.check(actor, card, asked, version, covering)  # on what the lock lets us read: whoever the caller is
-            earlier = list(card.decisions.order_by("created_at", "pk"))
-            if card.policy:
-                count = rules.PolicyCount.of(card, actor, asked.decision, earlier, covering)
+            now = timezone.now()
+            if actor is not None and card.due_at <= now:
+                # Past its deadline: the card's expiry applies now, in this transaction, and the decision is refused
+                # once it commits. A deadline does not depend on a timer job having run (the system's own
+                # decisions, actor None, are the expiry).
+                missed = card.due_at
+                card_overdue.send(Approval, card=card, now=now)
+                late = Expired(card, missed)
             else:
-                count = rules.TwoPersonCount.of(card, asked.decision, earlier)
-            count.check(actor)
-            on_policy = isinstance(count, rules.PolicyCount)
-            Decision.objects.create(
-                approval=card,
-                actor=actor,
-                decision=asked.decision,
-                comment=asked.comment,
-                reason=asked.reason,
-                payload=asked.payload,
-                agreement=asked.agreement,
-                done_by_hand=asked.done_by_hand,
-                stage=count.stage if on_policy else None,
-                stage_name=count.stage_name if on_policy else "",
-                on_behalf_of_id=count.on_behalf_of if on_policy else None,
-            )
-            moved = []
-            if count.complete:
-                card.status, card.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
-            elif on_policy and count.to_stage != card.stage:
-                moved = card.enter_stage(count.to_stage, timezone.now())
-            # Under a policy the version names what runs (a quorum's second person approves what the first one
-            # saw, even when both clicked at once): an edit or the card's end changes it, another yes does not.
-            # The two-person rule of a channel without a policy keeps its own (every decision changes it).
-            if not on_policy or count.complete or asked.decision == DecisionKind.EDIT:
-                card.version += 1
-            # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
-            display = card.display_of(card.to_execute) if asked.decision == DecisionKind.EDIT else {}
-            for column, value in display.items():
-                setattr(card, column, value)
-            card.save(update_fields=["status", "decided_at", "version", *moved, *display])
-            card._audit_decision(actor, asked, count, earlier, via=via)
-            if count.complete:
-                card_closed.send(Approval, card=card)
-            # Two-person rule: a first approval leaves the card open and the run parked.
-            if count.complete and run.status in Run.PARKED:
-                run.resume()
+                late = None
+                card._record(run, actor, asked, covering, via)
+        if late is not None:
+            # Committed: the card's expiry stands; the decision was not taken.
+            raise late
         return card
+
+    def _record(self, run: Run, actor, asked: rules.Asked, covering: list[int], via: str) -> None:
+        """Approval.decide's write, on this card and its run as decide locked and checked them: the decision, where
+        it leaves the card (counted by its policy or the two-person rule), its audit entry, and the run resumed
+        when the card is decided."""
+        earlier = list(self.decisions.order_by("created_at", "pk"))
+        if self.policy:
+            count = rules.PolicyCount.of(self, actor, asked.decision, earlier, covering)
+        else:
+            count = rules.TwoPersonCount.of(self, asked.decision, earlier)
+        count.check(actor)
+        on_policy = isinstance(count, rules.PolicyCount)
+        Decision.objects.create(
+            approval=self,
+            actor=actor,
+            decision=asked.decision,
+            comment=asked.comment,
+            reason=asked.reason,
+            payload=asked.payload,
+            agreement=asked.agreement,
+            done_by_hand=asked.done_by_hand,
+            stage=count.stage if on_policy else None,
+            stage_name=count.stage_name if on_policy else "",
+            on_behalf_of_id=count.on_behalf_of if on_policy else None,
+        )
+        moved = []
+        if count.complete:
+            self.status, self.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
+        elif on_policy and count.to_stage != self.stage:
+            moved = self.enter_stage(count.to_stage, timezone.now())
+        # Under a policy the version names what runs (a quorum's second person approves what the first one
+        # saw, even when both clicked at once): an edit or the card's end changes it, another yes does not.
+        # The two-person rule of a channel without a policy keeps its own (every decision changes it).
+        if not on_policy or count.complete or asked.decision == DecisionKind.EDIT:
+            self.version += 1
+        # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
+        display = self.display_of(self.to_execute) if asked.decision == DecisionKind.EDIT else {}
+        for column, value in display.items():
+            setattr(self, column, value)
+        self.save(update_fields=["status", "decided_at", "version", *moved, *display])
+        self._audit_decision(actor, asked, count, earlier, via=via)
+        if count.complete:
+            card_closed.send(Approval, card=self)
+        # Two-person rule: a first approval leaves the card open and the run parked.
+        if count.complete and run.status in Run.PARKED:
+            run.resume()
 
     def policy_stage(self, row: int | None = None) -> dict | None:
         """Which policy, at which version, and which of its stages (row `row`, else the card's): for the audit log
@@ -305,6 +333,8 @@ class Approval(models.Model):
         stage = self.policy["stages"][row]
         asking = rules.Asking.at(self.policy, row)
         self.stage, self.due_at = row, now + timedelta(seconds=stage["sla"])
+        if self.expires_at is not None:
+            self.due_at = min(self.due_at, self.expires_at)
         escalated = stage["purpose"] == StagePurpose.ESCALATE
         self.status = self.Status.ESCALATED if escalated else self.Status.PENDING
         self.asked_anyone, self.asked_users, self.asked_groups = (

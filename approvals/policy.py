@@ -84,6 +84,11 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
     if card is None or card.status not in Approval.OPEN or card.due_at > now:
         return None
     channel: Channel = card.channel
+    # A hard end (an external agent's `expires_in`): the card expires, fail closed, whatever its stage.
+    if card.expires_at is not None and card.expires_at <= now:
+        return "expire" if _expire(card, now) else None
+    if card.policy:
+        return _policy_deadline(card, now)
     # A card may say what its deadline does (an external agent's request): it expires, fail closed, at once or
     # after one escalation.
     if card.on_expiry == OnExpiry.EXPIRE or (
@@ -92,8 +97,6 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
         return "expire" if _expire(card, now) else None
     if card.on_expiry == OnExpiry.ESCALATE:
         return "escalate" if _escalate(card, now) else None
-    if card.policy:
-        return _policy_deadline(card, now)
     # A reconcile card is never auto-rejected: there a rejection means "it did not happen: do the write now",
     # an ambiguous write done again with nobody deciding. It escalates instead.
     if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind != Kind.RECONCILE:
@@ -140,6 +143,9 @@ def _policy_deadline(card: Approval, now: datetime) -> str | None:
     row = rules.next_level(card.policy, card.stage)
     if row is not None:
         return "escalate" if _escalate_level(card, now, row) else None
+    if card.on_expiry:
+        # An external agent's request ends as it said (`on_expiry`): past the policy's last level, it expires.
+        return "expire" if _expire(card, now) else None
     if card.policy["at_end"] == rules.AtEnd.REJECT and card.kind != Kind.RECONCILE:
         return "safe_default" if _safe_default(card, now, comment=FAIL_CLOSED_COMMENT) else None
     return "alert_ops" if _alert_ops(card, now) else None
@@ -285,6 +291,12 @@ def _expire(card: Approval, now: datetime) -> bool:
             run.resume()
     log.info("card expired", card_id=card.pk, channel=card.channel.name)
     return True
+
+
+def on_overdue(sender, card: Approval, now: datetime, **_) -> None:
+    """approvals.models.card_overdue: a person's decision found `card` past its deadline, in Approval.decide's
+    transaction (the run and the card locked): the expiry applies there, as the timer would have applied it."""
+    apply_sla(card.pk, now)
 
 
 def overdue_card_ids(now: datetime, limit: int = 500) -> list[int]:

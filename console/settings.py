@@ -348,6 +348,9 @@ NOTIFY_WEBHOOK_SECRET = env_secret(
 )
 webhook_secrets("NOTIFY_WEBHOOK_SECRET", NOTIFY_WEBHOOK_SECRET)
 NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
+# An approval that nobody consumed within this many seconds of its decision goes stale (external.requests.consume:
+# 409 `stale`): the world it was given in may have changed. Never later than the request's own expiry plus this.
+APPROVAL_CONSUME_WITHIN = env_int("APPROVAL_CONSUME_WITHIN", 24 * 3600)
 # Signs the decisions POSTed to an external agent's `callback_url` (external.requests), the same way; unset
 # outside development, a request with a callback is refused (422) rather than sent unsigned.
 CALLBACK_SECRET = env_str("CALLBACK_SECRET", "callback-secret" if DEVELOPMENT else "")

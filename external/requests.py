@@ -20,15 +20,17 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from approvals import policy
+from approvals import cards, policy
 from approvals.models import Approval, Notification, OnExpiry
 from approvals.tasks import send_notification
 from core.access import may_act_unreviewed, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external.models import ActionRequest, ApprovalMode
+from runs import effects
+from runs.breakers import BreakerOpen
+from runs.effects import shadow_response
 from runs.gates import ANY_LEAF, Display, GateSpec, Kind, canonical_hash
-from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, ShadowEffect, Step
-from runs.steps import shadow_response
+from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 
 MIN_EXPIRES_IN, MAX_EXPIRES_IN = 60, 7 * 24 * 3600
 
@@ -97,8 +99,20 @@ class NotConsumed(Conflict):
     error = "not_consumed"
 
 
+class Stale(Conflict):
+    error = "stale"
+
+
+class RunEnded(Conflict):
+    error = "run_ended"
+
+
 class Locked(RequestError):
     status, error = 423, "locked"
+
+
+class Unavailable(RequestError):
+    status, error = 503, "unavailable"
 
 
 # --- opening a request -------------------------------------------------------------------------------------------
@@ -271,27 +285,34 @@ def _run_for(user, run_id: str | None) -> Run:
 
 
 def _open_card(run: Run, seq: int, channel: Channel, ask: Ask, expires_at) -> Approval:
+    """The request's card, through the one door of cards (approvals.cards): the channel's approval policy for the
+    action (`tool:<action>`, else the channel's own) applies to it as to a workflow's gate. `on_expiry: reject` makes
+    `expires_in` a hard end, whatever the policy's stages; `escalate` lets the card escalate once (the channel's
+    escalation, or the policy's levels) before it expires."""
     rationale = ask.rationale if isinstance(ask.rationale, dict) else {"summary": ask.rationale or ""}
-    card = Approval.objects.create(
-        **_display(ask.display).values(ask.arguments),
-        run=run,
-        step_seq=seq,
+    spec = cards.CardSpec(
         kind=Kind.ACTION,
-        channel=channel,
         proposed=ask.arguments,
+        args_hash=canonical_hash({"kind": Kind.ACTION, "channel": channel.name, "proposed": ask.arguments}),
         current=ask.current,
         summary=rationale.get("summary") or f"The agent wants to run {ask.action}.",
         rule_id=(rationale.get("rule_id") or f"external:{ask.action}")[:100],
         confidence=rationale.get("confidence"),
         citations=rationale.get("citations") or [],
         risk=ask.risk,
-        shadow=Channel.in_shadow(channel.name, EXTERNAL_WORKFLOW),
-        args_hash=canonical_hash({"kind": Kind.ACTION, "channel": channel.name, "proposed": ask.arguments}),
-        due_at=expires_at,
-        on_expiry=OnExpiry.ESCALATE if ask.on_expiry == "escalate" else OnExpiry.EXPIRE,
+        display=_display(ask.display).values(ask.arguments),
     )
-    policy.schedule_timer(card)  # in this transaction: the timer exists if and only if the card does
-    return card
+    escalate = ask.on_expiry == "escalate"
+    return cards.open_card(
+        run,
+        seq,
+        channel,
+        spec,
+        policy=cards.policy_for(channel, tool=ask.action),
+        expires_at=None if escalate else expires_at,
+        due_by=expires_at,
+        on_expiry=OnExpiry.ESCALATE if escalate else OnExpiry.EXPIRE,
+    )
 
 
 def _display(paths: dict | None) -> Display:
@@ -395,14 +416,17 @@ def execution(request: ActionRequest) -> dict:
 
 
 def for_user(user, request_id) -> ActionRequest:
-    """The request, if it is this user's (NotFound otherwise: another token's requests do not exist for it)."""
-    request = (
-        ActionRequest.objects.select_related("channel", "card", "receipt", "run")
-        .filter(pk=request_id, created_by=user)
-        .first()
-    )
+    """The request, if it is this user's (NotFound otherwise: another token's requests do not exist for it). A card
+    past its deadline has its expiry applied first (approvals.policy.apply_sla), so the agent is never told
+    `pending` by a request that expired while no timer job ran."""
+    found = ActionRequest.objects.select_related("channel", "card", "receipt", "run").filter(created_by=user)
+    request = found.filter(pk=request_id).first()
     if request is None:
         raise NotFound("Not found.")
+    card = request.card
+    if card is not None and card.status in Approval.OPEN and card.due_at <= timezone.now():
+        policy.apply_sla(card.pk)
+        request = found.get(pk=request_id)
     return request
 
 
@@ -433,32 +457,46 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
                 "These are not the approved arguments: GET the request and execute its `arguments` "
                 "(a reviewer may have edited them)."
             )
-        if (killed := Channel.killed_for_effects(request.channel.name)) is not None:
-            raise Locked(killed.describe(request.channel.name))
+        if (stale_at := consume_by(request)) <= timezone.now():
+            raise Stale(
+                f"This approval was not used in time (by {stale_at.isoformat()}, APPROVAL_CONSUME_WITHIN): the world "
+                "it was given in may have changed. Ask again."
+            )
         key = f"external:{request.id}"
-        receipt = Receipt.objects.create(
-            key=key, run=request.run, step_seq=request.step_seq, channel=request.channel.name
-        )
-        request.receipt, request.consume_nonce = receipt, nonce
-        request.save(update_fields=["receipt", "consume_nonce"])
-        shadow = answer["shadow"]
-        if shadow:
-            ShadowEffect.objects.create(
-                run=request.run,
-                step_seq=request.step_seq,
+        try:
+            receipt = effects.open_receipt(
+                request.run,
+                request.step_seq,
+                request.channel.name,
+                key,
                 step=request.action,
-                channel=request.channel.name,
-                key=key,
                 preview={"call": request.action, **answer["arguments"]},
             )
+        except effects.RunEnded as exc:
+            raise RunEnded(f"{exc}: this approval is not to be used.") from None
+        except effects.ChannelStopped as exc:
+            raise Locked(str(exc)) from None
+        except BreakerOpen as exc:
+            raise Unavailable(str(exc), retry_after=round(exc.delay)) from None
+        request.receipt, request.consume_nonce = receipt, nonce
+        request.save(update_fields=["receipt", "consume_nonce"])
+        if receipt.shadow:
             receipt.complete_outcome({"ok": True, "result": shadow_response(key)})
         Step.objects.filter(run=request.run, seq=request.step_seq).update(
-            status=Step.Status.DONE if shadow else Step.Status.UNKNOWN,
-            output={"shadow": shadow_response(key)} if shadow else None,
-            ended_at=timezone.now() if shadow else None,
+            status=Step.Status.DONE if receipt.shadow else Step.Status.UNKNOWN,
+            output={"shadow": shadow_response(key)} if receipt.shadow else None,
+            ended_at=timezone.now() if receipt.shadow else None,
         )
-        _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": shadow})
-        return _go(request, answer, shadow=shadow)
+        _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": receipt.shadow})
+        return _go(request, answer, shadow=receipt.shadow)
+
+
+def consume_by(request: ActionRequest):
+    """When an approval goes stale if nobody consumed it: APPROVAL_CONSUME_WITHIN after the decision (after the ask,
+    for `approval: never`), and never later than the request's own expiry plus that window."""
+    within = timedelta(seconds=settings.APPROVAL_CONSUME_WITHIN)
+    decided_at = request.card.decided_at if request.card is not None else request.created_at
+    return min(decided_at + within, request.expires_at + within)
 
 
 def _go(request: ActionRequest, answer: dict, *, shadow: bool) -> dict:

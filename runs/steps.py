@@ -11,11 +11,11 @@ from typing import Any
 
 from django.db import transaction
 
-from core.models import Channel
-from runs import breakers, gates
+from runs import effects, gates
+from runs.effects import shadow_response
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
 from runs.gates import ApprovalRequest, Decision, GateSpec, Outcome
-from runs.models import ModelUsage, Receipt, Run, ShadowEffect
+from runs.models import ModelUsage, Receipt, Run
 from runs.tools import AgentSpec
 
 StepFn = Callable[["Context"], Any]
@@ -111,7 +111,6 @@ class Context:
             f"#{self._effects}" if self._effects > 1 else ""
         )
         self.last_effect_key = key
-        breakers.check(channel)  # an open breaker: the run waits, before any receipt is written (BreakerOpen)
         receipt = _open_receipt(self.run, self.seq, channel, key, step=self.step.name, preview=preview)
         if receipt.status == Receipt.Status.DONE:
             return receipt.response
@@ -182,46 +181,19 @@ class Context:
 
 
 def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
-    """Insert the receipt (or find the one an earlier attempt wrote), checking the run's owner, a cancel and the
-    channel's kill switch in the same transaction: an engaged switch that has committed stops every effect not
-    already past here. `receipt.shadow`: the effect is in shadow mode (a ShadowEffect is written with a new
-    receipt when the workflow or channel is in shadow; an earlier attempt's pending receipt keeps its mode)."""
+    """The effect's receipt through the one door of effects (runs.effects), from outside any transaction of the
+    step's own: a cancel stops the run, a kill switch parks it."""
     if _inside_a_transaction():
         raise Fatal(
             f"ctx.effect() on {channel} was called inside transaction.atomic(): its receipt must commit before "
             "the call, so call it outside any transaction"
         )
-    with transaction.atomic():
-        if run.owned():
-            # A cancel committed while the step ran (the row lock orders it before this receipt, or after it):
-            # the effect does not start, and the run ends cancelled.
-            raise Stop({"outcome": "cancelled"})
-        if (killed := Channel.killed_for_effects(channel)) is not None:
-            raise Park(killed.describe(channel), paused=True, kill_switch_channel=channel)
-        receipt, created = Receipt.objects.get_or_create(
-            key=key, defaults={"run": run, "step_seq": seq, "channel": channel}
-        )
-        if created:
-            # Decided once per effect: as the card that authorized it was (a person who did it by hand must not
-            # see it done again, nor an approved live effect be dropped, because the mode changed since), else
-            # as the channel and workflow are now, recorded with the receipt for its later attempts.
-            authorized = gates.backend().shadow_of(run, seq, channel)
-            receipt.shadow = Channel.in_shadow(channel, run.workflow) if authorized is None else authorized
-            if receipt.shadow:
-                ShadowEffect.objects.create(run=run, step_seq=seq, step=step, channel=channel, key=key, preview=preview)
-        else:
-            receipt.shadow = receipt.status == Receipt.Status.PENDING and ShadowEffect.objects.filter(key=key).exists()
-    receipt.run = run  # the owner's copy: its writes name this owner
-    receipt.fresh = created
-    return receipt
-
-
-def shadow_response(key: str) -> dict:
-    """What a shadow effect answers in place of its external system (the receipt keeps it as its response)."""
-    external_id = f"shadow:{key}"
-    if len(external_id) > 200:  # Receipt.external_id; a natural key may be longer
-        external_id = f"shadow:{gates.canonical_hash(key)[:40]}"
-    return {"shadow": True, "id": external_id}
+    try:
+        return effects.open_receipt(run, seq, channel, key, step=step, preview=preview)
+    except effects.RunEnded:
+        raise Stop({"outcome": "cancelled"}) from None
+    except effects.ChannelStopped as exc:
+        raise Park(str(exc), paused=True, kill_switch_channel=channel) from None
 
 
 def _inside_a_transaction() -> bool:

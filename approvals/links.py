@@ -25,8 +25,8 @@ from django.core import signing
 from django.db import transaction
 from django.utils import timezone
 
-from approvals.errors import LinkRefused
-from approvals.models import Approval, DecisionLink, Notification
+from approvals.errors import Expired, LinkRefused
+from approvals.models import Approval, DecisionLink, Notification, card_overdue
 from approvals.rules import DecisionKind
 
 SALT = "approvals.decision-link"
@@ -107,8 +107,13 @@ def check(token: str, user, *, card_id: int | None = None, decision: str | None 
 def decide_through(link: DecisionLink, card: Approval, user, decision: str, **fields) -> Approval:
     """Approval.decide, audited `via: email`, and the link used, in one transaction: if either is refused (the
     decision by its rules, the link because another request used it meanwhile), neither happens."""
-    with transaction.atomic():
-        decided = card.decide(user, decision, via="email", **fields)
-        if not link.use():
-            raise LinkRefused("This link was already used: each link works once.", 410)
+    try:
+        with transaction.atomic():
+            decided = card.decide(user, decision, via="email", **fields)
+            if not link.use():
+                raise LinkRefused("This link was already used: each link works once.", 410)
+    except Expired:
+        # The card's expiry, which the decision applied, was rolled back with the link: it applies on its own.
+        card_overdue.send(Approval, card=card, now=timezone.now())
+        raise
     return decided

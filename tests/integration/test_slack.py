@@ -25,6 +25,7 @@ from runs.models import Run
 from slackapp.models import SlackIdentity, SlackMessage, SlackRoute
 from tests import slack_fake
 from tests.engine_helpers import REFUND, drive
+from tests.integration.test_approval_policies import make_policy
 from tests.integration.test_decide_permission import everything  # what a refused decision leaves as it was
 
 URL = "/api/slack/interactions"
@@ -277,6 +278,33 @@ def test_a_click_on_a_card_that_changed_since_is_refused(slack, posted, linked, 
     post_click(click(slack, posted.pk, posted.version))
     assert everything(posted) == before
     assert "the card changed (version" in slack.responses()[0]["text"]
+
+
+def test_a_click_refused_before_the_stage_reached_its_person_is_not_decided_by_its_replay(slack, linked, rita):
+    """Issue 24: a click refused because the policy's stage did not ask that person yet, replayed (the same signed
+    request, within Slack's five minutes) once the stage has reached them, must not count: the refused interaction
+    is spent. A fresh click from the message as it then stands does count."""
+    stages = [{"name": "first", "users": [rita]}, {"name": "second", "users": [linked["reviewer"]]}]
+    make_policy("rita-then-reviewer", stages)
+    card = new_card(linked)
+    assert card.policy["name"] == "rita-then-reviewer"
+    send_slack_notifications()
+    body, headers = slack_fake.signed(click(slack, card.pk, card.version))
+    content_type = headers.pop("Content-Type")
+    assert Client().post(URL, data=body, content_type=content_type, headers=headers).status_code == 200
+    assert "does not ask you" in slack.responses()[0]["text"]
+
+    card.decide(rita, "approve", version=card.version)  # the first stage: the card moves on to the reviewer's
+    card.refresh_from_db()
+    assert (card.status, card.stage) == ("pending", 1)
+    before = everything(card)
+    assert Client().post(URL, data=body, content_type=content_type, headers=headers).status_code == 200
+    assert everything(card) == before
+    assert "already refused" in slack.responses()[-1]["text"]
+    assert AuditEntry.objects.filter(action="slack.refused", approval_id=None).count() == 2
+
+    post_click(click(slack, card.pk, card.version))  # a new click: decided
+    assert Approval.objects.get(pk=card.pk).status == "approved"
 
 
 UNVERIFIED = {

@@ -8,7 +8,8 @@ decided exactly as the console decides.
 3. The decision goes through the console's own path: approvals.access.card_for(user, pk, to_decide=True) (who may
    see and decide the card) then Approval.decide with the version the button carries (the one the message showed),
    so every rule of a decision (permissions, separation of duties, the two-person count, a card already decided or
-   changed since) applies as on the card page, and the decision is audited there, `via: slack`.
+   changed since) applies as on the card page, and the decision is audited there, `via: slack`. An approval of a
+   card whose message cannot show every changed field in full (slackapp.blocks.shows_in_full) is refused first.
 
 A click that decides nothing gets an ephemeral answer (seen by the clicker only, through the payload's
 response_url) saying why, and an audit entry `slack.refused`. A replayed click (the same signed request again,
@@ -37,7 +38,7 @@ from approvals.access import card_for
 from approvals.errors import DecisionError
 from core.access import Denied
 from core.models import ActorType, AuditEntry
-from slackapp import blocks
+from slackapp import blocks, posting
 from slackapp.models import SlackIdentity
 
 log = structlog.get_logger("slackapp.interactions")
@@ -162,6 +163,12 @@ def act(click: Click) -> Answer:
         return _refuse(click, None, "Your Slack account is not linked to a console user: ask an admin to link it.")
     try:
         card = card_for(user, click.card_id, to_decide=True)
+        # What is shown is what is approved: a message that could not show every field approving changes has no
+        # Approve button, and a click on one (an older message's, a forged one) is refused the same way.
+        if click.decision == "approve" and not blocks.shows_in_full(posting.view_of(card)):
+            return _refuse(
+                click, user, "Slack cannot show this card in full: open it in the console to read it and approve it."
+            )
         card.decide(user, click.decision, comment=click.comment, version=click.version, via="slack")
     except Denied as exc:
         text = "You may not decide this card." if exc.status == 404 else f"You may not decide this card: {exc}."

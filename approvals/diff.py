@@ -137,7 +137,8 @@ CLAIMS_UNCHANGED = (
 @dataclass(frozen=True)
 class Shown:
     """What approving runs, field by field, against the server's record of the target's current state (the card's
-    `current`, as the card page shows it). The one diff of every view: the card page, Slack and the inbox row."""
+    `current`, as the card page shows it). The one diff of every view: the card page, Slack and the inbox row; a
+    view offers an approve only when it shows every field of `to_show`, whole."""
 
     fields: list[FieldDiff]  # every field, unchanged ones included
 
@@ -152,9 +153,10 @@ class Shown:
 
     @property
     def to_show(self) -> list[FieldDiff]:
-        """What a view must show in full to offer an approve: the changed fields, or, when the agent says the
-        target already has every value, every field (all of them run)."""
-        return self.fields if self.claims_unchanged else self.changed
+        """What a view must show in full to offer an approve: every field that runs, the changed ones first. An
+        unchanged field runs too, and that it is unchanged is only what the record of the current state says (an
+        external agent's own word): a view that hid it would let an agent hide a field by claiming it."""
+        return self.changed + [d for d in self.fields if d.op == SAME]
 
     @property
     def counts(self) -> dict[str, int]:

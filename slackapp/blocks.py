@@ -3,14 +3,14 @@ agent's rationale, the deadline), Approve and Reject buttons that carry the card
 sees, and "Edit in console", a link to the card. Once the card is closed, the same message with its outcome and who
 decided, and no buttons.
 
-What is shown is what is approved: the message lists every field that approving changes (approvals.diff.Shown:
-against the card's record of the current state, as the card page shows it), each with its whole value, one line
-per field, in sections of at most MAX_TEXT characters, at most MAX_CHANGE_SECTIONS of them. A field whose line
-does not fit one section, and the fields past the last section, are left out: the message says how many, and then
-offers no Approve button (Reject stays: refusing what one could not read in full runs nothing), only the link to
-the console; a click on an Approve button of such a card is refused too (slackapp.interactions). When the agent's
-record of the current state holds every value that runs, the message says so (approvals.diff.CLAIMS_UNCHANGED) and
-lists every field, never "no change".
+What is shown is what is approved: the message lists every field that approving runs, the changed ones first
+(approvals.diff.Shown.to_show: against the card's record of the current state, as the card page shows it), each
+with its whole value, one line per field, in sections of at most MAX_TEXT characters, at most MAX_CHANGE_SECTIONS
+of them. A field whose line does not fit one section, and the fields past the last section, are left out: the
+message says how many, and then offers no Approve button (Reject stays: refusing what one could not read in full
+runs nothing), only the link to the console; a click on an Approve button of such a card is refused too
+(slackapp.interactions). When the agent's record of the current state holds every value that runs, the message
+says so (approvals.diff.CLAIMS_UNCHANGED) and lists every field, never "no change".
 
 Pure: it reads a `CardView` (slackapp.posting makes one from a card), so tests build messages without a database.
 Everything the agent wrote is escaped: mrkdwn would otherwise turn `<!channel>` into a mention and `<url|text>`
@@ -48,8 +48,8 @@ class CardView:
     status: str
     is_open: bool
     decidable: bool  # an action card that is not shadow: decided here; anything else only in the console
-    # What approving changes in the current state (approvals.diff.Shown.to_show): every field that must be shown in
-    # full for the card to be approved here.
+    # What approving runs against the current state (approvals.diff.Shown.to_show): every field, changed ones
+    # first, that must be shown in full for the card to be approved here.
     changes: list[FieldDiff] = field(default_factory=list)
     claims_unchanged: bool = False  # the agent's current state holds every value that runs (Shown.claims_unchanged)
     amount: str = ""
@@ -105,7 +105,7 @@ def change_sections(changes: list[FieldDiff]) -> tuple[list[str], int]:
 
 
 def shows_in_full(view: CardView) -> bool:
-    """Whether the message shows every field approving changes, whole: the condition of its Approve button."""
+    """Whether the message shows every field approving runs, whole: the condition of its Approve button."""
     return change_sections(view.changes)[1] == 0
 
 
@@ -145,11 +145,13 @@ def message(view: CardView) -> dict:
     if view.claims_unchanged:
         heading += f"\n_{escape(CLAIMS_UNCHANGED)}_"
     elif not view.changes:
-        heading += "\n_No change to the current state._"
+        heading += "\n_Nothing runs: the proposal is empty._"
+    elif any(change.op == "same" for change in view.changes):
+        heading += "\n_`=` unchanged, as the card's current state records it (it runs all the same)._"
     if left_out:
         fields = "field" if left_out == 1 else "fields"
         heading += (
-            f"\n*{left_out} changed {fields} not shown here* (too long for Slack): open the card in the console to"
+            f"\n*{left_out} {fields} not shown here* (too long for Slack): open the card in the console to"
             " read everything and approve it."
         )
     blocks.append(_section(heading))

@@ -96,9 +96,9 @@ def row_shows(current, runs, headline: str, amount_minor: int | None, currency: 
     left_out = 0
     for change in shown.to_show:
         value = change.new
-        column = None
+        column = None  # a removed field is shown by no column
         if change.op == REMOVED:
-            column = None
+            pass
         elif "amount" in free and type(value) is int and value == amount_minor:
             column = "amount"
         elif "currency" in free and isinstance(value, str) and value and value == currency:

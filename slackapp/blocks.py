@@ -150,9 +150,10 @@ def message(view: CardView) -> dict:
         heading += "\n_`=` unchanged, as the card's current state records it (it runs all the same)._"
     if left_out:
         fields = "field" if left_out == 1 else "fields"
-        heading += (
-            f"\n*{left_out} {fields} not shown here* (too long for Slack): open the card in the console to"
-            " read everything and approve it."
+        heading += f"\n*{left_out} {fields} not shown here* (too long for Slack): " + (
+            "open the card in the console to read everything and approve it."
+            if view.is_open and view.decidable
+            else "the console shows everything."
         )
     blocks.append(_section(heading))
     blocks += [{"type": "section", "text": {"type": "mrkdwn", "text": text}} for text in sections]

@@ -17,8 +17,9 @@
 - What a row shows is what bulk approves (`row_shows`): a row shows a headline and an amount (the gate's display
   hints, paths an external agent chooses). A card is approved from its row (the `a` key, a bulk approval) only
   when every field that approving runs (approvals.diff.Shown.to_show, changed or not) is one of those, shown whole:
-  the headline a string of at most ROW_HEADLINE characters on one line, the amount a whole number of minor units,
-  the currency a code, each shown once. Otherwise the row says how many fields it leaves out, the `a` key opens the
+  the headline a string of at most ROW_HEADLINE characters on one line, the amount a whole number of minor units
+  (hundredths: not of a currency in NOT_HUNDREDTHS, which the row would misprint), the currency a code, each shown
+  once. Otherwise the row says how many fields it leaves out, the `a` key opens the
   card, and a bulk approval naming it is refused for that card (409, nothing decided); a bulk rejection, which runs
   nothing, still takes it.
 """
@@ -59,6 +60,14 @@ EVENT = "approvals-changed"
 PER_PAGE = 50
 
 ROW_HEADLINE = 80  # characters of a headline a row shows (templates/approvals/inbox.html truncates it there)
+# ISO 4217 currencies whose minor unit is not a hundredth (none, or a thousandth): a row prints an amount in minor
+# units as hundredths (12500 as 125.00), which for these is not the amount that runs, so it shows no such amount.
+NOT_HUNDREDTHS = frozenset(
+    {
+        *("BIF", "CLP", "DJF", "GNF", "ISK", "JPY", "KMF", "KRW", "PYG", "RWF", "UGX", "VND", "VUV", "XAF", "XOF"),
+        *("XPF", "BHD", "IQD", "JOD", "KWD", "LYD", "OMR", "TND"),
+    }
+)
 
 SLA_STATES = [(state.value, state.label) for state in OPEN_SLA_STATES]
 REJECT_REASONS = RejectReason.choices
@@ -99,7 +108,7 @@ def row_shows(current, runs, headline: str, amount_minor: int | None, currency: 
         column = None  # a removed field is shown by no column
         if change.op == REMOVED:
             pass
-        elif "amount" in free and type(value) is int and value == amount_minor:
+        elif "amount" in free and type(value) is int and value == amount_minor and currency not in NOT_HUNDREDTHS:
             column = "amount"
         elif "currency" in free and isinstance(value, str) and value and value == currency:
             column = "currency"

@@ -120,6 +120,7 @@ def test_a_row_shows_a_field_only_by_its_exact_value_and_type():
     assert left_out({"amount_cents": "4200", "currency": "EUR"}) == 1  # a string is not the amount
     assert left_out({"amount_cents": True}, amount=1) == 1  # nor is a boolean
     assert left_out({"amount_cents": 4200, "also": 4200}) == 1  # one column shows one field
+    assert left_out({"amount_cents": 4200, "currency": "JPY"}, currency="JPY") == 1  # printed as 42.00 JPY
     long = "x" * (ROW_HEADLINE + 1)
     assert left_out({"reason": long}, headline=long) == 1  # the row cuts it
     assert left_out({"reason": "a\nb"}, headline="a\nb") == 1

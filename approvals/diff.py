@@ -122,3 +122,47 @@ def summarize(diffs: list[FieldDiff]) -> dict[str, int]:
     for d in diffs:
         counts[d.op] += 1
     return counts
+
+
+# --- what approving a card runs, as every view shows it ----------------------------------------------------------
+
+# Said wherever a card is shown (the card page, Slack, the inbox row) when the record of the target's current state
+# holds every value that would run: the agent says so, which is not the same as "nothing happens". Approving still
+# runs the action, with every one of these values, so they are all shown.
+CLAIMS_UNCHANGED = (
+    "The agent says the target already has these values: approving runs the action with them all the same."
+)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What approving runs, field by field, against the server's record of the target's current state (the card's
+    `current`, as the card page shows it). The one diff of every view: the card page, Slack and the inbox row; a
+    view offers an approve only when it shows every field of `to_show`, whole."""
+
+    fields: list[FieldDiff]  # every field, unchanged ones included
+
+    @property
+    def changed(self) -> list[FieldDiff]:
+        return [d for d in self.fields if d.op != SAME]
+
+    @property
+    def claims_unchanged(self) -> bool:
+        """Every field of what runs equals the recorded current state: the agent's claim, not "no change"."""
+        return bool(self.fields) and not self.changed
+
+    @property
+    def to_show(self) -> list[FieldDiff]:
+        """What a view must show in full to offer an approve: every field that runs, the changed ones first. An
+        unchanged field runs too, and that it is unchanged is only what the record of the current state says (an
+        external agent's own word): a view that hid it would let an agent hide a field by claiming it."""
+        return self.changed + [d for d in self.fields if d.op == SAME]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return summarize(self.fields)
+
+
+def against_current(current: Any, runs: Any) -> Shown:
+    """`runs` (a proposal, an edit: what would execute) against `current` (the card's record of the target)."""
+    return Shown(diff_json(current, runs))

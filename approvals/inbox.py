@@ -14,6 +14,14 @@
   refresh on the `approvals-changed` event.
 - Bulk: POST /approvals/bulk decides several cards of one channel with one comment; each card is decided by
   Approval.decide on its own (its own lock, decision row and audit entry).
+- What a row shows is what bulk approves (`row_shows`): a row shows a headline and an amount (the gate's display
+  hints, paths an external agent chooses). A card is approved from its row (the `a` key, a bulk approval) only
+  when every field that approving runs (approvals.diff.Shown.to_show, changed or not) is one of those, shown whole:
+  the headline a string of at most ROW_HEADLINE characters on one line, the amount a whole number of minor units
+  (hundredths: not of a currency in NOT_HUNDREDTHS, which the row would misprint), the currency a code, each shown
+  once. Otherwise the row says how many fields it leaves out, the `a` key opens the
+  card, and a bulk approval naming it is refused for that card (409, nothing decided); a bulk rejection, which runs
+  nothing, still takes it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
 from approvals.access import cards_to_decide, visible_cards
+from approvals.diff import CLAIMS_UNCHANGED, REMOVED, against_current
 from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
 from approvals.models import Approval, Decision, RejectReason, latest_edits
 from approvals.rules import (
@@ -50,9 +59,81 @@ TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
 PER_PAGE = 50
 
+ROW_HEADLINE = 80  # characters of a headline a row shows (templates/approvals/inbox.html truncates it there)
+# ISO 4217 currencies whose minor unit is not a hundredth (none, or a thousandth): a row prints an amount in minor
+# units as hundredths (12500 as 125.00), which for these is not the amount that runs, so it shows no such amount.
+NOT_HUNDREDTHS = frozenset(
+    {
+        *("BIF", "CLP", "DJF", "GNF", "ISK", "JPY", "KMF", "KRW", "PYG", "RWF", "UGX", "VND", "VUV", "XAF", "XOF"),
+        *("XPF", "BHD", "IQD", "JOD", "KWD", "LYD", "OMR", "TND"),
+    }
+)
+
 SLA_STATES = [(state.value, state.label) for state in OPEN_SLA_STATES]
 REJECT_REASONS = RejectReason.choices
 FACETS = ("channel", "risk", "workflow", "sla")
+
+
+# --- what a row shows ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowShows:
+    """What an inbox row shows of what approving runs: the fields its headline, amount and currency show (paths),
+    how many it leaves out, and whether the agent says the target already has every value."""
+
+    fields: tuple[str, ...]
+    left_out: int
+    claims_unchanged: bool
+
+    @property
+    def in_full(self) -> bool:
+        return self.left_out == 0
+
+    @property
+    def claim(self) -> str:
+        return CLAIMS_UNCHANGED if self.claims_unchanged else ""
+
+
+def row_shows(current, runs, headline: str, amount_minor: int | None, currency: str) -> RowShows:
+    """Which fields of `runs` (what approving executes) the row's columns show whole, by value and type: the
+    columns come from display paths the gate (or an external agent) chose, so a field counts as shown only when
+    its exact value is what the row prints, and each column shows one field. A removed field is never shown."""
+    shown = against_current(current, runs)
+    free = {"headline", "amount", "currency"}
+    fields: list[str] = []
+    left_out = 0
+    for change in shown.to_show:
+        value = change.new
+        column = None  # a removed field is shown by no column
+        if change.op == REMOVED:
+            pass
+        elif "amount" in free and type(value) is int and value == amount_minor and currency not in NOT_HUNDREDTHS:
+            column = "amount"
+        elif "currency" in free and isinstance(value, str) and value and value == currency:
+            column = "currency"
+        elif (
+            "headline" in free
+            and isinstance(value, str)
+            and value
+            and value == headline
+            and len(value) <= ROW_HEADLINE
+            and "\n" not in value
+        ):
+            column = "headline"
+        if column is None:
+            left_out += 1
+        else:
+            free.discard(column)
+            fields.append(change.path)
+    return RowShows(tuple(fields), left_out, shown.claims_unchanged)
+
+
+def row_shows_card(card: Approval, runs=None) -> RowShows:
+    """row_shows for `card` as it stands: `runs` is what approving it executes (its pending edit, else its
+    proposal: Approval.to_execute, when the caller has not read it already)."""
+    runs = card.to_execute if runs is None else runs
+    return row_shows(card.current, runs, card.headline, card.amount_minor, card.currency)
 
 
 # --- the inbox ------------------------------------------------------------------------------------------------
@@ -144,6 +225,7 @@ class Inbox:
             .only(
                 *("id", "channel_id", "risk", "status", "summary", "due_at", "version"),
                 *("workflow", "run_id", "assigned_group__name", "headline", "amount_minor", "currency", "shadow"),
+                *("proposed", "current"),
             )
             .annotate(sla_state=sla_state_expression(self.channels, self.now), **pending_edit_columns())
             .order_by("due_at", "id")[: PER_PAGE + 1]
@@ -154,6 +236,7 @@ class Inbox:
             card.remaining_seconds = int(card.remaining.total_seconds())
             card.soon_seconds = int(due_soon_window(card.channel.sla).total_seconds())
             card.amount = _amount(card.amount_minor)
+            card.shows = row_shows_card(card, card.edited_payload if card.edited_at is not None else card.proposed)
         more = len(rows) > PER_PAGE
         rows = rows[:PER_PAGE]
         return rows, (format_cursor(rows[-1]) if more else None)
@@ -217,6 +300,8 @@ def pending_edit_columns() -> dict:
     return {
         "edited_at": Subquery(edit.values("created_at")[:1]),
         "edited_by": Subquery(edit.values("actor__username")[:1]),
+        # What runs when the card was edited: what the row must show (row_shows).
+        "edited_payload": Subquery(edit.values("payload")[:1]),
     }
 
 
@@ -290,6 +375,7 @@ class BulkResult:
     status: int  # as HTTP: 200 decided, 403 forbidden (own run), 404 not found, 409 already decided or changed
     detail: str
     pending_edit: bool = False  # not approved: it has a pending edit, which is approved on the card itself
+    not_shown: bool = False  # not approved: its row cannot show everything that runs (row_shows)
 
 
 def decide_cards(user, picked: dict[int, int | None], decision: str, comment: str, reason: str) -> list[BulkResult]:
@@ -298,7 +384,8 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
     Raises MixedChannels when the cards the user may see belong to more than one channel: a bulk decision is one
     judgement about one kind of action. Cards they may not see are reported as not found. A card with a pending
     edit (two-person rule) is not approved here: what runs is the edit, which the inbox row does not show in
-    full, so it is approved on the card, where the edit and its diffs are shown."""
+    full, so it is approved on the card, where the edit and its diffs are shown. Nor is a card whose row cannot
+    show every field that runs (row_shows): what a person approves is what they were shown."""
     cards = {
         card.pk: card
         for card in visible_cards(user)
@@ -318,6 +405,14 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
         elif decision == DecisionKind.APPROVE and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
             by = edit.actor.get_username() if edit.actor else "system"
             results.append(BulkResult(pk, 409, f"has a pending edit by {by}: open the card to approve it", True))
+        elif (
+            decision == DecisionKind.APPROVE
+            and card.status in Approval.OPEN
+            and not (shows := row_shows_card(card)).in_full
+        ):
+            fields = "field" if shows.left_out == 1 else "fields"
+            detail = f"its row cannot show everything that runs ({shows.left_out} {fields} not shown): open the card"
+            results.append(BulkResult(pk, 409, detail + " to approve it", not_shown=True))
         else:
             try:
                 # Without a version from the page, the one looked at here: a card edited since is refused.
@@ -355,10 +450,13 @@ def bulk(request):
             error, status = str(exc), 400
     decided = sum(r.status == 200 for r in results)
     pending_edits = sum(r.pending_edit for r in results)
+    not_shown = sum(r.not_shown for r in results)
     if not request.htmx:
         if status == 200:
             if pending_edits:
                 messages.warning(request, _pending_edits_text(pending_edits))
+            if not_shown:
+                messages.warning(request, _not_shown_text(not_shown))
             return redirect("home")
         return HttpResponse(error or form.errors.as_text(), status=status, content_type="text/plain")
     context = {
@@ -367,6 +465,7 @@ def bulk(request):
         "error": error,
         "decided": decided,
         "pending_edits": _pending_edits_text(pending_edits) if pending_edits else "",
+        "not_shown": _not_shown_text(not_shown) if not_shown else "",
         "reasons": REJECT_REASONS,
     }
     response = render(request, TEMPLATE + "#bulk-result", context, status=status)
@@ -379,3 +478,14 @@ def _pending_edits_text(n: int) -> str:
     if n == 1:
         return "1 card has a pending edit: open it to approve it."
     return f"{n} cards have a pending edit: open each to approve it."
+
+
+def _not_shown_text(n: int) -> str:
+    if n == 1:
+        return (
+            "1 card cannot be approved from the inbox: its row cannot show everything that runs. Open it to approve it."
+        )
+    return (
+        f"{n} cards cannot be approved from the inbox: their rows cannot show everything that runs. Open each to"
+        " approve it."
+    )

@@ -32,7 +32,7 @@ from django_htmx.http import trigger_client_event
 
 from approvals import edits, labels, links, rules
 from approvals.access import card_for
-from approvals.diff import changes, diff_json, summarize
+from approvals.diff import CLAIMS_UNCHANGED, against_current, changes
 from approvals.errors import (
     AlreadyDecided,
     DecisionError,
@@ -100,8 +100,11 @@ def _amount(card: Approval) -> str:
 def prepare(card: Approval, user, **state) -> Approval:
     """Everything the card partial shows, set on the card. `state`: edit_form, reject_form, preview, conflict,
     error (a refused decision's form or message, shown in place)."""
-    card.diff = diff_json(card.current, card.proposed)
-    card.diff_counts = summarize(card.diff)
+    # The one diff of every view (approvals.diff.against_current: Slack and the inbox row show the same), against
+    # the card's record of the current state; when that record already holds every value, the page says so.
+    shown = against_current(card.current, card.proposed)
+    card.diff, card.diff_counts = shown.fields, shown.counts
+    card.diff_claim = CLAIMS_UNCHANGED if shown.claims_unchanged else ""
     # What happened when it ran: the receipt of the action at the card's own step (an agent's tool call, an
     # external agent's request), pending while its outcome is unknown.
     card.execution = Receipt.objects.filter(run_id=card.run_id, step_seq=card.step_seq).first()
@@ -114,8 +117,9 @@ def prepare(card: Approval, user, **state) -> Approval:
         edit = card.pending_edit
         edit.by = edit.actor.get_username() if edit.actor else "system"
         card.edit_vs_proposed = changes(card.proposed, edit.payload)
-        card.edit_vs_current = diff_json(card.current, edit.payload)
-        card.edit_vs_current_counts = summarize(card.edit_vs_current)
+        edited = against_current(card.current, edit.payload)
+        card.edit_vs_current, card.edit_vs_current_counts = edited.fields, edited.counts
+        card.edit_vs_current_claim = CLAIMS_UNCHANGED if edited.claims_unchanged else ""
     card.sla = sla(card)
     card.confidence_pct = None if card.confidence is None else round(card.confidence * 100)
     card.citation_list = _citations(card.citations)

@@ -8,21 +8,29 @@ decided exactly as the console decides.
 3. The decision goes through the console's own path: approvals.access.card_for(user, pk, to_decide=True) (who may
    see and decide the card) then Approval.decide with the version the button carries (the one the message showed),
    so every rule of a decision (permissions, separation of duties, the two-person count, a card already decided or
-   changed since) applies as on the card page, and the decision is audited there, `via: slack`.
+   changed since) applies as on the card page, and the decision is audited there, `via: slack`. An approval of a
+   card whose message cannot show every changed field in full (slackapp.blocks.shows_in_full) is refused first.
 
 A click that decides nothing gets an ephemeral answer (seen by the clicker only, through the payload's
 response_url) saying why, and an audit entry `slack.refused`. A replayed click (the same signed request again,
-within the five minutes) names a version the card has left: refused like any stale click, never decided twice."""
+within the five minutes) names a version the card has left: refused like any stale click, never decided twice.
+A replayed click that was refused is refused again, whatever changed since: its audit entry keeps a digest of the
+request's signature (`interaction`), and a request whose digest was refused is spent. Otherwise a click refused
+because the policy's stage had not reached its person yet (which leaves the card's version as it was) would count
+when replayed once the stage does."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from datetime import timedelta
 from urllib.parse import parse_qs
 
 import structlog
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 from slack_sdk.signature import SignatureVerifier
 from slack_sdk.webhook import WebhookClient
 
@@ -30,7 +38,7 @@ from approvals.access import card_for
 from approvals.errors import DecisionError
 from core.access import Denied
 from core.models import ActorType, AuditEntry
-from slackapp import blocks
+from slackapp import blocks, posting
 from slackapp.models import SlackIdentity
 
 log = structlog.get_logger("slackapp.interactions")
@@ -38,6 +46,9 @@ log = structlog.get_logger("slackapp.interactions")
 # Slack shows the clicker an error when its request is not answered within 3 s; the answer to a refusal is posted
 # to the response_url before the request is answered, so it gets 2 s at most (the refusal stands either way).
 RESPONSE_URL_TIMEOUT = 2
+# How far back a refused interaction is looked for: Slack's signature is good for five minutes either side of the
+# request's timestamp, so a replay arrives at most ten minutes after the original; the rest is a margin.
+REPLAY_WINDOW = timedelta(minutes=15)
 
 
 class Refused(Exception):
@@ -59,6 +70,7 @@ class Click:
     decision: str  # approve | reject
     comment: str
     response_url: str
+    interaction: str = ""  # a digest of the signed request (`fingerprint`): the same for a replay of it
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,12 @@ def verify(headers, body: bytes) -> None:
         raise Refused(401, "unauthorized", "The Slack signature does not verify, or its timestamp is too old.")
 
 
+def fingerprint(headers) -> str:
+    """What identifies one signed request: a digest of its signature (over its timestamp and body), so that a replay
+    of it, and only a replay, has the same. A digest rather than the signature itself, which is kept nowhere."""
+    return hashlib.sha256((headers.get("X-Slack-Signature") or "").encode()).hexdigest()
+
+
 def parse(body: bytes) -> dict:
     """The `payload` field of the form-encoded body, as JSON: 400 when there is none."""
     try:
@@ -100,7 +118,7 @@ def parse(body: bytes) -> dict:
     return payload
 
 
-def click_of(payload: dict) -> Click | None:
+def click_of(payload: dict, interaction: str = "") -> Click | None:
     """Our decision button in a block_actions payload, or None for anything else (the "Edit in console" link also
     reports its clicks; another app's action; another kind of interaction): acknowledged, nothing done."""
     if payload.get("type") != "block_actions":
@@ -130,16 +148,27 @@ def click_of(payload: dict) -> Click | None:
         decision=decision,
         comment=str(comment or ""),
         response_url=str(payload.get("response_url") or ""),
+        interaction=interaction,
     )
 
 
 def act(click: Click) -> Answer:
     """Decide `click` as the user its Slack account is linked to, through the console's path, or say why not."""
     user = SlackIdentity.user_for(click.team_id, click.slack_user_id)
+    if spent(click):
+        return _refuse(
+            click, user, "This click was already refused: click again on the message as it now stands to decide."
+        )
     if user is None:
         return _refuse(click, None, "Your Slack account is not linked to a console user: ask an admin to link it.")
     try:
         card = card_for(user, click.card_id, to_decide=True)
+        # What is shown is what is approved: a message that could not show every field approving changes has no
+        # Approve button, and a click on one (an older message's, a forged one) is refused the same way.
+        if click.decision == "approve" and not blocks.shows_in_full(posting.view_of(card)):
+            return _refuse(
+                click, user, "Slack cannot show this card in full: open it in the console to read it and approve it."
+            )
         card.decide(user, click.decision, comment=click.comment, version=click.version, via="slack")
     except Denied as exc:
         text = "You may not decide this card." if exc.status == 404 else f"You may not decide this card: {exc}."
@@ -148,6 +177,18 @@ def act(click: Click) -> Answer:
         return _refuse(click, user, f"Not recorded: {exc}.")
     log.info("decided from slack", card_id=click.card_id, decision=click.decision, user=user.get_username())
     return Answer(decided=True)
+
+
+def spent(click: Click) -> bool:
+    """Whether this very request was refused before (a replay of it): its refusal's audit entry names it."""
+    if not click.interaction:
+        return False
+    return AuditEntry.objects.filter(
+        action="slack.refused",
+        target=f"approval:{click.card_id}",
+        at__gte=timezone.now() - REPLAY_WINDOW,
+        data__interaction=click.interaction,
+    ).exists()
 
 
 def _refuse(click: Click, user, text: str) -> Answer:
@@ -164,6 +205,7 @@ def _refuse(click: Click, user, text: str) -> Answer:
                 "version": click.version,
                 "team_id": click.team_id,
                 "slack_user_id": click.slack_user_id,
+                "interaction": click.interaction,
                 "reason": text,
             },
         )

@@ -20,7 +20,7 @@ from procrastinate.contrib.django import app
 from slack_sdk import WebClient
 
 from approvals import rules
-from approvals.diff import changes
+from approvals.diff import against_current
 from approvals.models import Approval, Decision, Notification
 from approvals.notify import NothingToSend
 from runs.gates import Kind
@@ -77,6 +77,7 @@ def view_of(card: Approval) -> blocks.CardView:
         if last is not None and last.comment:
             outcome += f': "{last.comment}"'
     to_run = card.to_execute
+    shown = against_current(card.current, to_run if to_run is not None else card.proposed)
     return blocks.CardView(
         id=card.pk,
         version=card.version,
@@ -90,7 +91,8 @@ def view_of(card: Approval) -> blocks.CardView:
         status=card.status,
         is_open=is_open,
         decidable=card.kind == Kind.ACTION and not card.shadow,
-        changes=changes(card.current, to_run if to_run is not None else card.proposed),
+        changes=shown.to_show,
+        claims_unchanged=shown.claims_unchanged,
         amount=f"{card.amount_minor / 100:,.2f} {card.currency}".strip() if card.amount_minor is not None else "",
         approvals=approvals,
         outcome=outcome,

@@ -23,7 +23,7 @@ def slack_interactions(request):
     body = request.body
     try:
         interactions.verify(request.headers, body)
-        click = interactions.click_of(interactions.parse(body))
+        click = interactions.click_of(interactions.parse(body), interactions.fingerprint(request.headers))
     except interactions.Refused as exc:
         return JsonResponse({"error": exc.error, "detail": exc.detail}, status=exc.status)
     if click is not None:

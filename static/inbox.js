@@ -54,7 +54,9 @@
   async function approve(row) {
     if (!row || row.dataset.busy) return;
     // A pending edit (two-person rule) is what would run: it is approved on the card, where it is shown in full.
-    if (row.dataset.pendingEdit !== undefined) {
+    // So is a card whose row cannot show every field that runs (approvals.inbox.row_shows): the server refuses
+    // its bulk approval too.
+    if (row.dataset.pendingEdit !== undefined || row.dataset.notShown !== undefined) {
       window.location.assign(row.dataset.url);
       return;
     }
@@ -130,6 +132,15 @@
     const count = document.querySelector("[data-bulk-count]");
     if (count) count.textContent = ticked.size ? ticked.size + " selected on " + channel : "No card selected";
     document.querySelectorAll("#bulk button[name=decision]").forEach((b) => { b.disabled = ticked.size === 0; });
+    // Approving in bulk takes only cards whose rows show everything that runs (the server refuses the others).
+    const notShown = boxes.filter((b) => b.checked && b.dataset.notShown !== undefined).length;
+    const approveButton = document.querySelector("#bulk button.approve");
+    if (approveButton && notShown) {
+      approveButton.disabled = true;
+      approveButton.title = notShown + " selected card(s) cannot be approved from the inbox: open them to approve";
+    } else if (approveButton) {
+      approveButton.title = "";
+    }
   }
 
   function toggleTick(row) {

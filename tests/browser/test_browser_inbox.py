@@ -24,8 +24,16 @@ def park(amount: int = 12_500) -> Approval:
     return Approval.objects.get(run=run)
 
 
+def shown_in_full(card: Approval) -> Approval:
+    """The card with a proposal its row shows whole (its amount and currency), so that the row may approve it: a
+    refund card's email is not in its row (approvals.inbox.row_shows)."""
+    proposal = {"refund": {"amount_cents": card.amount_minor, "currency": card.currency}}
+    Approval.objects.filter(pk=card.pk).update(proposed=proposal, current=None)
+    return Approval.objects.get(pk=card.pk)
+
+
 def test_a_reviewer_approves_with_the_keyboard_and_the_row_leaves(console_server, page, reviewer):
-    cards = [park(12_500 + i) for i in range(3)]
+    cards = [shown_in_full(park(12_500 + i)) for i in range(3)]
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     log_in(page, console_server)
@@ -123,3 +131,28 @@ def test_a_row_expands_into_the_card_and_is_decided_there(console_server, page, 
     expect(page.locator(f"#row-{card.pk}")).to_have_count(0)
     expect(page.locator(f"#row-{other.pk}")).to_be_visible()
     assert Approval.objects.get(pk=card.pk).status == Approval.Status.APPROVED
+
+
+def test_a_row_that_cannot_show_all_that_runs_is_approved_only_on_its_card(console_server, page, reviewer):
+    """Issue 24: a refund card runs an email its row does not show. The row says so; ticking it disables "Approve
+    selected" (the server refuses it too); the a key opens the card; rejecting it from the row stays possible."""
+    refund, plain = park(), shown_in_full(park(20_000))
+    log_in(page, console_server)
+    row = page.locator(f"#row-{refund.pk}")
+    expect(row.locator(".row-not-shown")).to_contain_text("4 fields not shown here")
+    expect(page.locator(f"#row-{plain.pk} .row-not-shown")).to_have_count(0)
+
+    page.locator(f"#row-{plain.pk} input[name=cards]").check()
+    expect(page.locator("#bulk button.approve")).to_be_enabled()
+    row.locator("input[name=cards]").check()
+    expect(page.locator("#bulk button.approve")).to_be_disabled()
+    expect(page.locator("#bulk button.reject")).to_be_enabled()
+    row.locator("input[name=cards]").uncheck()
+    page.locator("#bulk button.approve").click()
+    expect(page.locator("#bulk-result")).to_contain_text("1 of 1 card decided")
+    assert Approval.objects.get(pk=plain.pk).status == Approval.Status.APPROVED
+
+    row.locator("td.workflow").click()  # select the row
+    page.keyboard.press("a")
+    page.wait_for_url(f"{console_server.url}/approvals/{refund.pk}/")  # opened, not approved
+    assert Approval.objects.get(pk=refund.pk).status == Approval.Status.PENDING

@@ -489,6 +489,11 @@ def test_a_gate_naming_a_policy_that_does_not_exist_fails_closed(demo, three):
 def test_a_bulk_decision_follows_the_policy_too(client, demo, three):
     make_policy("two-of-three", [{"name": "leads", "quorum": 2, "users": three}])
     _, card = start_parked_run(client, demo["agent"])
+    # A card whose row shows everything that runs, so that the policy is what decides (a refund card's email is not
+    # in its row: approvals.inbox.row_shows refuses its bulk approval first).
+    proposal = {"refund": {"amount_cents": card.amount_minor, "currency": card.currency}}
+    Approval.objects.filter(pk=card.pk).update(proposed=proposal, current=None)
+    card.refresh_from_db()
     before = snapshot(card)
     (refused,) = inbox.decide_cards(demo["reviewer"], {card.pk: card.version}, "approve", "", "")
     assert refused.status == 403 and "does not ask you" in refused.detail

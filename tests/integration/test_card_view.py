@@ -115,6 +115,18 @@ def test_it_shows_the_diff_the_rationale_the_run_and_the_timer(client, card, bob
     assert "<html" in html
 
 
+def test_an_agents_current_equal_to_what_runs_is_said_as_such(client, card, bob):
+    """Issue 24: the same words as in Slack (approvals.diff.CLAIMS_UNCHANGED), every field shown, not "no change"."""
+    Approval.objects.filter(pk=card.pk).update(current=card.proposed)
+    client.force_login(bob)
+    html = client.get(f"/approvals/{card.pk}/").content.decode()
+    assert "The agent says the target already has these values" in html
+    assert 'data-path="refund.amount_cents" data-op="same"' in html and "No change." not in html
+    # Not said when something changes.
+    Approval.objects.filter(pk=card.pk).update(current={**card.proposed, "refund": {}})
+    assert "The agent says the target already has" not in client.get(f"/approvals/{card.pk}/").content.decode()
+
+
 def test_htmx_gets_the_card_partial_alone(client, card, bob):
     client.force_login(bob)
     response = client.get(f"/approvals/{card.pk}/", headers=HTMX)

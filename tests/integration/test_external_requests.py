@@ -346,3 +346,28 @@ def test_a_result_is_answered_as_its_execution_and_may_be_any_json_value(agent, 
     again = agent.post(f"/api/approval-requests/{request['id']}/result", {"ok": True, "result": result})
     assert again == (200, body)
     assert agent.get(f"/api/approval-requests/{request['id']}")[1]["execution"] == body["execution"]
+
+
+def test_the_inbox_row_bulk_approves_only_what_it_shows_whatever_the_display_paths(client, demo, agent):
+    """Issue 24: an agent's `display` paths choose the row's headline and amount. A request whose every argument is
+    one of those is approved in bulk; one with another argument (or a current equal to its arguments, which does not
+    hide them) is refused in bulk, its row saying what it leaves out; its card still shows everything."""
+    shown = ask(agent, key="shown", current=None, schema=None)[1]
+    hidden = ask(agent, key="hidden", current=None, schema=None, arguments={**REFUND, "iban": "XX00 1234 5678 9000"})[1]
+    claimed = ask(agent, key="claimed", current=REFUND, schema=None, arguments={**REFUND, "note": "already done"})[1]
+    client.force_login(demo["reviewer"])
+    rows = client.get("/").content.decode()
+    row = rows.split(f'id="row-{hidden["card_id"]}"', 1)[1].split("</tr>", 1)[0]
+    assert "1 field not shown here" in row and "ord_42" in row and "125.00" in row
+    row = rows.split(f'id="row-{claimed["card_id"]}"', 1)[1].split("</tr>", 1)[0]
+    assert "1 field not shown here" in row
+    row = rows.split(f'id="row-{shown["card_id"]}"', 1)[1].split("</tr>", 1)[0]
+    assert "not shown here" not in row
+
+    picked = [f"{r['card_id']}:1" for r in (shown, hidden, claimed)]
+    response = client.post("/approvals/bulk", {"cards": picked, "decision": "approve"}, headers={"HX-Request": "true"})
+    assert response.status_code == 200 and "1 of 3 cards decided" in response.content.decode()
+    statuses = {r["id"]: agent.get(f"/api/approval-requests/{r['id']}")[1]["status"] for r in (shown, hidden, claimed)}
+    assert statuses == {shown["id"]: "approved", hidden["id"]: "pending", claimed["id"]: "pending"}
+    page = client.get(f"/approvals/{hidden['card_id']}/").content.decode()
+    assert 'data-path="iban" data-op="added"' in page

@@ -491,3 +491,64 @@ def test_a_card_the_user_approved_waits_for_a_second_person_elsewhere(client, re
     c.refresh_from_db()
     assert bulk(client, [c]).status_code == 200
     assert Approval.objects.get(pk=c.pk).status == "approved"
+
+
+# --- what a row shows is what bulk approves (issue 24) ----------------------------------------------------------
+
+
+def row_of(response, c: Approval) -> str:
+    return response.content.decode().split(f'id="row-{c.pk}"', 1)[1].split("</tr>", 1)[0]
+
+
+def with_proposal(c: Approval, proposed: dict, current: dict | None = None) -> Approval:
+    """The card with another proposal (an external agent's arguments: its display paths chose the headline and the
+    amount, and the rest is whatever it sends)."""
+    Approval.objects.filter(pk=c.pk).update(proposed=proposed, current=current)
+    return Approval.objects.get(pk=c.pk)
+
+
+def test_a_row_that_cannot_show_all_that_runs_says_so_and_offers_no_approve(client, reviewers, payments):
+    full = card(payments)
+    hidden = with_proposal(
+        card(payments), {"refund": {"amount_cents": 12_500, "currency": "EUR", "iban": "XX00 0000 0000 0000"}}
+    )
+    client.force_login(reviewers["bob"])
+    response = client.get("/")
+    row = row_of(response, hidden)
+    assert "125.00 EUR" in row  # what the row does show
+    assert "1 field not shown here" in row and 'data-not-shown="1"' in row
+    assert "data-not-shown" not in row_of(response, full)
+
+
+def test_a_row_says_when_the_agent_says_the_target_already_has_the_values(client, reviewers, payments):
+    c = card(payments)
+    with_proposal(c, c.proposed, c.proposed)
+    client.force_login(reviewers["bob"])
+    row = row_of(client.get("/"), c)
+    assert "The agent says the target already has these values" in row
+    assert "data-not-shown" not in row  # both fields are the row's amount and currency
+
+
+def test_bulk_approve_naming_a_card_its_row_cannot_show_in_full_is_refused(client, reviewers, payments):
+    full = card(payments)
+    hidden = with_proposal(
+        card(payments), {"refund": {"amount_cents": 12_500, "currency": "EUR", "iban": "XX00 0000 0000 0000"}}
+    )
+    same = card(payments)  # an agent's current equal to its arguments: every field must be shown, and one is not
+    same = with_proposal(same, {"amount_cents": 12_500, "to": "x"}, {"amount_cents": 12_500, "to": "x"})
+    client.force_login(reviewers["bob"])
+    response = bulk(client, [full, hidden, same])
+    assert response.status_code == 200
+    html = response.content.decode()
+    for refused in (hidden, same):
+        assert f'data-card="{refused.pk}" data-status="409"' in html
+        assert Approval.objects.get(pk=refused.pk).status == "pending"
+        assert not Decision.objects.filter(approval=refused).exists()
+    assert "cannot be approved from the inbox" in html and "open" in html
+    assert "1 of 3 cards decided" in html
+    assert Approval.objects.get(pk=full.pk).status == "approved"
+    # Without JavaScript too; and rejecting them in bulk runs nothing, so it stays possible.
+    assert bulk(client, [hidden], htmx=False).status_code == 302
+    assert Approval.objects.get(pk=hidden.pk).status == "pending"
+    assert bulk(client, [hidden, same], decision="reject", comment="no", reason="policy").status_code == 200
+    assert set(Approval.objects.filter(pk__in=[hidden.pk, same.pk]).values_list("status", flat=True)) == {"rejected"}

@@ -199,6 +199,10 @@ def test_the_inbox_row_shows_the_edited_amount_and_who_edited(client, demo, edit
 def test_a_bulk_approval_skips_a_card_with_a_pending_edit_and_says_so(client, demo, edited):
     run, card = edited
     _, other = start_parked_run(client, demo["agent"], {**REFUND, "customer_id": "cus_2001"})
+    # A card whose row shows everything that runs (its amount and currency), so that a bulk approval may take it:
+    # a refund card's email is not in its row (approvals.inbox.row_shows).
+    proposal = {"refund": {"amount_cents": other.amount_minor, "currency": other.currency}}
+    Approval.objects.filter(pk=other.pk).update(proposed=proposal, current=None)
     before = snapshot(card)
     client.force_login(demo["reviewer"])
 

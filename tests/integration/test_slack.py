@@ -6,6 +6,7 @@ response_urls); clicks are Slack's documented block_actions payloads signed with
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 
@@ -22,9 +23,11 @@ from approvals.tasks import send_notification
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
+from slackapp import blocks, posting
 from slackapp.models import SlackIdentity, SlackMessage, SlackRoute
 from tests import slack_fake
 from tests.engine_helpers import REFUND, drive
+from tests.integration.test_approval_policies import make_policy
 from tests.integration.test_decide_permission import everything  # what a refused decision leaves as it was
 
 URL = "/api/slack/interactions"
@@ -279,6 +282,33 @@ def test_a_click_on_a_card_that_changed_since_is_refused(slack, posted, linked, 
     assert "the card changed (version" in slack.responses()[0]["text"]
 
 
+def test_a_click_refused_before_the_stage_reached_its_person_is_not_decided_by_its_replay(slack, linked, rita):
+    """Issue 24: a click refused because the policy's stage did not ask that person yet, replayed (the same signed
+    request, within Slack's five minutes) once the stage has reached them, must not count: the refused interaction
+    is spent. A fresh click from the message as it then stands does count."""
+    stages = [{"name": "first", "users": [rita]}, {"name": "second", "users": [linked["reviewer"]]}]
+    make_policy("rita-then-reviewer", stages)
+    card = new_card(linked)
+    assert card.policy["name"] == "rita-then-reviewer"
+    send_slack_notifications()
+    body, headers = slack_fake.signed(click(slack, card.pk, card.version))
+    content_type = headers.pop("Content-Type")
+    assert Client().post(URL, data=body, content_type=content_type, headers=headers).status_code == 200
+    assert "does not ask you" in slack.responses()[0]["text"]
+
+    card.decide(rita, "approve", version=card.version)  # the first stage: the card moves on to the reviewer's
+    card.refresh_from_db()
+    assert (card.status, card.stage) == ("pending", 1)
+    before = everything(card)
+    assert Client().post(URL, data=body, content_type=content_type, headers=headers).status_code == 200
+    assert everything(card) == before
+    assert "already refused" in slack.responses()[-1]["text"]
+    assert AuditEntry.objects.filter(action="slack.refused", approval_id=None).count() == 2
+
+    post_click(click(slack, card.pk, card.version))  # a new click: decided
+    assert Approval.objects.get(pk=card.pk).status == "approved"
+
+
 UNVERIFIED = {
     "unsigned": lambda body, headers: (body, {}),
     "no signature": lambda body, headers: (body, {"X-Slack-Request-Timestamp": headers["X-Slack-Request-Timestamp"]}),
@@ -444,3 +474,74 @@ def test_routing_a_channel_in_admin_is_audited(admin_client, demo):
     assert response.status_code == 302
     entry = AuditEntry.objects.get(action="slack_route.set")
     assert (entry.channel, entry.data) == ("payments", {"slack_channel": "C0PAY", "before": None})
+
+
+# --- what the message shows is what is approved (issue 24) -----------------------------------------------------
+
+
+def reshaped(card: Approval, proposed: dict, current: dict | None) -> Approval:
+    """The card with another proposal and current state (as an external agent could send them)."""
+    Approval.objects.filter(pk=card.pk).update(proposed=proposed, current=current)
+    return Approval.objects.select_related("channel").get(pk=card.pk)
+
+
+def buttons_of(message: dict) -> list[str]:
+    return [e["action_id"] for b in message["blocks"] if b["type"] == "actions" for e in b["elements"]]
+
+
+def test_every_changed_field_is_shown_in_full_when_it_fits(slack, posted):
+    """Twelve changed fields, values of 200 characters: all of them, whole, and the Approve button."""
+    proposed = {f"field_{i:02d}": f"{i:02d}" + "x" * 198 for i in range(12)}
+    card = reshaped(posted, proposed, {})
+    message = blocks.message(posting.view_of(card))
+    text = "".join(b["text"]["text"] for b in message["blocks"] if b["type"] == "section")
+    for path, value in proposed.items():
+        assert f"`{path}`: {value}" in text
+    assert "more in the console" not in text and "not shown" not in text
+    assert buttons_of(message) == ["hitl_approve", "hitl_reject", "hitl_open"]
+    assert all(len(b["text"]["text"]) <= 3000 for b in message["blocks"] if b["type"] == "section")
+    assert len(message["blocks"]) <= 50
+
+
+@pytest.mark.parametrize(
+    ("proposed", "left_out"),
+    [
+        ({"memo": "m" * 5000, "amount_cents": 100}, 1),  # one value longer than a Slack section
+        ({f"line_{i:03d}": "v" * 500 for i in range(200)}, None),  # more than the message holds
+    ],
+    ids=["a long value", "too many fields"],
+)
+def test_a_card_slack_cannot_show_in_full_says_what_it_left_out_and_has_no_approve(slack, posted, proposed, left_out):
+    card = reshaped(posted, proposed, {})
+    message = blocks.message(posting.view_of(card))
+    assert "hitl_approve" not in buttons_of(message)
+    assert buttons_of(message) == ["hitl_reject", "hitl_open"]  # rejecting what was not shown in full is safe
+    (link,) = [e for b in message["blocks"] if b["type"] == "actions" for e in b["elements"] if "url" in e]
+    assert link["text"]["text"] == "Open in console to approve"
+    text = str(message["blocks"])
+    count = int(re.search(r"(\d+) fields? not shown here", text).group(1))
+    if left_out is not None:
+        assert count == left_out and "`amount_cents`: 100" in text
+    else:
+        assert 0 < count < len(proposed)
+    assert all(len(b["text"]["text"]) <= 3000 for b in message["blocks"] if b["type"] == "section")
+    assert len(message["blocks"]) <= 50
+
+
+def test_a_click_on_approve_for_a_card_slack_cannot_show_in_full_is_refused(slack, posted):
+    """A button posted before the card grew (or forged from another message) decides nothing either."""
+    card = reshaped(posted, {"memo": "m" * 5000}, {})
+    before = everything(card)
+    post_click(click(slack, card.pk, card.version))
+    assert everything(card) == before
+    assert "cannot show this card in full" in slack.responses()[0]["text"]
+
+
+def test_an_agents_current_equal_to_its_arguments_is_shown_as_such_not_as_no_change(slack, posted):
+    arguments = {"to": "iban:DE89370400440532013000", "amount_cents": 990000}
+    card = reshaped(posted, arguments, dict(arguments))
+    message = blocks.message(posting.view_of(card))
+    text = str(message["blocks"])
+    assert "No change" not in text
+    assert "The agent says the target already has these values" in text
+    assert "`to`: iban:DE89370400440532013000" in text and "`amount_cents`: 990000" in text

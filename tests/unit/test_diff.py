@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from approvals.diff import ADDED, CHANGED, REMOVED, SAME, diff_json, diff_lines, display, summarize
+from approvals.diff import ADDED, CHANGED, REMOVED, SAME, against_current, diff_json, diff_lines, display, summarize
+from approvals.inbox import ROW_HEADLINE, row_shows
 
 
 def ops(diffs) -> dict[str, str]:
@@ -93,3 +94,36 @@ def test_display_keeps_strings_and_dumps_the_rest_untouched():
     assert display("<script>alert(1)</script>") == "<script>alert(1)</script>"  # escaping is the template's job
     assert display(None) == "null"
     assert display({"b": 1, "a": "é"}) == '{"a": "é", "b": 1}'
+
+
+# --- what every view shows (issue 24) ---------------------------------------------------------------------------
+
+
+def test_against_current_shows_every_field_that_runs_changed_first():
+    shown = against_current({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4})
+    assert [(d.path, d.op) for d in shown.to_show] == [("b", "changed"), ("c", "added"), ("a", "same")]
+    assert not shown.claims_unchanged
+
+
+def test_a_current_equal_to_what_runs_is_the_agents_claim_not_no_change():
+    shown = against_current({"a": 1, "b": {"c": "x"}}, {"a": 1, "b": {"c": "x"}})
+    assert shown.claims_unchanged and not shown.changed
+    assert [d.path for d in shown.to_show] == ["a", "b.c"]  # every field is still shown
+    assert not against_current(None, {}).claims_unchanged  # nothing runs: nothing to claim
+
+
+def test_a_row_shows_a_field_only_by_its_exact_value_and_type():
+    def left_out(runs, headline="late", amount=4200, currency="EUR", current=None):
+        return row_shows(current, runs, headline, amount, currency).left_out
+
+    assert left_out({"amount_cents": 4200, "currency": "EUR", "reason": "late"}) == 0
+    assert left_out({"amount_cents": "4200", "currency": "EUR"}) == 1  # a string is not the amount
+    assert left_out({"amount_cents": True}, amount=1) == 1  # nor is a boolean
+    assert left_out({"amount_cents": 4200, "also": 4200}) == 1  # one column shows one field
+    assert left_out({"amount_cents": 4200, "currency": "JPY"}, currency="JPY") == 1  # printed as 42.00 JPY
+    long = "x" * (ROW_HEADLINE + 1)
+    assert left_out({"reason": long}, headline=long) == 1  # the row cuts it
+    assert left_out({"reason": "a\nb"}, headline="a\nb") == 1
+    assert left_out({"amount_cents": 4200}, current={"amount_cents": 0, "gone": 1}) == 1  # a removed field
+    claimed = row_shows({"amount_cents": 4200, "to": "x"}, {"amount_cents": 4200, "to": "x"}, "", 4200, "")
+    assert claimed.claims_unchanged and claimed.left_out == 1 and claimed.fields == ("amount_cents",)

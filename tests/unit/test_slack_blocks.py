@@ -79,11 +79,16 @@ def test_what_the_agent_wrote_cannot_mention_or_link():
     assert message["text"] == "Card 42 on payments: &lt;@U123&gt; refund"
 
 
-def test_a_long_diff_is_cut_and_counted():
+def test_a_long_diff_is_shown_whole_in_sections_that_fit():
+    """Issue 24: no field is cut any more (it was 10 fields of 80 characters): every one, whole, in sections of at
+    most MAX_TEXT characters; one line longer than a section is left out and counted."""
     many = changes({}, {f"field{i:02d}": "x" * 500 for i in range(15)})
-    lines = blocks.change_lines(many)
-    assert len(lines) == blocks.MAX_CHANGES + 1 and lines[-1] == "… and 5 more in the console"
-    assert all(len(line) < 120 for line in lines)
+    sections, left_out = blocks.change_sections(many)
+    assert left_out == 0 and len(sections) > 1
+    assert all(len(text) <= blocks.MAX_TEXT for text in sections)
+    assert "\n".join(sections).count("x" * 500) == 15
+    too_long = changes({}, {"memo": "y" * (blocks.MAX_TEXT + 1), "ok": 1})
+    assert blocks.change_sections(too_long) == (["+ `ok`: 1"], 1)
 
 
 def test_a_closed_card_shows_its_outcome_and_no_buttons():

@@ -223,3 +223,23 @@ def test_a_callback_secret_is_rotated_by_a_command_and_audited(demo):
     entry = AuditEntry.objects.filter(action="api_token.rotate_callback_secret").get()
     assert entry.data["prefix"] == token.prefix and token.callback_secret not in json.dumps(entry.data)
     assert before not in json.dumps(entry.data)
+
+
+def test_a_callback_secret_is_rotated_in_admin_shown_once_and_audited(admin_client, bob):
+    token, _ = ApiToken.issue(bob)
+    before = token.callback_secret
+    assert before not in admin_client.get(f"/admin/core/apitoken/{token.pk}/change/").content.decode()
+    response = admin_client.post(
+        "/admin/core/apitoken/", {"action": "rotate_callback_secret", "_selected_action": [token.pk]}
+    )
+    token.refresh_from_db()
+    assert response.status_code == 200 and token.callback_secret != before
+    assert token.callback_secret in response.content.decode() and "no-store" in response["Cache-Control"]
+    entry = AuditEntry.objects.get(action="api_token.rotate_callback_secret")
+    assert (entry.actor, entry.target) == ("alice", "user:bob")
+    # One token at a time: the page shows one secret, for the token it names.
+    other, _ = ApiToken.issue(bob)
+    response = admin_client.post(
+        "/admin/core/apitoken/", {"action": "rotate_callback_secret", "_selected_action": [token.pk, other.pk]}
+    )
+    assert response.status_code == 302 and AuditEntry.objects.filter(action=entry.action).count() == 1

@@ -89,11 +89,11 @@ def console_hosts() -> list[str]:
 def check(url: str, *, console: Iterable[str] = ()) -> Target:
     """The URL as a Target, if the console may call it; else Refused (see the module's docstring). `console`:
     the host:port strings the console is reached at (besides CONSOLE_URL, always included)."""
-    console = [*console, *console_hosts()]
     target = _parse(url)
     allowed = _normal(target.host) in {_normal(host) for host in settings.CALLBACK_ALLOWED_HOSTS}
-    console = [(host, port) for host, port in map(partial(_host_port, scheme=target.scheme), console) if host]
-    if (_normal(target.host), target.port) in {(_normal(host), port) for host, port in console}:
+    own = [_host_port(netloc, scheme=target.scheme) for netloc in [*console, *console_hosts()]]
+    own = [(host, port) for host, port in own if host]
+    if (_normal(target.host), target.port) in {(_normal(host), port) for host, port in own}:
         raise Refused("must not point at this console")
     try:
         addresses = resolve(target.host, target.port)
@@ -107,7 +107,7 @@ def check(url: str, *, console: Iterable[str] = ()) -> Target:
         if why := _refusal(ipaddress.ip_address(address), allowed=allowed):
             named = "" if address == target.host else f" (its host {target.host!r} resolves to {address})"
             raise Refused(f"must not point at a {why} address{named}")
-    _not_the_console(target, addresses, console, allowed=allowed)
+    _not_the_console(target, addresses, own, allowed=allowed)
     return Target(target.scheme, target.host, target.port, target.path, tuple(addresses))
 
 

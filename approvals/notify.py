@@ -25,7 +25,8 @@ from django.utils.dateparse import parse_datetime
 
 from approvals import labels, links
 from approvals.models import DecisionLink, Notification
-from core import webhook_signing
+from core import outbound_url, webhook_signing
+from core.models import ApiToken
 
 
 class NothingToSend(Exception):
@@ -124,27 +125,40 @@ class WebhookBackend:
 
 
 class CallbackBackend:
-    """An external agent's decision callback (external.requests): `payload` is {url, body}, the body POSTed to
-    the url as JSON, signed with CALLBACK_SECRET (Standard Webhooks; `webhook-id` the notification's id, the same
-    on every retry, so the agent can drop a repeated delivery)."""
+    """An external agent's decision callback (external.requests): `payload` is {url, body, user_id}, the body
+    POSTed to the url as JSON, signed (Standard Webhooks; `webhook-id` the notification's id, the same on every
+    retry, so the agent can drop a repeated delivery) with the callback secret of each live API token of the
+    user who asked (core.models.ApiToken.callback_secret): no other agent holds a key that verifies it.
+
+    The URL is checked again now and the connection goes to the address that check approved, with no redirect
+    followed (core.outbound_url): a URL that now resolves inward, or answers a 3xx, is a failed delivery."""
 
     name = "callback"
 
     def send(self, notification: Notification) -> None:
         body = json.dumps(notification.payload["body"], cls=DjangoJSONEncoder, sort_keys=True).encode()
-        secrets = webhook_signing.secret_list(settings.CALLBACK_SECRET)
-        request = urllib.request.Request(
+        secrets = ApiToken.callback_secrets(_asker(notification))
+        if not secrets:
+            raise NothingToSend("the agent that asked has no live API token whose secret could sign its callback")
+        outbound_url.post(
             notification.payload["url"],
-            data=body,
-            method="POST",
-            headers={
+            body,
+            {
                 "Content-Type": "application/json",
                 "User-Agent": "hitl-console-callback",
                 **webhook_signing.signed_headers(secrets, str(notification.pk), body),
             },
+            timeout=settings.NOTIFY_WEBHOOK_TIMEOUT,
         )
-        with urllib.request.urlopen(request, timeout=settings.NOTIFY_WEBHOOK_TIMEOUT) as response:
-            response.read(1024)
+
+
+def _asker(notification: Notification):
+    """The user whose request the callback answers: in its payload, or (a callback queued before the payload
+    named it) through the card's request."""
+    if "user_id" in notification.payload:
+        return notification.payload["user_id"]
+    request = getattr(notification.approval, "action_request", None)
+    return request.created_by_id if request is not None else None
 
 
 BACKENDS: dict[str, Backend] = {

@@ -351,11 +351,12 @@ NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
 # An approval that nobody consumed within this many seconds of its decision goes stale (external.requests.consume:
 # 409 `stale`): the world it was given in may have changed. Never later than the request's own expiry plus this.
 APPROVAL_CONSUME_WITHIN = env_int("APPROVAL_CONSUME_WITHIN", 24 * 3600)
-# Signs the decisions POSTed to an external agent's `callback_url` (external.requests), the same way; unset
-# outside development, a request with a callback is refused (422) rather than sent unsigned.
-CALLBACK_SECRET = env_str("CALLBACK_SECRET", "callback-secret" if DEVELOPMENT else "")
-if CALLBACK_SECRET:
-    webhook_secrets("CALLBACK_SECRET", CALLBACK_SECRET)
+# An external agent's `callback_url` (core.outbound_url) may not reach loopback, link-local, multicast or the
+# console itself; private addresses only with CALLBACK_ALLOW_PRIVATE, or for the hosts (names or IP literals, as
+# the URL writes them) of CALLBACK_ALLOWED_HOSTS, which may also be loopback (a receiver beside the console).
+# Each callback is signed with the secret of the asking agent's API token (core.models.ApiToken.callback_secret).
+CALLBACK_ALLOW_PRIVATE = env_bool("CALLBACK_ALLOW_PRIVATE", False)
+CALLBACK_ALLOWED_HOSTS = env_list("CALLBACK_ALLOWED_HOSTS")
 NOTIFY_MAX_ATTEMPTS = env_int("NOTIFY_MAX_ATTEMPTS", 6)
 _MAIL_BACKEND = env_str(
     "EMAIL_BACKEND",

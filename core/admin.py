@@ -4,8 +4,9 @@ tokens, the global kill switch. Every change made here is audited. The user and 
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db import transaction
+from django.template.response import TemplateResponse
 from guardian.admin import GuardedModelAdmin
 
 from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
@@ -138,12 +139,14 @@ class AuditEntryAdmin(ReadOnly, admin.ModelAdmin):
 @admin.register(ApiToken)
 class ApiTokenAdmin(AuditedDeletion, admin.ModelAdmin):
     """Tokens are issued by `manage.py create_api_token` (which shows the secret once) and revoked here with the
-    "Revoke" action; both are audited. Nothing else about a token can be changed, and a revocation is final."""
+    "Revoke" action; both are audited. Nothing else about a token can be changed, and a revocation is final.
+    A token's callback signing secret is never shown here, except once: on the page that a rotation (the action
+    "Rotate callback signing secret", one token at a time, audited) answers with."""
 
     list_display = ["prefix", "user", "created_at", "last_used_at", "revoked_at"]
     list_filter = [("revoked_at", admin.EmptyFieldListFilter)]
     readonly_fields = fields = ["user", "prefix", "digest", "created_at", "last_used_at", "revoked_at"]
-    actions = ["revoke"]
+    actions = ["revoke", "rotate_callback_secret"]
 
     def has_add_permission(self, request):
         return False
@@ -158,6 +161,19 @@ class ApiTokenAdmin(AuditedDeletion, admin.ModelAdmin):
     def revoke(self, request, queryset):
         revoked = sum(token.revoke(request.user) for token in queryset.select_related("user"))
         self.message_user(request, f"Revoked {revoked} token(s).")
+
+    @admin.action(description="Rotate callback signing secret (one token)", permissions=["revoke"])
+    def rotate_callback_secret(self, request, queryset):
+        tokens = list(queryset.select_related("user")[:2])
+        if len(tokens) != 1 or tokens[0].revoked_at is not None:
+            self.message_user(request, "Select one live token to rotate its callback secret.", messages.WARNING)
+            return None
+        token = tokens[0]
+        secret = token.rotate_callback_secret(request.user)
+        context = {**self.admin_site.each_context(request), "title": "New callback signing secret", "token": token}
+        # The secret is in this page alone (not in a message that would travel in a cookie); admin's views are
+        # never cached.
+        return TemplateResponse(request, "admin/core/apitoken/callback_secret.html", {**context, "secret": secret})
 
     def _record_deletion(self, request, token) -> None:
         token.record_audit("api_token.delete", request.user)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -268,8 +269,18 @@ def _digest(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+def new_callback_secret() -> str:
+    """A callback signing secret as Standard Webhooks writes one: `whsec_` and 32 random bytes in base64."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
 class ApiToken(models.Model):
-    """A bearer token for the JSON API. Only its SHA-256 digest is stored; the token is shown once."""
+    """A bearer token for the JSON API. Only its SHA-256 digest is stored; the token is shown once.
+
+    Its `callback_secret` signs the decisions POSTed to the callbacks of the requests its user asks for
+    (approvals.notify.CallbackBackend), so that an agent verifies them with a secret no other agent has. It is
+    stored as it is, not hashed: the console needs the key itself to compute each HMAC (a hash could only
+    verify one). It is shown once, when the token is issued or the secret rotated, and never in admin."""
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
     digest = models.CharField(max_length=64, unique=True)
@@ -279,6 +290,12 @@ class ApiToken(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     tenants = models.JSONField(
         default=_default_tenants, help_text="The tenants (a list) this token may start runs for; '*' means any."
+    )
+    callback_secret = models.CharField(
+        max_length=100,
+        default=new_callback_secret,
+        editable=False,
+        help_text="Signs the callbacks of its user's approval requests (Standard Webhooks); shown once.",
     )
 
     class Meta:
@@ -303,6 +320,25 @@ class ApiToken(models.Model):
             )
             token.record_audit("api_token.create", by)
         return token, raw
+
+    def rotate_callback_secret(self, by) -> str:
+        """A new callback signing secret in place of the old one (which signs nothing from now on), audited;
+        the new one is returned to be shown once."""
+        with transaction.atomic():
+            self.callback_secret = new_callback_secret()
+            ApiToken.objects.filter(pk=self.pk).update(callback_secret=self.callback_secret)
+            self.record_audit("api_token.rotate_callback_secret", by)
+        return self.callback_secret
+
+    @classmethod
+    def callback_secrets(cls, user_id) -> list[str]:
+        """The secrets a callback of `user_id`'s request is signed with: one per live token of that user (tokens
+        of one user are one agent: each may read and consume the user's requests), oldest first."""
+        return list(
+            cls.objects.filter(user_id=user_id, revoked_at__isnull=True)
+            .order_by("created_at", "pk")
+            .values_list("callback_secret", flat=True)
+        )
 
     def revoke(self, by) -> bool:
         """Refuse this token from now on, audited. Idempotent: False (and no entry) when it already was."""

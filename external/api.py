@@ -72,7 +72,12 @@ class RequestIn(Schema):
     run: uuid.UUID | None = Field(None, description="An external run of this token's user: one timeline per session.")
     idempotency_key: str = Field(min_length=1, max_length=200, pattern=NOT_BLANK)
     callback_url: str | None = Field(
-        None, max_length=2000, pattern=r"^https?://", description="Where the decision is POSTed, signed."
+        None,
+        max_length=2000,
+        pattern=r"^https?://",
+        description="Where the decision is POSTed, signed with this token's callback secret. Refused (422) when "
+        "its host resolves to loopback, link-local, multicast, private (unless the console allows it) or the "
+        "console's own address; no redirect is followed.",
     )
     expires_in: int | None = Field(
         None, ge=MIN_EXPIRES_IN, le=MAX_EXPIRES_IN, description="Seconds until it expires (default: the channel's SLA)."

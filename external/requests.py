@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,7 @@ from django.utils import timezone
 from approvals import cards, policy
 from approvals.models import Approval, Notification, OnExpiry
 from approvals.tasks import send_notification
+from core import outbound_url
 from core.access import may_act_unreviewed, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external.models import ActionRequest, ApprovalMode
@@ -147,7 +147,8 @@ class Ask:
 def open_request(user, ask: Ask, *, console_host: str = "") -> tuple[ActionRequest, bool]:
     """Open the request (its step on the agent's run, its card in the inbox, its SLA timer) in one transaction:
     (request, True). The same key asking the same again gives (the request, False); another ask under it is a
-    Conflict. `console_host` (host:port the call came to) is what a callback may not point at."""
+    Conflict. `console_host` (host:port the call came to) is, with CONSOLE_URL, what a callback may not point at
+    (core.outbound_url: nor at loopback, link-local or, unless allowed, private addresses)."""
     existing = ActionRequest.objects.filter(created_by=user, idempotency_key=ask.idempotency_key).first()
     if existing is not None:
         return _same(existing, ask), False
@@ -194,20 +195,12 @@ def _check(ask: Ask, console_host: str) -> None:
         if errors := schema_errors(ask.schema, ask.arguments, "arguments"):
             raise Invalid(errors)
     if ask.callback_url:
-        if not settings.CALLBACK_SECRET:
-            raise Invalid(
-                [{"loc": "callback_url", "msg": "this console sends no callbacks (CALLBACK_SECRET is unset)"}]
-            )
-        url = urllib.parse.urlsplit(ask.callback_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise Invalid([{"loc": "callback_url", "msg": "must be an http(s) URL"}])
-        port = url.port or (443 if url.scheme == "https" else 80)
-        if console_host and f"{url.hostname}:{port}".lower() == _with_port(console_host, url.scheme).lower():
-            raise Invalid([{"loc": "callback_url", "msg": "must not point at this console"}])
-
-
-def _with_port(host: str, scheme: str) -> str:
-    return host if ":" in host.rsplit("]", 1)[-1] else f"{host}:{443 if scheme == 'https' else 80}"
+        try:
+            outbound_url.check(ask.callback_url, console=[console_host])
+        except outbound_url.Refused as exc:
+            if exc.transient:
+                raise Unavailable(f"callback_url: {exc.detail}; ask again in a moment") from None
+            raise Invalid([{"loc": "callback_url", "msg": exc.detail}]) from None
 
 
 def schema_errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
@@ -580,6 +573,10 @@ def card_closed(sender, card: Approval, **_) -> None:
             approval=card,
             event="external.decision",
             backend="callback",
-            payload={"url": request.callback_url, "body": json.loads(json.dumps(answer, default=str))},
+            payload={
+                "url": request.callback_url,
+                "body": json.loads(json.dumps(answer, default=str)),
+                "user_id": request.created_by_id,  # whose tokens' secrets sign it
+            },
         )
         send_notification.defer(notification_id=notification.pk)

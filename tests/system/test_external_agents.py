@@ -12,12 +12,15 @@ import hashlib
 import json
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from django.db import connection
 from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
+from core.models import ApiToken
 from external.models import ActionRequest
 from tests.worker import wait_with_logs
 
@@ -94,6 +97,12 @@ class _Receiver(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.fixture
+def system_env() -> dict:
+    # The test's callback receiver listens on 127.0.0.1: the operator names the host to let callbacks reach it.
+    return {"CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
+
+
 def test_the_decision_is_posted_to_the_callback_signed_over_its_id_timestamp_and_body(system):
     server = HTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -106,10 +115,38 @@ def test_the_decision_is_posted_to_the_callback_signed_over_its_id_timestamp_and
         server.shutdown()
         server.server_close()
     headers, body = _Receiver.received[0]
-    # The development secret (CALLBACK_SECRET=callback-secret): a plain string, its UTF-8 bytes the key.
-    verified = Webhook(b"callback-secret").verify(body, {k.lower(): v for k, v in headers.items()})
+    headers = {k.lower(): v for k, v in headers.items()}
+    # Signed with the secret of the agent's own token (a whsec_ secret, as Standard Webhooks writes it), and
+    # with no other: another token's secret (the reviewer's) does not verify it.
+    verified = Webhook(ApiToken.objects.get(user__username="agent").callback_secret).verify(body, headers)
     assert verified["id"] == request["id"] and verified["status"] == "approved"
     assert verified["arguments_digest"] == digest(ARGUMENTS)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(ApiToken.objects.get(user__username="reviewer").callback_secret).verify(body, headers)
+
+
+def test_a_callback_aimed_at_the_console_or_its_machine_is_refused(system):
+    port = urllib.parse.urlsplit(system.url).port
+    inward = [
+        f"http://localhost:{port}/api/runs",
+        f"http://127.0.0.1:{port}/api/runs",  # allowed host (CALLBACK_ALLOWED_HOSTS) but the console's port
+        "http://127.0.0.2/hook",
+        "http://[::1]/hook",
+        "http://2130706433/hook",
+        "http://localhost./hook",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.1.2.3/hook",
+        "http://127.0.0.1:notaport/hook",
+    ]
+    for number, url in enumerate(inward):
+        response = system.agent.post(
+            "/api/approval-requests",
+            {"channel": "payments", "action": "refund", "arguments": ARGUMENTS, "idempotency_key": f"in-{number}",
+             "callback_url": url},
+        )  # fmt: skip
+        assert response.status == 422, (url, response)
+        assert response.body["detail"][0]["loc"] == "callback_url", (url, response)
+    assert not ActionRequest.objects.exists()
 
 
 def test_a_request_nobody_decides_expires_through_its_own_timer_and_cannot_run(system):

@@ -51,7 +51,7 @@ from procrastinate.contrib.django.utils import connector_params
 from procrastinate.psycopg_connector import PsycopgConnector
 from psycopg_pool.base import AttemptWithBackoff
 
-from jobs import internals, sessions
+from jobs import internals, session_life, sessions
 
 log = structlog.get_logger("jobs.worker")
 
@@ -164,6 +164,8 @@ class WorkerConnector(PsycopgConnector):
             django_connector=django_connector,
             listen_application_name=names.get("listen", ""),
             kwargs=params,
+            # Every pool connection's session lives as long as its connection (no idle timeout ends it).
+            configure=session_life.configure_async,
             **sizes,
         )
 
@@ -351,11 +353,17 @@ class Worker(procrastinate_worker.Worker):
         if not self._database_checked:
             # Once per worker, before it takes a job: the SQL functions, types and columns we use are as we expect
             # (an InternalsMismatch is no database error: it stops the worker, naming what differs), and our
-            # connections keep their sessions (not behind a transaction pool: SessionPoolingRequired stops it).
+            # connections keep their sessions (not behind a transaction pool: SessionPoolingRequired stops it), no
+            # idle timeout ends them, and a closed one's locks end with it (not behind a session pool that keeps
+            # them: LocksOutliveSessions stops it).
             if isinstance(self.app.connector, PsycopgConnector):
-                await sessions.check_own_sessions(self.app.connector.pool)
+                pool = self.app.connector.pool
+                await sessions.check_own_sessions(pool)
+                await session_life.check_idle_timeouts_off(pool)
+                await session_life.check_locks_end_with_sessions(pool)
             await internals.check_database_async(self.app.connector)
             self._database_checked = True
+            log.info(session_life.POOLER_RULES)
         pruned = await self.app.job_manager.prune_stalled_workers(self.stalled_worker_timeout)
         if pruned:
             log.info("pruned stalled workers", worker_ids=pruned)
@@ -588,6 +596,9 @@ async def _listen_once(
 
     try:
         async with connector._get_standalone_connection() as connection:
+            # This session must live as long as the connection, as every other of the worker's. (procrastinate
+            # 3.10 runs the pool's `configure` on it too; a second time costs one short query per connection.)
+            await session_life.configure_async(connection)
             if name := getattr(connector, "listen_application_name", ""):
                 await connection.execute("SELECT set_config('application_name', %s, false)", [name])
             for channel in manager.get_channel_for_queues(queues=queues):

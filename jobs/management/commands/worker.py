@@ -13,11 +13,14 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db.backends.signals import connection_created
 from procrastinate import cli
 from procrastinate.contrib.django import app
 from procrastinate.contrib.django.django_connector import DjangoConnector
 
+from jobs import session_life
 from jobs.internals import InternalsMismatch
+from jobs.session_life import IdleTimeoutsOn, LocksOutliveSessions
 from jobs.sessions import SessionPoolingRequired
 from jobs.worker import Worker, WorkerConnector
 
@@ -48,6 +51,8 @@ class Command(BaseCommand):
         # psycopg_pool warns on every failed reconnection attempt; the worker logs an outage once when it starts
         # and once when it ends (jobs.worker), and that is what an operator should read.
         logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+        # A job thread's Django connection holds its run's lock: no idle timeout may end its session.
+        connection_created.connect(session_life.configure_django, dispatch_uid="jobs.session_life")
         options = {k: v for k, v in options.items() if k not in self._django_options and k != "func"}
         connector = app.connector
         if not isinstance(connector, DjangoConnector):
@@ -58,8 +63,10 @@ class Command(BaseCommand):
         with app.replace_connector(worker_connector):
             try:
                 asyncio.run(self._run(options))
-            # The database's procrastinate is not the one we expect, or the worker is behind a transaction pool.
-            except (InternalsMismatch, SessionPoolingRequired) as exc:
+            # The database's procrastinate is not the one we expect, or the worker is behind a transaction pool, or
+            # its sessions would end before their connections (idle timeouts) or outlive them (a session pool's
+            # reset that keeps advisory locks).
+            except (InternalsMismatch, SessionPoolingRequired, IdleTimeoutsOn, LocksOutliveSessions) as exc:
                 raise CommandError(str(exc)) from exc
 
     async def _run(self, options: dict[str, Any]) -> None:

@@ -29,6 +29,9 @@ def test_a_real_worker_retries_a_retryable_fault_with_backoff_then_succeeds(star
     run, _ = submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"classify": ["429", "5xx"]}})
     wait_until(lambda: Run.objects.get(pk=run.pk).status == Run.Status.SUCCEEDED, message="the run to finish")
     assert Step.objects.get(run=run, name="classify").attempt == 3
-    job = ProcrastinateJob.objects.get(lock=f"run:{run.id}", task_name="advance_run")
+    # The run's last checkpoint commits before the worker records its job's outcome (and counts its last attempt).
+    jobs = ProcrastinateJob.objects.filter(lock=f"run:{run.id}", task_name="advance_run")
+    wait_until(lambda: jobs.get().status == "succeeded", message="the job's outcome")
+    job = jobs.get()
     assert job.attempts == 3  # the first try and two retries, each scheduled by the backoff strategy
     assert sandbox.stats() == {"channels": {"payments": 1, "email": 1, "crm": 1}, "duplicates": 0}

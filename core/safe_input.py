@@ -107,7 +107,11 @@ def _parse_any_float(text: str) -> int | float | _Refused:
         if value.adjusted() >= MAX_FREE_DIGITS:
             return _Refused(f"integers of more than {MAX_FREE_DIGITS} digits are not allowed ({text[:20]}...)")
         return int(value)
-    return float(value)
+    nearest = float(value)
+    if not math.isfinite(nearest):
+        # A fraction after more than 308 digits: no double holds it, and an integer would not be the number sent.
+        return _Refused("a number with a fraction beyond ±1.8e308 cannot be kept")
+    return nearest
 
 
 def loads(body: bytes | str, root: str = "body", free: Collection[str] = ()) -> Any:

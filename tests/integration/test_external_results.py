@@ -262,3 +262,20 @@ def test_only_an_unknown_outcome_can_be_recorded(demo, agent, reviewer):
     assert not Receipt.objects.exists()
     # A step that is no request's: 404.
     assert ops.post(f"/runs/{request['run_id']}/steps/7/outcome", {"outcome": "failed", "text": "x"}).status_code == 404
+
+
+def test_what_python_cannot_carry_is_refused_naming_the_field(agent, consumed):
+    path = f"/api/approval-requests/{consumed['id']}/result"
+    huge = "9" * (safe_input.MAX_FREE_DIGITS + 1)
+    for text, why in (
+        (f'{{"ok": true, "result": {{"n": {huge}}}}}', "digits"),
+        (f'{{"ok": true, "result": [{"9" * 400}.5]}}', "fraction"),
+        ('{"ok": true, "result": NaN}', "NaN"),
+    ):
+        code, body = post_raw(agent, path, text)
+        assert code == 422 and why in json.dumps(body["detail"]), body
+        assert body["detail"][0]["loc"][:2] == ["body", "result"]
+    assert Receipt.objects.get(key=f"external:{consumed['id']}").status == "pending"
+    # 1e400 is an integer, which jsonb's numeric keeps to the digit.
+    code, body = post_raw(agent, path, '{"ok": true, "result": {"n": 1e400, "x": 0.1}}')
+    assert code == 200 and body["execution"]["result"] == {"n": 10**400, "x": 0.1}

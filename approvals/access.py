@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from django.contrib.auth.models import User
 from django.contrib.postgres.expressions import ArraySubquery
-from django.db.models import Q, QuerySet
-from django.db.models.functions import Now
+from django.db.models import CharField, Exists, OuterRef, Q, QuerySet
+from django.db.models.functions import Cast, Now
+from guardian.models import GroupObjectPermission, UserObjectPermission
 
 from approvals.models import Approval, Delegation
 from approvals.rules import decider_refusal
@@ -52,7 +53,13 @@ def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[App
     the user, a group of theirs, or someone they cover for now)."""
     # Subqueries, not lists read first: the inbox costs the same number of queries whoever asks.
     groups = ArraySubquery(User.groups.through.objects.filter(user_id=user.pk).values("group_id"))
-    covering = ArraySubquery(Delegation.objects.filter(cover_id=user.pk, until__gt=Now()).values("user_id"))
+    # Those the user covers for now who still hold the right to decide this card themselves (the rule of
+    # approvals.rules.holds_the_right, in SQL): correlated with each card's channel.
+    covering = ArraySubquery(
+        Delegation.objects.filter(cover_id=user.pk, until__gt=Now(), user__is_active=True)
+        .filter(_may_approve_the_cards_channel())
+        .values("user_id")
+    )
     asked = (
         Q(asked_anyone=True)
         | Q(asked_users__contains=[user.pk])
@@ -60,3 +67,22 @@ def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[App
         | Q(asked_users__overlap=covering)
     )
     return visible_cards(user, channels).exclude(run_created_by=user).filter(asked)
+
+
+def _may_approve_the_cards_channel() -> Q:
+    """Inside a query of delegations, itself inside a query of cards: the delegation's user holds
+    `approve_channel` on the card's channel, as core.access.may_approve reads it (a superuser everywhere; else
+    django-guardian's object permission, given to the user or to one of their groups)."""
+    channel_pk = Cast(OuterRef(OuterRef("channel_id")), output_field=CharField())
+    on_the_channel = Q(
+        permission__codename="approve_channel",
+        permission__content_type__app_label="core",
+        content_type__app_label="core",
+        content_type__model="channel",
+        object_pk=channel_pk,
+    )
+    return (
+        Q(user__is_superuser=True)
+        | Exists(UserObjectPermission.objects.filter(on_the_channel, user_id=OuterRef("user_id")))
+        | Exists(GroupObjectPermission.objects.filter(on_the_channel, group__user=OuterRef("user_id")))
+    )

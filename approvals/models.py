@@ -653,6 +653,8 @@ class Delegation(models.Model):
     as well, each such decision recorded and audited as taken on `user`'s behalf. Set and cleared by the user in
     the console (approvals.views.away), audited."""
 
+    LONGEST = timedelta(days=90)
+
     user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="delegation")
     cover = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="covering")
     until = models.DateTimeField()
@@ -668,11 +670,13 @@ class Delegation(models.Model):
 
     @classmethod
     def covered_by(cls, user, now: datetime | None = None) -> list[int]:
-        """The people `user` covers for now (their delegation's window is open)."""
+        """The people `user` covers for now: their delegation's window is open and they are active. Whether each
+        still holds the right to decide a given card is read when the cover decides it (approvals.rules
+        .holds_the_right, on the card's channel)."""
         if user is None or not getattr(user, "pk", None):
             return []
         return list(
-            cls.objects.filter(cover=user, until__gt=now or timezone.now())
+            cls.objects.filter(cover=user, until__gt=now or timezone.now(), user__is_active=True)
             .order_by("user_id")
             .values_list("user_id", flat=True)
         )
@@ -680,7 +684,8 @@ class Delegation(models.Model):
     @classmethod
     def refusal(cls, user, cover, until: datetime | None, now: datetime | None = None) -> str:
         """Why `user` may not hand their cards to `cover` until `until` ("" when they may): not to themselves,
-        not in the past, and only to someone who may approve every channel `user` approves."""
+        not in the past nor more than LONGEST (90 days) ahead, and only to someone who may approve every channel
+        `user` approves."""
         now = now or timezone.now()
         if cover is None or not cover.is_active:
             return "choose an active user to cover for you"
@@ -688,6 +693,9 @@ class Delegation(models.Model):
             return "you cannot delegate to yourself"
         if until is None or until <= now:
             return "the end of your absence must be in the future"
+        if until > now + cls.LONGEST:
+            # A delegation hands on a right that the person may lose meanwhile: it is renewed, not left open.
+            return f"a delegation lasts at most {cls.LONGEST.days} days: set it again when it ends"
         channels = list(decidable_channels(user))
         if not channels:
             return "you approve no channel: there is nothing to delegate"

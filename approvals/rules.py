@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django.contrib.auth import get_user_model
 from django.db import models
 from django.db.models import Case, CharField, Q, Value, When
 
@@ -382,31 +383,48 @@ class Asking:
             return True
         return bool(self.groups) and user.groups.filter(pk__in=self.groups).exists()
 
-    def covered(self, covering: Iterable[int], creator_id: int | None) -> int | None:
+    def covered(self, covering: Iterable[int], creator_id: int | None, channel: Channel | None = None) -> int | None:
         """Of the absent people `covering` lists (those whose cover is deciding), the first this card names by
-        name: the decision is theirs, taken on their behalf. Never the run's creator (they may not decide it)."""
-        return next((u for u in covering if u in self.users and u != creator_id), None)
+        name: the decision is theirs, taken on their behalf. Never the run's creator (they may not decide it),
+        and, given the card's `channel`, never someone who no longer holds the right to decide it themselves
+        (`holds_the_right`): a delegation passes on a right, it does not outlive it."""
+        named = [u for u in covering if u in self.users and u != creator_id]
+        if channel is not None:
+            named = holds_the_right(named, channel)
+        return named[0] if named else None
+
+
+def holds_the_right(user_ids: Sequence[int], channel: Channel) -> list[int]:
+    """Those of `user_ids` (in their order) who may decide the cards of `channel` now: active users who still
+    hold `approve_channel` on it. Read when a cover decides (and by the card page), never when the delegation
+    was set: a person deactivated, or whose permission was removed, since then passes nothing on."""
+    if not user_ids:
+        return []
+    users = {u.pk: u for u in get_user_model().objects.filter(pk__in=user_ids, is_active=True)}
+    return [pk for pk in user_ids if pk in users and may_approve(users[pk], channel)]
 
 
 def policy_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
     """Why `actor` may not decide `card` at its current stage ("" when they may): the card's policy asks other
-    people now, and nobody the actor covers for (approvals.models.Delegation) is among them."""
+    people now, and nobody the actor covers for (approvals.models.Delegation) is among them, or those who are no
+    longer active or no longer hold `approve_channel` on the card's channel."""
     policy = card.policy
     if actor is None or not policy:
         return ""
     asking = Asking.at(policy, card.stage)
-    if asking.includes(actor) or asking.covered(covering, card.run_created_by_id) is not None:
+    if asking.includes(actor) or asking.covered(covering, card.run_created_by_id, card.channel) is not None:
         return ""
     return f"this card is at stage '{policy['stages'][card.stage]['name']}' of its policy, which does not ask you"
 
 
 def on_behalf_of(actor, card: Approval, covering: Iterable[int] = ()) -> int | None:
     """Whose decision `actor` takes on `card` at its stage: None for their own (the stage asks them), else the
-    absent person they cover for whom the stage names (approvals.models.Delegation)."""
+    absent person they cover for whom the stage names and who still holds the right to decide it
+    (approvals.models.Delegation)."""
     asking = Asking.at(card.policy, card.stage)
     if actor is None or asking.includes(actor):
         return None
-    return asking.covered(covering, card.run_created_by_id)
+    return asking.covered(covering, card.run_created_by_id, card.channel)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from core.access import Denied
 from core.api import ERRORS
 from core.models import ApiToken
 from core.safe_input import UnsafeJson
+from external import api as external_api
 from external.api import router as external_router
 from runs.api import router as runs_router
 from runs.breaker_api import router as breakers_router
@@ -33,12 +34,19 @@ class BearerToken(HttpBearer):
         return found.user
 
 
+# The routes (by url_name) whose body has fields that take any valid JSON (core.safe_input.loads' `free`): an
+# external agent's result, what its system answered, which must be recordable whatever it is.
+FREE_JSON_FIELDS = {external_api.RESULT_URL_NAME: external_api.ResultIn.FREE_JSON}
+
+
 class SafeJsonParser(Parser):
     """django-ninja's body parser. ninja turns any exception raised here into a 400 "Cannot parse request body"
     HttpError raised `from` it; `_http_error` below answers an UnsafeJson cause with a 422 that names the field."""
 
     def parse_body(self, request):
-        return safe_input.loads(request.body)
+        match = getattr(request, "resolver_match", None)
+        free = FREE_JSON_FIELDS.get(match.url_name, ()) if match is not None else ()
+        return safe_input.loads(request.body, free=free)
 
 
 class ConsoleApi(NinjaAPI):

@@ -300,6 +300,8 @@ Exported {export.exported_at.isoformat()} by {export.exported_by} ({export.via})
 
 Check it:   python3 {VERIFIER}
             (for a log signed with HMAC-SHA256: AUDIT_HMAC_KEY=... python3 {VERIFIER}, or --key-file FILE)
+            (and --anchor HASH: a head recorded outside this bundle, of an entry of the period; never one of
+            this bundle's own values, which whoever rewrites the bundle rewrites too)
 It prints "intact" (exit 0), or the first entry that differs and every file that does not match (exit 1).
 
 What it proves, and what it does not: docs/audit-evidence.md of the console's source.

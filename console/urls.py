@@ -10,6 +10,7 @@ from approvals import views as approval_views
 from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from console.env import env_bool
+from external import views as external_views
 from runs import views as run_views
 from slackapp import views as slack_views
 
@@ -37,6 +38,8 @@ urlpatterns = [
     path("runs/", run_views.run_list, name="runs"),
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("runs/<uuid:pk>/cancel", run_views.run_cancel, name="run-cancel"),
+    # The outcome of an external agent's execution, recorded by a person (external.views): audited.
+    path("runs/<uuid:pk>/steps/<int:seq>/outcome", external_views.record_outcome, name="run-record-outcome"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("metrics", dashboard.metrics, name="metrics"),

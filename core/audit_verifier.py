@@ -6,6 +6,7 @@ access to the console or its database):
 
     python3 verify.py                      # in the unpacked bundle's directory
     AUDIT_HMAC_KEY=... python3 verify.py   # when the log is signed (HMAC-SHA256): the key, never in the bundle
+    python3 verify.py --anchor HASH        # a head recorded outside the bundle, of an entry of the period
 
 It prints "intact" and exits 0, or names the first entry that differs (and every file whose checksum does not
 match the manifest) and exits 1; 2 for a usage error.
@@ -198,6 +199,7 @@ class Report:
     def __init__(self):
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.anchored = ""  # what the anchor proved, said when the bundle is intact
 
     def problem(self, text: str) -> None:
         self.problems.append(text)
@@ -235,14 +237,44 @@ def verify_bundle(bundle: Path, key: bytes | None, *, anchor: str | None = None)
     decisions = _check_decisions(bundle, entries, report)
     _check_the_manifests_facts(manifest, entries, decisions, report)
     _check_files(bundle, manifest, report)
-    if anchor:
-        anchor = anchor.strip().lower()
-        if anchor != chain_facts.get("head_before") and anchor not in {line.get("hash") for line in entries.values()}:
-            report.problem(
-                f"anchor {anchor} is neither the head before the period nor an entry of the bundle: the bundle is"
-                " not the log that head was taken from"
-            )
+    if anchor is not None:
+        _check_anchor(anchor, chain_facts, entries, key, report)
+    else:
+        report.notes.append(
+            "no --anchor: the chain holds between the manifest's own heads, which whoever rewrites the whole bundle"
+            " rewrites too; give a head recorded outside the bundle (manage.py audit_verify prints the log's head)"
+        )
     return report, manifest
+
+
+def _check_anchor(anchor: str, facts: dict, entries: dict, key: bytes | None, report: Report) -> None:
+    """An anchor is a head recorded outside the bundle (manage.py audit_verify's output in a ticket or a log
+    shipper): the hash of an entry of the period, whose hash the chain check recomputed, proves that entry and
+    every one before it in the period, since each hash covers the one before. Nothing of the bundle is ever an
+    anchor: the manifest's `head_before` least of all, since a bundle rewritten from scratch claims to start at
+    whatever head its writer knows (an earlier export's head after, say)."""
+    anchor = anchor.strip().lower()
+    held = sorted(id_ for id_, line in entries.items() if str(line.get("hash")).lower() == anchor)
+    if held:
+        id_ = held[0]
+        after = sum(1 for other in entries if other > id_)
+        rest = "the bundle and the HMAC key" if key is not None else "the bundle alone"
+        report.anchored = (
+            f"anchor: entry {id_} holds the head you recorded: entries {min(entries)} to {id_} are the ones it was"
+            f" recorded over; {after} {'entry' if after == 1 else 'entries'} after it rest on {rest}"
+        )
+    elif anchor == str(facts.get("head_before")).lower():
+        report.problem(
+            f"anchor {anchor} is the bundle's own head_before, which proves nothing: a rewritten bundle starts at"
+            " any head its writer knows. Give the hash of an entry of the period, recorded outside the bundle"
+            " (manage.py audit_verify's head when it was written)"
+        )
+    else:
+        report.problem(
+            f"anchor {anchor} is not the hash of an entry of this period: the bundle is not the log that head was"
+            " taken from, or the head was recorded after the period (check that one against the live log,"
+            " manage.py audit_verify --anchor, or a later export)"
+        )
 
 
 def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None, report: Report) -> dict:
@@ -253,6 +285,7 @@ def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None,
     chain = Chain(key, previous=str(facts.get("head_before")), key_name="the HMAC key (--key-file or $AUDIT_HMAC_KEY)")
     entries: dict = {}
     last_id = None
+    weak: list = []
     for number, line in _read_jsonl(path, report, ENTRIES):
         missing = [name for name in ("id", "hash", *CONTENT_FIELDS) if name not in line]
         if missing:
@@ -266,9 +299,24 @@ def _check_entries(bundle: Path, manifest: dict, facts: dict, key: bytes | None,
         problem = chain.check(line, line["hash"], id_)
         if problem is not None:
             report.problem(f"entry {id_} ({ENTRIES} line {number}, {line.get('action')}): {problem}")
+        # The plain entries that no signed entry follows yet (a signed one holds every entry before it).
+        if line.get("hash_scheme") == HMAC_SHA256:
+            weak.clear()
+        else:
+            weak.append(id_)
         if isinstance(id_, int):
             entries[id_] = line
             last_id = id_ if last_id is None else max(id_, last_id)
+    if key is not None and weak:
+        # The key says this log is signed. A plain entry is then proven only by a signed entry after it, whose HMAC
+        # covers its hash (the entries from before the log was signed); one with none after it, anyone who can edit
+        # the bundle could have written, altered and hashed again without the key.
+        report.problem(
+            f"entry {weak[0]} ({ENTRIES}, {len(weak)} such): plain SHA-256, weaker than the HMAC key given, and no"
+            " signed entry after it holds it: a bundle downgraded from HMAC-SHA256 by someone without the key, or a"
+            " period from before the log was signed (then verify it without the key, and anchor it: plain entries"
+            " prove nothing against whoever can rewrite the bundle)"
+        )
     if entries and chain.previous != facts.get("head_after"):
         report.problem(
             f"the last entry (entry {last_id}) is not the head after the period that the manifest names"
@@ -385,7 +433,10 @@ def main(argv=None) -> int:
         help=f"the HMAC key itself (shows in the process list and shell history: prefer ${KEY_VARIABLE} or --key-file)",
     )
     parser.add_argument(
-        "--anchor", metavar="HASH", help="a head hash recorded elsewhere: fail unless the bundle's chain holds it"
+        "--anchor",
+        metavar="HASH",
+        help="a head recorded outside the bundle (manage.py audit_verify's output when the period was written): fail"
+        " unless it is the hash of an entry of the period. Never take it from the bundle: its head_before is refused",
     )
     args = parser.parse_args(argv)
     try:
@@ -416,6 +467,8 @@ def main(argv=None) -> int:
     signing = manifest.get("signing") if isinstance(manifest.get("signing"), dict) else {}
     print(f"signing: {signing.get('summary', 'unknown')}")
     print(f"files: {len(manifest.get('files', {}))} match the manifest")
+    if report.anchored:
+        print(report.anchored)
     for note in report.notes:
         print(f"note: {note}")
     return 0

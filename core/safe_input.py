@@ -5,6 +5,12 @@ either one reaching a query turns a client's mistake into a 500; jsonb has no Na
 consumer in JavaScript cannot hold an integer beyond 2**53 exactly. The API's JSON parser (console.api, with
 loads below) refuses them, naming the field; console.middleware.SafeInputMiddleware refuses them in paths, query
 strings, cookies and form fields.
+
+One exception: a field that records what happened outside the console (an external agent's result: whatever its
+system answered) must take any valid JSON, or that outcome could never be recorded. loads() takes such fields
+(`free`) as they are: integers exact at any size Python prints (4,300 digits), NUL characters and lone
+surrogates (their storage is the caller's: external.requests keeps such a value as its JSON text), nesting to
+MAX_FREE_DEPTH. The OpenAPI document says so on the field (`ANY_JSON`).
 """
 
 from __future__ import annotations
@@ -12,10 +18,21 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
+from decimal import Decimal
 from typing import Any
 
 MAX_DEPTH = 32  # objects and arrays nested in each other, the body itself counting as one
 MAX_SAFE_INTEGER = 2**53
+# A free field's nesting, the body counting as one (as MAX_DEPTH). Python's json parses and prints ~1,400 levels
+# with its C code but the run and audit pages print data indented, with Python code under a recursion limit of
+# 1,000 shared with the request's own stack: 256 levels leave room for both.
+MAX_FREE_DEPTH = 256
+# The most digits an integer may have in a free field: what Python converts to and from text
+# (sys.get_int_max_str_digits()), fixed here so that the answer does not depend on the process's setting.
+MAX_FREE_DIGITS = 4300
+# On a field's JSON Schema (json_schema_extra): any JSON value, which declare() leaves as it is.
+ANY_JSON = "x-any-json"
 # Longer digit strings are refused without converting them (int() of a huge string is slow and may raise).
 _MAX_INT_DIGITS = len(str(MAX_SAFE_INTEGER)) + 1
 
@@ -75,16 +92,68 @@ def _parse_float(text: str) -> int | float | _Refused:
     return value
 
 
-def loads(body: bytes | str, root: str = "body") -> Any:
+def _parse_any_int(digits: str) -> int | _Refused:
+    if len(digits.lstrip("-")) > MAX_FREE_DIGITS:
+        return _Refused(f"integers of more than {MAX_FREE_DIGITS} digits are not allowed ({digits[:20]}...)")
+    return int(digits)
+
+
+def _parse_any_float(text: str) -> int | float | _Refused:
+    """A number with a fraction or an exponent, read exactly first: an integer (1.39e16, 1e400) stays exactly
+    that integer (jsonb's numeric holds it), anything else becomes the nearest double, as RFC 8259 says JSON
+    numbers interoperate."""
+    value = Decimal(text)
+    if value == value.to_integral_value():
+        if value.adjusted() >= MAX_FREE_DIGITS:
+            return _Refused(f"integers of more than {MAX_FREE_DIGITS} digits are not allowed ({text[:20]}...)")
+        return int(value)
+    nearest = float(value)
+    if not math.isfinite(nearest):
+        # A fraction after more than 308 digits: no double holds it, and an integer would not be the number sent.
+        return _Refused("a number with a fraction beyond ±1.8e308 cannot be kept")
+    return nearest
+
+
+def loads(body: bytes | str, root: str = "body", free: Collection[str] = ()) -> Any:
     """json.loads, refusing what must not reach the database: raises UnsafeJson naming the field (its path
     starting at `root`), or ValueError for text that is not JSON. UnsafeJson is a ValueError too, so a form
-    field that reports "not valid JSON" on ValueError reports these as well."""
+    field that reports "not valid JSON" on ValueError reports these as well.
+
+    `free`: top-level fields of a body object that take any valid JSON (see the module's docstring); every other
+    field keeps the rules."""
+    if free:
+        parse_int, parse_float, deepest = _parse_any_int, _parse_any_float, MAX_FREE_DEPTH
+    else:
+        parse_int, parse_float, deepest = _parse_int, _parse_float, MAX_DEPTH
     try:
-        data = json.loads(body, parse_constant=_parse_constant, parse_int=_parse_int, parse_float=_parse_float)
+        data = json.loads(body, parse_constant=_parse_constant, parse_int=parse_int, parse_float=parse_float)
     except RecursionError:
-        raise UnsafeJson([root], f"nested deeper than {MAX_DEPTH} levels") from None
-    check(data, root)
+        raise UnsafeJson([root], f"nested deeper than {deepest} levels") from None
+    if free and isinstance(data, dict):
+        rest = {key: value for key, value in data.items() if key not in free}
+        check(rest, root)
+        for key in free:
+            if key in data:
+                check_free(data[key], [root, key])
+    else:
+        check(data, root)
     return data
+
+
+def check_free(data: Any, loc: list) -> None:
+    """The walk of check() for a free field (`loc`: its path, the body's root first): only what Python itself
+    cannot carry is refused, nesting beyond MAX_FREE_DEPTH and integers beyond MAX_FREE_DIGITS digits."""
+    stack: list[tuple[Any, list, int]] = [(data, loc, len(loc) - 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, dict | list):
+            depth += 1
+            if depth > MAX_FREE_DEPTH:
+                raise UnsafeJson(where, f"nested deeper than {MAX_FREE_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((item, [*where, key], depth) for key, item in items)
+        elif isinstance(value, _Refused):
+            raise UnsafeJson(where, value.why)
 
 
 def check(data: Any, root: str = "body") -> None:
@@ -166,7 +235,7 @@ def declare(openapi: dict) -> dict:
             for item in schema:
                 walk(item)
             return
-        if not isinstance(schema, dict):
+        if not isinstance(schema, dict) or schema.get(ANY_JSON):
             return
         ref = schema.get("$ref", "")
         if ref.startswith("#/components/schemas/"):

@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from asgiref.sync import sync_to_async
 from django.db import connection
@@ -17,6 +17,7 @@ from ninja import Field, Query, Router, Schema, Status
 from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
+from core import safe_input
 from core.api import ERRORS, ErrorOut
 from core.models import ApiToken
 from external import requests
@@ -97,6 +98,10 @@ class Execution(Schema):
     completed_at: datetime | None
     result: Any = None
     error: str
+    recorded_by: str | None = Field(
+        None, description="The person who recorded the outcome from the console (the agent never reported it)."
+    )
+    note: str = Field("", description="What that person said of a success (how they know).")
 
 
 class RequestOut(Schema):
@@ -162,10 +167,17 @@ class ResultIn(Schema):
         }
     )
 
+    # What the parser takes as any valid JSON (console.api.FREE_JSON_FIELDS): the rest of the body keeps the rules.
+    FREE_JSON: ClassVar[frozenset[str]] = frozenset({"result"})
+
     ok: bool
-    # Any JSON value, spelled out by type so that the document states the parser's rules on each (core.safe_input
-    # .declare: no NUL, numbers within ±2**53); `Any` has no type to state them on.
-    result: dict | list | str | int | float | bool | None = None
+    result: Any = Field(
+        None,
+        description="What the action returned: any valid JSON, recorded exactly (integers of any size up to "
+        f"{safe_input.MAX_FREE_DIGITS} digits, NUL characters, nesting to {safe_input.MAX_FREE_DEPTH} levels with "
+        "the body); a number with a fraction is kept as the nearest double.",
+        json_schema_extra={safe_input.ANY_JSON: True},
+    )
     error: str | None = Field(None, min_length=1, max_length=5000)
 
 
@@ -265,10 +277,14 @@ def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
         return _refused(exc)
 
 
+RESULT_URL_NAME = "approval_request_result"
+
+
 @router.post(
     "/approval-requests/{request_id}/result",
     response={200: Completed, **REFUSALS},
     summary="The outcome of the execution the agent consumed: completes its receipt",
+    url_name=RESULT_URL_NAME,
 )
 def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
     if body.ok == (body.error is not None):

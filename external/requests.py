@@ -22,8 +22,8 @@ from django.utils import timezone
 from approvals import cards, policy
 from approvals.models import Approval, Notification, OnExpiry
 from approvals.tasks import send_notification
-from core import outbound_url
-from core.access import may_act_unreviewed, may_request
+from core import outbound_url, safe_input
+from core.access import may_act_unreviewed, may_operate_channel, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external.models import ActionRequest, ApprovalMode
 from runs import effects
@@ -403,8 +403,10 @@ def execution(request: ActionRequest) -> dict:
         "status": status,
         "consumed_at": receipt.created_at,
         "completed_at": receipt.completed_at,
-        "result": response.get("result"),
+        "result": stored_result(response),
         "error": response.get("error", ""),
+        "recorded_by": response.get("recorded_by"),
+        "note": response.get("note", ""),
     }
 
 
@@ -504,21 +506,22 @@ def _go(request: ActionRequest, answer: dict, *, shadow: bool) -> dict:
 
 def report(user, request_id, *, ok: bool, result: Any = None, error: str = "") -> dict:
     """The outcome of the execution the agent consumed: completes its receipt (once; the same outcome sent
-    again is answered as recorded)."""
-    outcome = {"ok": True, "result": result} if ok else {"ok": False, "error": error}
+    again is answered as recorded; another one, or any after a person recorded it, is a Conflict)."""
+    # Any valid JSON (external.api.ResultIn): as jsonb holds it, or as its JSON text where jsonb cannot (storable).
+    outcome = {"ok": True, **storable(result)} if ok else {"ok": False, "error": error}
     with transaction.atomic():
         request = _locked(user, request_id)
         receipt = request.receipt
         if receipt is None:
             raise NotConsumed("The approval was not consumed: there is no execution to report on.")
         if receipt.status == Receipt.Status.DONE:
-            if receipt.response != json.loads(json.dumps(outcome, default=str)):
+            if not same_outcome(receipt.response, outcome):
                 raise Conflict("Another outcome was recorded for this execution.", execution=execution(request))
             return execution(request)
         receipt.complete_outcome(outcome)
         Step.objects.filter(run=request.run, seq=request.step_seq).update(
             status=Step.Status.DONE if ok else Step.Status.FAILED,
-            output={"result": result} if ok else None,
+            output=storable(result) if ok else None,
             error="" if ok else error[:5000],
             ended_at=timezone.now(),
         )
@@ -580,3 +583,123 @@ def card_closed(sender, card: Approval, **_) -> None:
             },
         )
         send_notification.defer(notification_id=notification.pk)
+
+
+# --- any JSON result, stored -------------------------------------------------------------------------------------
+# An agent's result is whatever its system answered (core.safe_input: any valid JSON). PostgreSQL's jsonb keeps
+# integers of any size exactly (numeric) but refuses a NUL character in a string or a key (and a lone surrogate
+# cannot be encoded at all): such a result is kept as its JSON text, under `result_json` instead of `result`, in
+# the receipt, the step's output and the audit entry alike, and answered as the value it stands for.
+
+
+def _jsonb_holds(value: Any) -> bool:
+    """Whether jsonb stores `value` as it is: no string or key with a NUL or a lone surrogate. Walked without
+    recursion, as safe_input.check is."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if safe_input.unsafe_char(item):
+                return False
+        elif isinstance(item, dict):
+            if any(safe_input.unsafe_char(key) for key in item):
+                return False
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+def storable(result: Any) -> dict:
+    """A result as the console stores it: {"result": value}, or {"result_json": its JSON text} (ASCII: the NUL
+    and any surrogate written as \\u escapes) when jsonb cannot hold it."""
+    if _jsonb_holds(result):
+        return {"result": result}
+    return {"result_json": json.dumps(result, ensure_ascii=True, sort_keys=True)}
+
+
+def stored_result(stored: dict) -> Any:
+    """The value a stored outcome (or a step's output) holds: the inverse of storable."""
+    if "result_json" in stored:
+        return json.loads(stored["result_json"])
+    return stored.get("result")
+
+
+def same_outcome(stored: dict | None, outcome: dict) -> bool:
+    """Whether a recorded outcome is `outcome` (an agent's retry after a lost answer): the same JSON, compared as
+    text so that true is not 1 and 1 is not 1.0 (Python's == says they are)."""
+
+    def text(value: dict) -> str:
+        fields = {key: item for key, item in value.items() if key not in ("result", "result_json")}
+        return json.dumps({**fields, "result": stored_result(value)}, ensure_ascii=True, sort_keys=True)
+
+    return stored is not None and text(stored) == text(outcome)
+
+
+# --- an outcome recorded by a person ----------------------------------------------------------------------------
+
+OUTCOME_TEXT_MAX = 5000
+
+
+def record_outcome(user, run_id, step_seq: int, *, outcome: str, text: str) -> dict:
+    """A person records the outcome of an execution that is "outcome unknown" (the agent consumed its approval
+    and never reported what happened: it crashed, or its result was lost), from the run page: `outcome`
+    succeeded (`text` says how they know) or failed (`text` is the error). Only someone with `operate_channel`
+    on the request's channel may (Forbidden otherwise). Once, like the agent's result: the pending receipt is
+    completed by compare-and-swap, marked reconciled (completed by a person, not the call); a second record is a
+    Conflict, and so is the agent's later result (report). Audited `external.result` with the person as actor
+    (`by_hand`). Returns the execution as the agent now reads it."""
+    text = (text or "").strip()
+    if outcome not in ("succeeded", "failed"):
+        raise Invalid("The outcome is succeeded or failed.")
+    if not text:
+        raise Invalid(
+            "Say how you know it succeeded (a note)." if outcome == "succeeded" else "Say how you know: the error."
+        )
+    if len(text) > OUTCOME_TEXT_MAX:
+        raise Invalid(f"The note is at most {OUTCOME_TEXT_MAX} characters.")
+    if why := safe_input.unsafe_char(text):
+        raise Invalid(f"The note contains {why}.")
+    ok = outcome == "succeeded"
+    with transaction.atomic():
+        # The lock order of report and Approval.decide: the run first, then the request.
+        Run.objects.select_for_update().filter(pk=run_id).exists()
+        request = (
+            ActionRequest.objects.select_for_update(of=("self",))
+            .select_related("channel", "card", "receipt", "run")
+            .filter(run_id=run_id, step_seq=step_seq)
+            .first()
+        )
+        if request is None:
+            raise NotFound("No approval request at this step of the run.")
+        if not may_operate_channel(user, request.channel):
+            raise Forbidden(
+                f"Only someone with operate_channel on {request.channel.name} may record the outcome of its actions."
+            )
+        receipt = request.receipt
+        if receipt is None:
+            raise NotConsumed("The approval was not consumed: nothing was executed, there is no outcome to record.")
+        if receipt.status == Receipt.Status.DONE:
+            raise Conflict("The outcome was recorded already: it stays as it is.", execution=execution(request))
+        by = user.get_username()
+        said = {"result": None, "note": text} if ok else {"error": text}
+        receipt.complete_outcome({"ok": ok, **said, "recorded_by": by})
+        Receipt.objects.filter(pk=receipt.pk).update(reconciled=True)
+        Step.objects.filter(run=request.run, seq=request.step_seq).update(
+            status=Step.Status.DONE if ok else Step.Status.FAILED,
+            output={"recorded_by": by, "note": text} if ok else None,
+            error="" if ok else text,
+            ended_at=timezone.now(),
+        )
+        AuditEntry.record(
+            "external.result",
+            actor=user,
+            actor_type=ActorType.HUMAN,
+            target=f"action_request:{request.id}",
+            run_id=request.run_id,
+            approval_id=request.card_id,
+            channel=request.channel.name,
+            trace_id=request.run.trace_id,
+            data={"action": request.action, "ok": ok, "by_hand": True, **({"note": text} if ok else {"error": text})},
+        )
+        return execution(request)

@@ -14,9 +14,11 @@ from django.db.models import Model, Prefetch, Q, QuerySet
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
+from core.access import may_operate_channel
+from core.models import Channel
 from runs import workflow as workflows
 from runs.access import may_operate_run, run_for, visible_runs
-from runs.models import Run, Step
+from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 from runs.workflow import UnknownWorkflow
 
 PAGE_SIZE = 50
@@ -73,7 +75,12 @@ def _cursor(value: str) -> tuple[datetime, uuid.UUID] | None:
 
 @require_GET
 def run_detail(request, pk):
-    run = run_for(request.user, pk)
+    return render_run(request, run_for(request.user, pk))
+
+
+def render_run(request, run: Run, *, status: int = 200, outcome_form: dict | None = None):
+    """The run's page (`status`: 200, or the refusal of a form posted from it, shown again with `outcome_form`:
+    the step, outcome and text a person tried to record)."""
     steps = list(Step.objects.filter(run=run).order_by("seq"))
     for step in steps:
         step.input_json, step.output_json = _pretty(step.input), _pretty(step.output)
@@ -99,8 +106,30 @@ def run_detail(request, pk):
             "result_json": _pretty(run.result),
             "input_json": _pretty(run.input),
             "can_cancel": not run.is_finished and may_operate_run(request.user, run),
+            "recordable": outcomes_to_record(request.user, run, steps),
+            "outcome_form": outcome_form or {},
         },
+        status=status,
     )
+
+
+def outcomes_to_record(user, run: Run, steps: list[Step]) -> set[int]:
+    """The steps of an external run whose outcome `user` may record by hand (external.views.record_outcome): an
+    execution whose outcome is unknown (its step `unknown`, its receipt pending: the agent consumed the approval
+    and never reported), on a channel the user operates. Read here from the runs' own tables, so that this page
+    offers the form without importing the external app above it."""
+    if run.workflow != EXTERNAL_WORKFLOW:
+        return set()
+    unknown = {step.seq for step in steps if step.status == Step.Status.UNKNOWN}
+    if not unknown:
+        return set()
+    pending = list(Receipt.objects.filter(run=run, step_seq__in=unknown, status=Receipt.Status.PENDING))
+    channels = {channel.name: channel for channel in Channel.objects.filter(name__in={r.channel for r in pending})}
+    return {
+        receipt.step_seq
+        for receipt in pending
+        if receipt.channel in channels and may_operate_channel(user, channels[receipt.channel])
+    }
 
 
 def _rows_of(model: type[Model], relation: str) -> QuerySet:

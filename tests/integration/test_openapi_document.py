@@ -224,10 +224,7 @@ RESULT_BODIES = {
     "a failure without its error": {"ok": False, "result": 1},
     "a failure with an empty error": {"ok": False, "error": ""},
     "a success with an error": {"ok": True, "error": "boom"},
-    "an integer beyond 2**53 in the result": {"ok": True, "result": {"n": 2**53 + 1}},
-    "a float beyond 2**53 as the result": {"ok": True, "result": -1.39e16},
-    "a NUL in the result": {"ok": True, "result": ["a\x00"]},
-    "a NUL in a key of the result": {"ok": True, "result": {"\x00": 1}},
+    "a NUL in a failure's error": {"ok": False, "error": "a\x00"},
 }
 
 
@@ -247,6 +244,11 @@ RESULTS_TAKEN = {
     "no result": {"ok": True},
     "a success whose error is null": {"ok": True, "result": 1, "error": None},
     "a failure": {"ok": False, "error": "card declined"},
+    # A result is any valid JSON (issue 24, defect 10: tests/integration/test_external_results.py).
+    "an integer beyond 2**53 in the result": {"ok": True, "result": {"n": 2**53 + 1}},
+    "a float beyond 2**53 as the result": {"ok": True, "result": -1.39e16},
+    "a NUL in the result": {"ok": True, "result": ["a\x00"]},
+    "a NUL in a key of the result": {"ok": True, "result": {"\x00": 1}},
 }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from ninja import Field, Router, Schema
+from ninja import Field, Query, Router, Schema
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
@@ -138,16 +138,26 @@ class DecisionIn(Schema):
 
 
 CardStatus = Literal[(*Approval.Status.values, "all")]  # a card's status, or all of them
+STATUS_QUERY = Query(
+    Approval.Status.PENDING.value,
+    description="`pending` (the default): every card waiting for a decision, escalated ones included (each card "
+    "says its own `status`); `escalated`: only those past their first deadline; another status: the cards closed "
+    "with it; `all`: every card.",
+)
 
 
 @router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
-def list_cards(request, status: CardStatus = Approval.Status.PENDING.value):
+def list_cards(request, status: CardStatus = STATUS_QUERY):
     cards = (
         cards_to_decide(request.user)
         .select_related("channel")
         .prefetch_related("decisions__actor")  # each card's latest edit, in one query for the whole list
     )
-    if status != "all":
+    # An escalated card still waits for a decision, and is the most urgent of them: a reviewer asking for what
+    # is pending (the RUNBOOK's call for an SLA backlog) must get it.
+    if status == Approval.Status.PENDING:
+        cards = cards.filter(status__in=Approval.OPEN)
+    elif status != "all":
         cards = cards.filter(status=status)
     return cards.order_by("due_at")[:500]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
+from django.db.models import OuterRef, QuerySet, Subquery
 from ninja import Field, Query, Router, Schema
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
@@ -10,9 +11,11 @@ from pydantic import ConfigDict
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
-from approvals.models import Approval
+from approvals.models import Approval, Delegation
+from approvals.rules import decider_refusal
 from core.api import ERRORS
 from core.safe_input import NOT_BLANK
+from runs.models import Step
 
 router = Router(tags=["approvals"])
 
@@ -39,10 +42,20 @@ def _changes(old, new) -> list[dict]:
     return [{"path": d.path, "op": d.op, "old": d.old, "new": d.new} for d in changes(old, new)]
 
 
+def with_action(cards: QuerySet[Approval]) -> QuerySet[Approval]:
+    """The cards, each with the name of its run's step at the card's seq (`action_name`): a workflow gate's step
+    name, or an external request's action (external.requests records the request as a step of that name). Read
+    through the run's steps, so that approvals need not know the external app, which builds on it."""
+    step = Step.objects.filter(run_id=OuterRef("run_id"), seq=OuterRef("step_seq")).values("name")[:1]
+    return cards.annotate(action_name=Subquery(step))
+
+
 class CardOut(Schema):
     id: int
     run_id: str
     step_seq: int
+    # What the card asks about: the workflow gate's step name, or the external agent's action (`refund_order`).
+    action: str | None
     kind: str
     channel: str
     status: str
@@ -78,6 +91,12 @@ class CardOut(Schema):
         return card.asked_names() if card.policy else None
 
     @staticmethod
+    def resolve_action(card):
+        if hasattr(card, "action_name"):  # with_action: the list's cards, in its one query
+            return card.action_name
+        return Step.objects.filter(run_id=card.run_id, seq=card.step_seq).values_list("name", flat=True).first()
+
+    @staticmethod
     def resolve_channel(card):
         return card.channel.name
 
@@ -98,6 +117,14 @@ class CardOut(Schema):
             "against_proposed": _changes(card.proposed, edit.payload),
             "against_current": _changes(card.current, edit.payload),
         }
+
+
+class CardDetailOut(CardOut):
+    """One card, as the list shows it, and whether the caller may decide it now (the list holds only those they
+    may; a card is seen by more people: the run's starter, and those a policy's stage does not ask yet)."""
+
+    may_decide: bool
+    why_not: str | None = Field(description="Why the caller may not decide it now; null when they may.")
 
 
 class DecisionIn(Schema):
@@ -149,7 +176,7 @@ STATUS_QUERY = Query(
 @router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
 def list_cards(request, status: CardStatus = STATUS_QUERY):
     cards = (
-        cards_to_decide(request.user)
+        with_action(cards_to_decide(request.user))
         .select_related("channel")
         .prefetch_related("decisions__actor")  # each card's latest edit, in one query for the whole list
     )
@@ -160,6 +187,22 @@ def list_cards(request, status: CardStatus = STATUS_QUERY):
     elif status != "all":
         cards = cards.filter(status=status)
     return cards.order_by("due_at")[:500]
+
+
+@router.get(
+    "/approvals/{card_id}",
+    response={200: CardDetailOut, **ERRORS},
+    summary="One card",
+    description="The card as `GET /api/approvals` lists it, to whoever may see it (who may approve its channel; "
+    "404 for anyone else, as for a card that does not exist), with whether the caller may decide it now.",
+)
+def get_card(request, card_id: int):
+    card = card_for(request.user, card_id)
+    why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))
+    if not why_not and card.status not in Approval.OPEN:
+        why_not = f"the card is {card.status}: there is nothing left to decide"
+    card.may_decide, card.why_not = not why_not, why_not or None
+    return card
 
 
 @router.post(

@@ -3,15 +3,17 @@ included), `GET /api/approvals/{id}`, the card's `action`, the decision's reason
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
+import pytest
 from django.contrib.auth.models import Group
 
 from approvals import policy
 from approvals.models import Approval
 from core.models import Channel
 from tests.engine_helpers import REFUND
-from tests.integration.test_api_approvals import bearer, start_parked_run
+from tests.integration.test_api_approvals import bearer, decide, start_parked_run
 
 
 def escalate(card: Approval) -> Approval:
@@ -40,3 +42,66 @@ def test_pending_lists_escalated_cards_too_each_with_its_own_status(client, demo
     assert default == listed
     only_escalated = client.get("/api/approvals?status=escalated", headers=reviewer).json()
     assert [c["id"] for c in only_escalated] == [overdue.pk]
+
+
+# GET /api/approvals/{id}: one card, as the list shows it, to whoever may see it
+
+
+def test_one_card_reads_as_the_list_shows_it_with_its_action(client, demo):
+    _, card = start_parked_run(client, demo["agent"])
+    reviewer = bearer(demo["reviewer"])
+    (listed,) = client.get("/api/approvals", headers=reviewer).json()
+
+    response = client.get(f"/api/approvals/{card.pk}", headers=reviewer)
+
+    assert response.status_code == 200, response.content
+    one = response.json()
+    assert {key: one[key] for key in listed} == listed  # the list's shape, and the same values
+    assert one["action"] == listed["action"] == "approve_refund"  # the gate's step name
+    for key in ("proposed", "current", "to_execute", "version", "due_at", "status", "policy_stage"):
+        assert key in one
+    assert (one["status"], one["version"], one["to_execute"]) == ("pending", card.version, card.proposed)
+    assert (one["may_decide"], one["why_not"]) == (True, None)
+
+
+def test_the_runs_creator_sees_the_card_and_is_told_they_may_not_decide_it(client, demo):
+    _, card = start_parked_run(client, demo["reviewer"])
+
+    one = client.get(f"/api/approvals/{card.pk}", headers=bearer(demo["reviewer"])).json()
+
+    assert one["id"] == card.pk and one["may_decide"] is False and "started" in one["why_not"]
+
+
+@pytest.mark.parametrize("who", ["outsider", "ops"])
+def test_who_may_not_see_a_card_gets_404_as_for_one_that_does_not_exist(client, demo, who):
+    _, card = start_parked_run(client, demo["agent"])
+
+    for path in (f"/api/approvals/{card.pk}", "/api/approvals/999999"):
+        response = client.get(path, headers=bearer(demo[who]))
+        assert (response.status_code, response.json()["error"]) == (404, "not_found")
+    assert client.get(f"/api/approvals/{card.pk}").status_code == 401
+
+
+def test_an_external_requests_card_names_its_action(client, demo):
+    body = {
+        "channel": "payments",
+        "action": "refund_order",
+        "arguments": {"order_id": "ord_42", "amount_cents": 12_500},
+        "rationale": "The parcel never arrived.",
+        "idempotency_key": "refund-42",
+    }
+    asked = client.post(
+        "/api/approval-requests", json.dumps(body), content_type="application/json", headers=bearer(demo["agent"])
+    )
+    assert asked.status_code == 202, asked.content
+    card_id = asked.json()["card_id"]
+    reviewer = bearer(demo["reviewer"])
+
+    (listed,) = client.get("/api/approvals", headers=reviewer).json()
+    one = client.get(f"/api/approvals/{card_id}", headers=reviewer).json()
+
+    assert listed["id"] == one["id"] == card_id
+    assert listed["action"] == one["action"] == "refund_order"
+    # The decision's answer is the same card, action included.
+    decided = decide(client, reviewer, Approval.objects.get(pk=card_id), decision="approve")
+    assert decided.status_code == 200 and decided.json()["action"] == "refund_order"

@@ -11,7 +11,7 @@ from pydantic import ConfigDict
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
-from approvals.models import Approval, Delegation
+from approvals.models import Approval, Delegation, RejectReason
 from approvals.rules import decider_refusal
 from core.api import ERRORS
 from core.safe_input import NOT_BLANK
@@ -127,6 +127,9 @@ class CardDetailOut(CardOut):
     why_not: str | None = Field(description="Why the caller may not decide it now; null when they may.")
 
 
+RejectReasonValue = Literal[tuple(RejectReason.values)]
+
+
 class DecisionIn(Schema):
     # What depends on the decision alone is stated in the schema (below); Approval.decide is what refuses it.
     model_config = ConfigDict(
@@ -146,11 +149,16 @@ class DecisionIn(Schema):
 
     decision: Literal["approve", "edit", "reject"]
     comment: str = Field("", max_length=5000, description="Required, not blank, for a rejection.")
-    reason: str | None = Field(None, max_length=32)
+    # The taxonomy the card page's reject form and the inbox's bulk reject offer (Slack sends none): a reason
+    # outside it would be a category nobody can filter or count by.
+    reason: RejectReasonValue | None = Field(
+        None, description="Why, in the reject-reason taxonomy; omitted or null for none (422 for any other value)."
+    )
     payload: dict | None = Field(
         None,
-        description="An edit's new payload (required for an edit; ignored otherwise). It must fit the card: its "
-        "proposal's shape and the fields a person may change; else 422 naming the fields.",
+        description="An edit's new payload: the whole arguments, which replace the card's `proposed` as a whole "
+        "(not a patch: a field left out is removed). Required for an edit; ignored otherwise. It must fit the "
+        "card: its proposal's shape and the fields a person may change; else 422 naming the fields.",
     )
     version: int = Field(description="The card's `version` as read: 409 when it has changed since.")
     # Shadow cards only: whether the reviewer, who did the action by hand, agrees with the agent (required there).
@@ -209,7 +217,9 @@ def get_card(request, card_id: int):
     "/approvals/{card_id}/decision",
     response={200: CardOut, **ERRORS},
     summary="Approve, edit or reject a card",
-    description="Two rules depend on the card, not on the body alone, and are answered with 422: `agreement` "
+    description="An edit's `payload` is the whole arguments: it replaces the card's `proposed` as a whole (what "
+    "runs is exactly it). `reason`, when given, is one of the reject-reason taxonomy. "
+    "Two rules depend on the card, not on the body alone, and are answered with 422: `agreement` "
     "(and `done_by_hand`) belong to shadow cards only (`shadow` in the card: required there, refused elsewhere), "
     "and an edit's `payload` must fit the card's proposal.",
     openapi_extra={

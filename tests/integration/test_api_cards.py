@@ -9,8 +9,10 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import Group
 
-from approvals import policy
-from approvals.models import Approval
+from approvals import inbox, policy
+from approvals.forms import RejectForm
+from approvals.models import Approval, RejectReason
+from console.api import api
 from core.models import Channel
 from tests.engine_helpers import REFUND
 from tests.integration.test_api_approvals import bearer, decide, start_parked_run
@@ -105,3 +107,46 @@ def test_an_external_requests_card_names_its_action(client, demo):
     # The decision's answer is the same card, action included.
     decided = decide(client, reviewer, Approval.objects.get(pk=card_id), decision="approve")
     assert decided.status_code == 200 and decided.json()["action"] == "refund_order"
+
+
+# POST /api/approvals/{id}/decision: a reason is one of the reject-reason taxonomy
+
+
+@pytest.mark.parametrize("reason", ["because", "POLICY", ""])
+def test_a_reason_outside_the_taxonomy_is_refused_with_422_naming_it(client, demo, reason):
+    _, card = start_parked_run(client, demo["agent"])
+
+    response = decide(client, demo["reviewer"], card, decision="reject", comment="no", reason=reason)
+
+    assert response.status_code == 422, response.content
+    assert response.json()["error"] == "invalid"
+    assert "reason" in json.dumps(response.json()["detail"])
+    card.refresh_from_db()
+    assert card.status == Approval.Status.PENDING and not card.decisions.exists()
+
+
+@pytest.mark.parametrize("reason", [*RejectReason.values, None])
+def test_every_reason_of_the_taxonomy_is_taken_and_none_at_all(client, demo, reason):
+    _, card = start_parked_run(client, demo["agent"])
+    body = {"reason": reason} if reason is not None else {}
+
+    response = decide(client, demo["reviewer"], card, decision="reject", comment="no", **body)
+
+    assert response.status_code == 200, response.content
+    assert card.decisions.get().reason == (reason or "")
+
+
+def test_the_document_states_the_reasons_and_that_an_edit_replaces_the_proposal():
+    document = json.loads(json.dumps(api.get_openapi_schema()))
+    decision = document["components"]["schemas"]["DecisionIn"]["properties"]
+
+    reasons = [option["enum"] for option in decision["reason"]["anyOf"] if "enum" in option]
+    assert reasons == [RejectReason.values]
+    assert "whole" in decision["payload"]["description"] and "proposed" in decision["payload"]["description"]
+
+
+def test_the_web_forms_offer_the_same_reasons_as_the_api():
+    """The card page's reject form (which email links open too) and the inbox's bulk reject: the same taxonomy. A
+    decision from Slack carries no reason."""
+    assert [value for value, _ in RejectForm().fields["reason"].choices if value] == RejectReason.values
+    assert [value for value, _ in inbox.REJECT_REASONS] == RejectReason.values

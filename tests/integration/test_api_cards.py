@@ -150,3 +150,45 @@ def test_the_web_forms_offer_the_same_reasons_as_the_api():
     decision from Slack carries no reason."""
     assert [value for value, _ in RejectForm().fields["reason"].choices if value] == RejectReason.values
     assert [value for value, _ in inbox.REJECT_REASONS] == RejectReason.values
+
+
+# A 422 names each field as the client sent it: its dotted path in the body, or the parameter's name
+
+
+def post_json(client, path: str, body: str, headers: dict):
+    return client.post(path, data=body, content_type="application/json", headers=headers)
+
+
+def locs(response) -> list:
+    assert response.status_code == 422, response.content
+    assert response.json()["error"] == "invalid"
+    return [error["loc"] for error in response.json()["detail"]]
+
+
+def test_a_run_body_422_names_its_fields_as_sent(client, demo):
+    agent = bearer(demo["agent"])
+
+    missing = post_json(client, "/api/runs", json.dumps({"input": {}}), agent)
+    wrong_type = post_json(client, "/api/runs", json.dumps({"workflow": "refund", "input": [], "priority": "x"}), agent)
+    unsafe = post_json(client, "/api/runs", '{"workflow": "refund", "input": {"tags": ["ok", "a\\u0000"]}}', agent)
+    too_deep = post_json(client, "/api/runs", "[" * 20_000 + "]" * 20_000, agent)
+
+    assert locs(missing) == ["workflow"]
+    assert sorted(locs(wrong_type)) == ["input", "priority"]
+    assert locs(unsafe) == ["input.tags.1"]
+    assert locs(too_deep) == ["body"]  # the body as a whole
+
+
+def test_a_decision_422_names_its_fields_as_sent_and_a_query_parameter_by_its_name(client, demo):
+    _, card = start_parked_run(client, demo["agent"])
+    reviewer = bearer(demo["reviewer"])
+    path = f"/api/approvals/{card.pk}/decision"
+
+    wrong = post_json(client, path, json.dumps({"decision": "maybe", "version": "latest"}), reviewer)
+    edit = '{"decision": "edit", "payload": {"refund": {"note": "\\ud800"}}, "version": 1}'
+    unsafe = post_json(client, path, edit, reviewer)
+
+    assert sorted(locs(wrong)) == ["decision", "version"]
+    assert locs(unsafe) == ["payload.refund.note"]
+    assert locs(client.get("/api/approvals?status=maybe", headers=reviewer)) == ["status"]
+    assert locs(client.get("/api/approvals/x", headers=reviewer)) == ["card_id"]

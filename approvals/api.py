@@ -4,10 +4,12 @@ from datetime import datetime
 from typing import Any, Literal
 
 from django.db.models import OuterRef, QuerySet, Subquery
+from django.utils import timezone
 from ninja import Field, Query, Router, Schema
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
+from approvals import policy
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, InvalidDecision
@@ -202,10 +204,16 @@ def list_cards(request, status: CardStatus = STATUS_QUERY):
     response={200: CardDetailOut, **ERRORS},
     summary="One card",
     description="The card as `GET /api/approvals` lists it, to whoever may see it (who may approve its channel; "
-    "404 for anyone else, as for a card that does not exist), with whether the caller may decide it now.",
+    "404 for anyone else, as for a card that does not exist), with whether the caller may decide it now. A card "
+    "past its `due_at` has its deadline applied first (escalated, or closed by its channel's safe default).",
 )
 def get_card(request, card_id: int):
     card = card_for(request.user, card_id)
+    if card.status in Approval.OPEN and card.due_at <= timezone.now():
+        # Past its deadline the card's expiry applies (reject, escalate, safe default) before it is shown, as a
+        # request's GET does (external.requests): it never reads as waiting because no timer job ran yet.
+        policy.apply_sla(card.pk)
+        card = card_for(request.user, card_id)
     why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))
     if not why_not and card.status not in Approval.OPEN:
         why_not = f"the card is {card.status}: there is nothing left to decide"

@@ -192,3 +192,16 @@ def test_a_decision_422_names_its_fields_as_sent_and_a_query_parameter_by_its_na
     assert locs(unsafe) == ["payload.refund.note"]
     assert locs(client.get("/api/approvals?status=maybe", headers=reviewer)) == ["status"]
     assert locs(client.get("/api/approvals/x", headers=reviewer)) == ["card_id"]
+
+
+def test_a_card_read_past_its_deadline_has_its_deadline_applied_first(client, demo):
+    """As a request's GET (external.requests): the card never reads as waiting past its deadline because no timer
+    job ran; here the channel's safe default rejects it."""
+    _, card = start_parked_run(client, demo["agent"])
+    Channel.objects.filter(pk=card.channel_id).update(escalation_policy="safe_default")
+    Approval.objects.filter(pk=card.pk).update(due_at=card.due_at - timedelta(days=1))
+
+    one = client.get(f"/api/approvals/{card.pk}", headers=bearer(demo["reviewer"])).json()
+
+    assert (one["status"], one["may_decide"]) == ("rejected", False)
+    assert Approval.objects.get(pk=card.pk).status == Approval.Status.REJECTED

@@ -3,16 +3,21 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from ninja import Field, Router, Schema, Status
+from django.db.models import OuterRef, QuerySet, Subquery
+from django.utils import timezone
+from ninja import Field, Query, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
+from approvals import policy
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, Expired, InvalidDecision
-from approvals.models import Approval
+from approvals.models import Approval, Delegation, RejectReason
+from approvals.rules import decider_refusal
 from core.api import ERRORS
 from core.safe_input import NOT_BLANK
+from runs.models import Step
 
 router = Router(tags=["approvals"])
 
@@ -39,10 +44,20 @@ def _changes(old, new) -> list[dict]:
     return [{"path": d.path, "op": d.op, "old": d.old, "new": d.new} for d in changes(old, new)]
 
 
+def with_action(cards: QuerySet[Approval]) -> QuerySet[Approval]:
+    """The cards, each with the name of its run's step at the card's seq (`action_name`): a workflow gate's step
+    name, or an external request's action (external.requests records the request as a step of that name). Read
+    through the run's steps, so that approvals need not know the external app, which builds on it."""
+    step = Step.objects.filter(run_id=OuterRef("run_id"), seq=OuterRef("step_seq")).values("name")[:1]
+    return cards.annotate(action_name=Subquery(step))
+
+
 class CardOut(Schema):
     id: int
     run_id: str
     step_seq: int
+    # What the card asks about: the workflow gate's step name, or the external agent's action (`refund_order`).
+    action: str | None
     kind: str
     channel: str
     status: str
@@ -78,6 +93,12 @@ class CardOut(Schema):
         return card.asked_names() if card.policy else None
 
     @staticmethod
+    def resolve_action(card):
+        if hasattr(card, "action_name"):  # with_action: the list's cards, in its one query
+            return card.action_name
+        return Step.objects.filter(run_id=card.run_id, seq=card.step_seq).values_list("name", flat=True).first()
+
+    @staticmethod
     def resolve_channel(card):
         return card.channel.name
 
@@ -100,6 +121,17 @@ class CardOut(Schema):
         }
 
 
+class CardDetailOut(CardOut):
+    """One card, as the list shows it, and whether the caller may decide it now (the list holds only those they
+    may; a card is seen by more people: the run's starter, and those a policy's stage does not ask yet)."""
+
+    may_decide: bool
+    why_not: str | None = Field(description="Why the caller may not decide it now; null when they may.")
+
+
+RejectReasonValue = Literal[tuple(RejectReason.values)]
+
+
 class DecisionIn(Schema):
     # What depends on the decision alone is stated in the schema (below); Approval.decide is what refuses it.
     model_config = ConfigDict(
@@ -119,11 +151,16 @@ class DecisionIn(Schema):
 
     decision: Literal["approve", "edit", "reject"]
     comment: str = Field("", max_length=5000, description="Required, not blank, for a rejection.")
-    reason: str | None = Field(None, max_length=32)
+    # The taxonomy the card page's reject form and the inbox's bulk reject offer (Slack sends none): a reason
+    # outside it would be a category nobody can filter or count by.
+    reason: RejectReasonValue | None = Field(
+        None, description="Why, in the reject-reason taxonomy; omitted or null for none (422 for any other value)."
+    )
     payload: dict | None = Field(
         None,
-        description="An edit's new payload (required for an edit; ignored otherwise). It must fit the card: its "
-        "proposal's shape and the fields a person may change; else 422 naming the fields.",
+        description="An edit's new payload: the whole arguments, which replace the card's `proposed` as a whole "
+        "(not a patch: a field left out is removed). Required for an edit; ignored otherwise. It must fit the "
+        "card: its proposal's shape and the fields a person may change; else 422 naming the fields.",
     )
     version: int = Field(description="The card's `version` as read: 409 when it has changed since.")
     # Shadow cards only: whether the reviewer, who did the action by hand, agrees with the agent (required there).
@@ -138,25 +175,59 @@ class DecisionIn(Schema):
 
 
 CardStatus = Literal[(*Approval.Status.values, "all")]  # a card's status, or all of them
+STATUS_QUERY = Query(
+    Approval.Status.PENDING.value,
+    description="`pending` (the default): every card waiting for a decision, escalated ones included (each card "
+    "says its own `status`); `escalated`: only those past their first deadline; another status: the cards closed "
+    "with it; `all`: every card.",
+)
 
 
 @router.get("/approvals", response={200: list[CardOut], **ERRORS}, summary="Cards the caller may decide")
-def list_cards(request, status: CardStatus = Approval.Status.PENDING.value):
+def list_cards(request, status: CardStatus = STATUS_QUERY):
     cards = (
-        cards_to_decide(request.user)
+        with_action(cards_to_decide(request.user))
         .select_related("channel")
         .prefetch_related("decisions__actor")  # each card's latest edit, in one query for the whole list
     )
-    if status != "all":
+    # An escalated card still waits for a decision, and is the most urgent of them: a reviewer asking for what
+    # is pending (the RUNBOOK's call for an SLA backlog) must get it.
+    if status == Approval.Status.PENDING:
+        cards = cards.filter(status__in=Approval.OPEN)
+    elif status != "all":
         cards = cards.filter(status=status)
     return cards.order_by("due_at")[:500]
+
+
+@router.get(
+    "/approvals/{card_id}",
+    response={200: CardDetailOut, **ERRORS},
+    summary="One card",
+    description="The card as `GET /api/approvals` lists it, to whoever may see it (who may approve its channel; "
+    "404 for anyone else, as for a card that does not exist), with whether the caller may decide it now. A card "
+    "past its `due_at` has its deadline applied first (escalated, or closed by its channel's safe default).",
+)
+def get_card(request, card_id: int):
+    card = card_for(request.user, card_id)
+    if card.status in Approval.OPEN and card.due_at <= timezone.now():
+        # Past its deadline the card's expiry applies (reject, escalate, safe default) before it is shown, as a
+        # request's GET does (external.requests): it never reads as waiting because no timer job ran yet.
+        policy.apply_sla(card.pk)
+        card = card_for(request.user, card_id)
+    why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))
+    if not why_not and card.status not in Approval.OPEN:
+        why_not = f"the card is {card.status}: there is nothing left to decide"
+    card.may_decide, card.why_not = not why_not, why_not or None
+    return card
 
 
 @router.post(
     "/approvals/{card_id}/decision",
     response={200: CardOut, **ERRORS},
     summary="Approve, edit or reject a card",
-    description="Two rules depend on the card, not on the body alone, and are answered with 422: `agreement` "
+    description="An edit's `payload` is the whole arguments: it replaces the card's `proposed` as a whole (what "
+    "runs is exactly it). `reason`, when given, is one of the reject-reason taxonomy. "
+    "Two rules depend on the card, not on the body alone, and are answered with 422: `agreement` "
     "(and `done_by_hand`) belong to shadow cards only (`shadow` in the card: required there, refused elsewhere), "
     "and an edit's `payload` must fit the card's proposal.",
     openapi_extra={

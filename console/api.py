@@ -50,6 +50,22 @@ class SafeJsonParser(Parser):
 
 
 class ConsoleApi(NinjaAPI):
+    def validation_error_from_error_contexts(self, error_contexts):
+        """A 422's fields named as the client sent them: ninja's `loc` starts with where the value came from and,
+        for a body read into one parameter, that parameter's name (["body", "body", "payload", "refund"]), neither
+        of which the client wrote. Here: the field's dotted path in the body ("payload.refund"), or a query or path
+        parameter's name ("status"); "body" for the body as a whole. The API's own field errors (a workflow's
+        input, an agent's arguments) and the parser's (core.safe_input) are written the same way."""
+        errors = []
+        for context in error_contexts:
+            single = getattr(context.model, "__read_from_single_attr__", None)
+            for error in super().validation_error_from_error_contexts([context]).errors:
+                source, *path = error["loc"]
+                if single is not None and path[:1] == [single]:
+                    path = path[1:]
+                errors.append({**error, "loc": safe_input.field_path(path) or source})
+        return ValidationError(errors)
+
     def get_openapi_schema(self, *, path_prefix=None, path_params=None):
         # The parser's and the middleware's refusals (NUL, numbers beyond ±2**53) stated where a client reads
         # them: in every request body and parameter of the document (core.safe_input.declare).

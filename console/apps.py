@@ -6,3 +6,6 @@ class ConsoleConfig(AppConfig):
     (dashboard, channels, audit log). Its models moved down to `core` (migration console.0012)."""
 
     name = "console"
+
+    def ready(self) -> None:
+        from console import checks  # noqa: F401 - registers the console's system checks

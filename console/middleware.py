@@ -228,10 +228,9 @@ class DatabaseUnavailableMiddleware:
     def _unavailable(self, request, exc: BaseException):
         log.warning("database unavailable", path=request.path, error=f"{type(exc).__name__}: {exc}".strip()[:300])
         if request.path.startswith("/api/"):
-            response = JsonResponse(
-                {"error": "database_unavailable", "detail": "The database cannot be reached; try again shortly."},
-                status=503,
-            )
+            # An outage may say more (runs.submission.OutcomeUnknown: which run to look for before sending again).
+            detail = getattr(exc, "detail_for_client", "The database cannot be reached; try again shortly.")
+            response = JsonResponse({"error": "database_unavailable", "detail": detail}, status=503)
         else:
             response = HttpResponse(_UNAVAILABLE_PAGE, status=503, content_type="text/html; charset=utf-8")
         response["Retry-After"] = str(RETRY_AFTER_SECONDS)

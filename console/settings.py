@@ -12,7 +12,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
 
-from console import db_pool, logs, schedules
+from console import db_pool, logs, mail_config, schedules
 from console.env import (
     database_from_url,
     env_bool,
@@ -362,14 +362,23 @@ _MAIL_BACKEND = env_str(
     "EMAIL_BACKEND",
     "django.core.mail.backends.console.EmailBackend" if DEVELOPMENT else "django.core.mail.backends.smtp.EmailBackend",
 )
-MAILERS = {
-    "default": {
-        "BACKEND": _MAIL_BACKEND,
-        "OPTIONS": {"host": env_str("EMAIL_HOST", "localhost"), "port": env_int("EMAIL_PORT", 25)}
-        if _MAIL_BACKEND.endswith("smtp.EmailBackend")
-        else {},
-    }
-}
+# The file backend (EMAIL_BACKEND=django.core.mail.backends.filebased.EmailBackend) writes each email into the
+# directory EMAIL_FILE_PATH: without one it could write to, every send would fail long after the start, so the
+# start is refused here (and `manage.py check` says the same: console.checks).
+# (Not a setting of that name: Django refuses its old email settings beside MAILERS.)
+_EMAIL_FILE_PATH = env_str("EMAIL_FILE_PATH")
+if _MAIL_BACKEND == mail_config.FILE_BACKEND and (_problem := mail_config.file_path_problem(_EMAIL_FILE_PATH)):
+    raise ImproperlyConfigured(
+        f"EMAIL_BACKEND is the file backend, which writes each email into EMAIL_FILE_PATH, but {_problem}: set "
+        "EMAIL_FILE_PATH to a directory this process may write to, or choose another EMAIL_BACKEND."
+    )
+if _MAIL_BACKEND.endswith("smtp.EmailBackend"):
+    _MAIL_OPTIONS = {"host": env_str("EMAIL_HOST", "localhost"), "port": env_int("EMAIL_PORT", 25)}
+elif _MAIL_BACKEND == mail_config.FILE_BACKEND:
+    _MAIL_OPTIONS = {"file_path": _EMAIL_FILE_PATH}
+else:
+    _MAIL_OPTIONS = {}
+MAILERS = {"default": {"BACKEND": _MAIL_BACKEND, "OPTIONS": _MAIL_OPTIONS}}
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "hitl-console@localhost")
 # Where people reach the console, for the links in messages sent elsewhere: the emails (the card, and its Approve
 # and Reject links: approvals.links) and Slack's "Edit in console". Unset outside development: the emails then

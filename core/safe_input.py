@@ -47,17 +47,24 @@ def unsafe_char(text: str) -> str | None:
     return "a NUL character" if found.group() == "\x00" else "a lone surrogate"
 
 
+def field_path(parts) -> str:
+    """A field's path as a client wrote it in its JSON: keys and list indexes joined by dots ("input.tags.1"),
+    as every 422 of the API names its fields."""
+    return ".".join(str(part) for part in parts)
+
+
 class UnsafeJson(ValueError):
-    """A JSON body that parses but must not be accepted. `loc` is the path to the offending value, in the
-    shape of pydantic's error locations (["body", "input", "items", 3]), as the API's 422 reports them."""
+    """A JSON body that parses but must not be accepted. `loc` is the path to the offending value from the
+    parser's root (["body", "input", "items", 3]); the API's 422 names it below the root, as the client wrote
+    it ("input.items.3"), or the root itself for the whole body."""
 
     def __init__(self, loc: list, msg: str):
-        super().__init__(f"{'.'.join(map(str, loc))}: {msg}")
+        super().__init__(f"{field_path(loc)}: {msg}")
         self.loc = loc
         self.msg = msg
 
     def errors(self) -> list[dict]:
-        return [{"type": "unsafe_json", "loc": self.loc, "msg": self.msg}]
+        return [{"type": "unsafe_json", "loc": field_path(self.loc[1:]) or str(self.loc[0]), "msg": self.msg}]
 
 
 class _Refused:

@@ -25,10 +25,11 @@ import json
 
 import structlog
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.sql import InsertQuery
 
+from jobs.worker import is_connection_error
 from runs import workflow as workflows
 from runs.errors import IdempotencyConflict
 from runs.models import Run
@@ -71,6 +72,12 @@ def submit(
         with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
             insert_with_first_job(run)
         return run, True
+    except (OperationalError, InterfaceError) as exc:
+        if connection.in_atomic_block or not is_connection_error(exc):
+            raise  # inside a caller's transaction, its commit (and what to do when it is lost) is the caller's
+        run = _insert_again(run, exc)
+        if run is not None:
+            return run, True
     except IntegrityError:
         if idempotency_key is None:
             raise
@@ -80,6 +87,48 @@ def submit(
             f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
         )
     return existing, False
+
+
+class OutcomeUnknown(OperationalError):
+    """The connection was lost while the run's statement was in flight and the database could not be reached again
+    to settle it: the run `run_id` may exist. A database outage (console.middleware answers 503), which says
+    which run to look for before sending the request again."""
+
+    def __init__(self, run_id):
+        super().__init__(f"the outcome of run {run_id}'s submission is unknown: the database cannot be reached")
+        self.run_id = run_id
+        # What the 503 tells the client (console.middleware): a client that sent the request again without looking
+        # would make a second run when this one was made.
+        self.detail_for_client = (
+            f"The database cannot be reached, and whether run {run_id} was made is unknown: once it answers again, "
+            f"GET /api/runs/{run_id} tells (404: it was not made; send the request again)."
+        )
+
+
+def _insert_again(run: Run, lost: BaseException) -> Run | None:
+    """The connection was lost while the run's statement was in flight (in autocommit: its commit's outcome is
+    unknown). Send the same statement again, with the same id, on a new connection: the run's primary key is the
+    fence. The first statement committed: this one fails on the key, and the run is the one found (returned). It
+    never ran: this one makes the run (returned). It still runs on a backend that has not noticed the client is
+    gone: this one waits for it on the key, then one of the two. A first statement delivered later still fails on
+    the key. None: the statement failed on another unique key (an idempotency key another request holds), which
+    the caller settles as it would have. OutcomeUnknown when the database cannot be reached again."""
+    log.warning("run submission outcome unknown: sending it again", run_id=str(run.pk), error=str(lost)[:300])
+    connection.close()  # the lost one; the next statement opens a new connection
+    try:
+        insert_with_first_job(run)
+        return run
+    except IntegrityError:
+        found = Run.objects.filter(pk=run.pk).first()
+        if found is None:
+            return None
+        log.info("run submission had committed", run_id=str(run.pk))
+        return found
+    except (OperationalError, InterfaceError) as exc:
+        if not is_connection_error(exc):
+            raise
+        connection.close()
+        raise OutcomeUnknown(run.pk) from exc
 
 
 def insert_with_first_job(run) -> int:

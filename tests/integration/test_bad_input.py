@@ -93,7 +93,9 @@ def test_it_refuses_a_run_body_with_422_naming_the_field(client, agent, body, lo
     assert answer["error"] == "invalid"
     (problem,) = answer["detail"]
     assert problem["type"] == "unsafe_json"
-    assert problem["loc"][: len(loc)] == loc
+    # Named as the client wrote it (the parser's root, "body", is not part of it), at or below `loc`.
+    expected = ".".join(map(str, loc[1:])) or "body"
+    assert problem["loc"] == expected or problem["loc"].startswith(expected + "."), problem["loc"]
     assert problem["msg"]
     assert not Run.objects.exists()
 
@@ -105,7 +107,7 @@ def test_it_refuses_raw_utf8_encoded_surrogates(client, agent):
     response = post_json(client, "/api/runs", body, agent)
 
     assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"] == ["body", "input", "reason"]
+    assert response.json()["detail"][0]["loc"] == "input.reason"
     assert not Run.objects.exists()
 
 
@@ -150,7 +152,7 @@ def test_the_decision_api_refuses_a_nul_in_the_comment_and_the_card_stays_pendin
     response = post_json(client, f"/api/approvals/{card.pk}/decision", body, headers)
 
     assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"] == ["body", "comment"]
+    assert response.json()["detail"][0]["loc"] == "comment"
     card.refresh_from_db()
     assert card.status == Approval.Status.PENDING
     assert not Decision.objects.exists()
@@ -165,7 +167,7 @@ def test_the_decision_api_refuses_a_bad_edit_payload(client, demo, card, payload
     response = post_json(client, f"/api/approvals/{card.pk}/decision", body, headers)
 
     assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"][:3] == ["body", "payload", "refund"]
+    assert response.json()["detail"][0]["loc"].startswith("payload.refund.")
     card.refresh_from_db()
     assert card.status == Approval.Status.PENDING
     assert AuditEntry.objects.count() == audit_before

@@ -259,6 +259,11 @@ def test_a_rejected_refund_is_an_error_result_with_the_comment_and_forwards_noth
     assert "The parcel was delivered: tracking shows a signature." in text(result)
     request = request_of(system, card)
     assert request["status"] == "rejected" and request["execution"]["status"] == "not_started"
+    # The decision as data too, as docs/external-agents.md says of every decided call (issue 24).
+    decision = result.meta["hitl/decision"]
+    assert decision["request_id"] == request["id"] and decision["status"] == "rejected"
+    assert decision["decided_by"] == "reviewer" and decision["forwarded"] is False
+    assert decision["comment"] == "The parcel was delivered: tracking shows a signature."
 
 
 def test_a_gateway_killed_after_its_go_is_restarted_and_the_retried_call_does_not_refund_again(

@@ -17,17 +17,25 @@ from typing import Any
 
 import httpx
 import mcp_types as types
+import pydantic
 import pytest
 from conftest import BASE_URL
 from fake_console import FakeConsole, digest_of
 from mcp import Client as McpClient
-from mcp.server.mcpserver import MCPServer
+from mcp.client._memory import InMemoryTransport
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
 
 import hitl_client
 from hitl_client import AsyncClient
-from hitl_client.adapters.mcp_gateway import DECISION_META, IDEMPOTENCY_KEY_META, Gateway, UnknownTools
+from hitl_client.adapters.mcp_gateway import (
+    DECISION_META,
+    IDEMPOTENCY_KEY_META,
+    Gateway,
+    UnknownTools,
+    decline_elicitation,
+)
 
 ASKED = {"order_id": "o-42", "amount_cents": 500}
 
@@ -425,6 +433,61 @@ def test_an_answer_lost_upstream_leaves_the_outcome_unknown_and_is_not_forwarded
     (again,) = call(console, upstream, ("refund_order", ASKED))
 
     assert upstream.calls == ["refund_order"] and "Not forwarded again" in text(again)
+
+
+class Confirmation(pydantic.BaseModel):
+    confirm: bool
+
+
+class Eliciting:
+    """An upstream whose refund_order asks the user to confirm (MCP elicitation) and refunds only on a yes:
+    `asked` counts the confirmations it asked for, `made` the refunds."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.made: list[tuple[str, int]] = []
+        self.server = MCPServer("eliciting")
+
+        @self.server.tool()
+        async def refund_order(order_id: str, amount_cents: int, ctx: Context) -> dict[str, Any]:
+            """Refund an order, once the user confirms."""
+            self.asked.append(order_id)
+            answer = await ctx.elicit(f"Really refund {amount_cents} on {order_id}?", Confirmation)
+            if answer.action != "accept" or not answer.data.confirm:
+                raise ToolError(f"the refund was not confirmed ({answer.action})")
+            self.made.append((order_id, amount_cents))
+            return {"refund_id": "r-1"}
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_an_upstream_that_elicits_input_after_the_go_fails_cleanly_and_is_recorded_as_failed(console, mode):
+    # Issue 24: the call failed through the gateway with a raw JSON-RPC error after its approval was consumed.
+    # The gateway relays no elicitation: a person approved these arguments, not what the upstream would ask on
+    # top of them. Over the current protocol the upstream cannot ask (no back-channel: a protocol error); over
+    # the handshake-era one it asks and the gateway declines. Either way the client gets a tool result that
+    # says so, and the console records the execution as failed (never "outcome unknown").
+    upstream = Eliciting()
+    console.approves_while_waiting()
+
+    async def main():
+        connection = McpClient(InMemoryTransport(upstream.server), mode=mode, elicitation_callback=decline_elicitation)
+        async with connection as client, gateway(console, client) as downstream:
+            return await asyncio.wait_for(downstream.call_tool("refund_order", ASKED), 10)
+
+    result = asyncio.run(main())
+
+    assert isinstance(result, types.CallToolResult) and result.is_error, result
+    assert upstream.asked == ["o-42"] and upstream.made == []
+    assert text(result).startswith("Approved by bob. refund_order was forwarded once.")
+    assert result.meta[DECISION_META]["forwarded"] is True
+    request = console.only()
+    assert request.execution == "failed", request.execution
+    if mode == "auto":
+        assert "elicitation" in text(result) and "not relayed" in text(result)
+        assert "asked for input (elicitation/create)" in request.error, request.error
+    else:
+        assert "the refund was not confirmed (decline)" in text(result)
+        assert "the refund was not confirmed (decline)" in request.error
 
 
 def test_a_tool_the_upstream_does_not_have_is_a_protocol_error_and_asks_nothing(console):

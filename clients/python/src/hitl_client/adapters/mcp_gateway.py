@@ -71,7 +71,16 @@ from hitl_client.errors import (
 )
 from hitl_client.models import ApprovalRequest, RequestStatus
 
-__all__ = ["DECISION_META", "IDEMPOTENCY_KEY_META", "Gateway", "GatewayStartError", "UnknownTools", "main", "serve"]
+__all__ = [
+    "DECISION_META",
+    "IDEMPOTENCY_KEY_META",
+    "Gateway",
+    "GatewayStartError",
+    "UnknownTools",
+    "decline_elicitation",
+    "main",
+    "serve",
+]
 
 if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
     from exceptiongroup import BaseExceptionGroup
@@ -126,6 +135,25 @@ class _UpstreamToolError(Exception):
     def __init__(self, result: types.CallToolResult) -> None:
         super().__init__(_text_of(result) or "the upstream tool answered an error")
         self.result = result
+
+
+class _UpstreamRefused(Exception):
+    """The upstream answered the forwarded call with a JSON-RPC error instead of a result (it refused it, or the
+    tool failed in a way it did not turn into an error result): recorded as the action's failure, with a text
+    that says which, and told to the client as an error result (not a raw protocol error)."""
+
+    def __init__(self, cause: MCPError) -> None:
+        said = f"the JSON-RPC error {cause.code}: {(cause.message or '').rstrip('.')}"
+        if "elicitation" in (cause.message or "").lower():
+            text = (
+                "the upstream asked for input (elicitation/create) during the call, and input is not relayed for an "
+                "approved call (a person approved these arguments, not what is asked on top of them); it ended "
+                f"with {said}"
+            )
+        else:
+            text = f"the upstream answered {said}"
+        super().__init__(text)
+        self.cause = cause
 
 
 class _UpstreamAnswerLost(BaseException):
@@ -355,7 +383,9 @@ class Gateway:
             except MCPError as exc:
                 if exc.code in _ANSWER_LOST:
                     raise _UpstreamAnswerLost(exc) from exc
-                raise  # the upstream answered with an error: it refused the call (recorded as failed)
+                # The upstream answered with an error: it refused the call, or could not finish it (recorded as
+                # failed: it answered, so it is not running any more).
+                raise _UpstreamRefused(exc) from exc
             except Exception as exc:
                 raise _UpstreamAnswerLost(exc) from exc
             if result.is_error:
@@ -393,6 +423,12 @@ class Gateway:
         except _UpstreamToolError as exc:
             note = f"{_decision(name, arguments, decided, forwarded)} The upstream answered an error."
             return _Outcome(_with_note(exc.result, note, decided, forwarded), settled=True)
+        except _UpstreamRefused as exc:
+            note = (
+                f"{_decision(name, arguments, decided, forwarded)} The upstream did not answer with a result: {exc}. "
+                "Recorded as failed; it is not forwarded again."
+            )
+            return _Outcome(_with_note(_error(""), note, decided, forwarded, keep=False), settled=True)
         except _UpstreamAnswerLost as exc:
             logger.error("%s was forwarded (request %s) and its answer was lost: %r", name, decided.id, exc.cause)
             return _Outcome(
@@ -517,11 +553,17 @@ def _declined(name: str, request: ApprovalRequest) -> str:
 
 
 def _with_note(
-    result: types.CallToolResult, note: str, decided: ApprovalRequest, ran_with: Mapping[str, Any] | None
+    result: types.CallToolResult,
+    note: str,
+    decided: ApprovalRequest,
+    ran_with: Mapping[str, Any] | None,
+    *,
+    keep: bool = True,
 ) -> types.CallToolResult:
-    """The upstream's result with the decision first: a text part, and the same as data in `_meta`."""
+    """The upstream's result with the decision first: a text part, and the same as data in `_meta` (`keep=False`:
+    the note alone, `result` has no content of the upstream's)."""
     noted = types.CallToolResult(
-        content=[types.TextContent(text=note), *result.content],
+        content=[types.TextContent(text=note), *(result.content if keep else [])],
         structured_content=result.structured_content,
         is_error=result.is_error,
         _meta=result.meta,
@@ -553,6 +595,17 @@ def _with_decision(
         "arguments": decided.arguments if arguments is _UNSET else arguments,
     }
     return result.model_copy(update={"meta": {**(result.meta or {}), DECISION_META: decision}})
+
+
+async def decline_elicitation(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+    """The gateway's answer to an upstream that asks its client for input (MCP elicitation) during a call:
+    declined. The gateway relays no elicitation: for an approved call a person approved its arguments, and input
+    asked for on top of them (an amount, a confirmation, a URL to visit) is not what they saw; for the calls that
+    pass through it has no way to tell whose call asks. The upstream hears "decline" and ends the call its own
+    way (an error result, recorded as the call's failure). Pass it as `elicitation_callback` to the upstream's
+    `mcp.Client` (`serve` does)."""
+    logger.warning("The upstream asked for input, declined (the gateway relays no elicitation): %s", params.message)
+    return types.ElicitResult(action="decline")
 
 
 def _recordable(result: types.CallToolResult) -> dict[str, Any]:
@@ -632,7 +685,7 @@ async def serve(
         target = StdioServerParameters(command=command[0], args=command[1:], env=dict(upstream_env or {}))
     async with AsyncExitStack() as stack:
         try:
-            connected = await stack.enter_async_context(McpClient(target))
+            connected = await stack.enter_async_context(McpClient(target, elicitation_callback=decline_elicitation))
         except Exception as exc:  # an ExceptionGroup of the SDK's task groups, as often as not
             raise GatewayStartError(
                 f"the upstream server {upstream!r} could not be started or reached: {_leaf_text(exc)}."

@@ -607,7 +607,10 @@ def test_the_client_is_told_while_the_gateway_waits_for_a_person(console):
     result = asyncio.run(main())
 
     assert not result.is_error and len(told) == 2
-    assert told[0] == f"Waiting for a person's decision on the console (card 1, request {console.only().id})."
+    assert told[0] == (
+        f"Waiting for a person's decision on the console: {BASE_URL}/approvals/1/ (card 1, request "
+        f"{console.only().id})."
+    )
 
 
 @pytest.mark.parametrize(

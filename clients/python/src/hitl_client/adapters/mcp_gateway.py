@@ -503,7 +503,11 @@ class Gateway:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         polls = 0
         while True:
-            message = f"Waiting for a person's decision on the console (card {request.card_id}, request {request.id})."
+            where = self.console.card_url(request.card_id)
+            message = (
+                f"Waiting for a person's decision on the console: {where} (card {request.card_id}, request "
+                f"{request.id})."
+            )
             try:
                 await ctx.session.report_progress(polls, None, message)
             except Exception:  # the client went away, or takes no progress: the wait goes on regardless

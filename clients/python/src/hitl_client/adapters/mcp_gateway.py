@@ -606,8 +606,9 @@ async def decline_elicitation(context: Any, params: types.ElicitRequestParams) -
     declined. The gateway relays no elicitation: for an approved call a person approved its arguments, and input
     asked for on top of them (an amount, a confirmation, a URL to visit) is not what they saw; for the calls that
     pass through it has no way to tell whose call asks. The upstream hears "decline" and ends the call its own
-    way (an error result, recorded as the call's failure). Pass it as `elicitation_callback` to the upstream's
-    `mcp.Client` (`serve` does)."""
+    way; for an approved call, whatever it answers then is recorded as the call's outcome (an error result or a
+    JSON-RPC error as its failure). Pass it as `elicitation_callback` to the upstream's `mcp.Client` (`serve`
+    does)."""
     logger.warning("The upstream asked for input, declined (the gateway relays no elicitation): %s", params.message)
     return types.ElicitResult(action="decline")
 

@@ -1,15 +1,19 @@
 """A LangGraph support agent whose refunds wait for a person's sign-off in the console, and run once.
 
     pip install './clients/python[langgraph]' langchain-openai
+    createdb -h 127.0.0.1 -U postgres langgraph   # once: the database that keeps the agent's checkpoints
     HITL_URL=http://127.0.0.1:8000 HITL_TOKEN=hitl_... \\
     OPENAI_BASE_URL=https://... OPENAI_API_KEY=sk-... \\
     CHECKPOINT_DATABASE_URL=postgres://postgres@127.0.0.1:5432/langgraph \\
     python examples/langgraph_refund.py --thread order-42 "Order ord_42 arrived broken: please refund the 50 EUR."
 
-The refund waits for a reviewer on the `payments` channel (the token's user needs `request_channel` there). Stop
-the process while it waits and run the same command again: the thread continues from its Postgres checkpoint,
-the same request, no second card. The refund goes to the payment service at PAYMENTS_URL if set (POST
-/refunds), else it is only printed. OPENAI_MODEL names the model (default gpt-4o-mini).
+CHECKPOINT_DATABASE_URL names a PostgreSQL database of the agent's own (not the console's): create it once, as
+above (or `psql -c 'CREATE DATABASE langgraph'`); the example creates its tables in it (`checkpointer.setup()`).
+The refund waits for a reviewer on the `payments` channel (the token's user needs `request_channel` there); while
+it waits, the example prints the card's address in the console (`<HITL_URL>/approvals/<card id>/`) for the
+reviewer to open. Stop the process while it waits and run the same command again: the thread continues from its
+Postgres checkpoint, the same request, no second card. The refund goes to the payment service at PAYMENTS_URL
+if set (POST /refunds), else it is only printed. OPENAI_MODEL names the model (default gpt-4o-mini).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import sys
 
 import httpx
+import psycopg
 from hitl_client import Client
 from hitl_client.adapters.langgraph import ApprovalToolNode, invoke_with_approvals
 from langchain_core.messages import HumanMessage, SystemMessage
@@ -88,8 +93,13 @@ def build_graph(client: Client, checkpointer: PostgresSaver):
 
 
 def waiting(requests: list[dict]) -> None:
+    # card_url: the card in the console, where a reviewer decides (`url` is the request's API address, which only
+    # this agent's token may read).
     for request in requests:
-        print(f"Waiting for a person to decide {request['action']}: {request['url']} (request {request['request_id']})")
+        print(
+            f"Waiting for a person to decide {request['action']}: {request['card_url']} "
+            f"(request {request['request_id']})"
+        )
     sys.stdout.flush()
 
 
@@ -99,9 +109,17 @@ def main() -> None:
     parser.add_argument("message", help="what the customer writes")
     args = parser.parse_args()
 
+    checkpoints = os.environ["CHECKPOINT_DATABASE_URL"]
+    try:
+        psycopg.connect(checkpoints, connect_timeout=10).close()
+    except psycopg.OperationalError as exc:
+        sys.exit(
+            f"The checkpoint database ({checkpoints}) cannot be reached: {exc}\n"
+            "Create it once (createdb, or CREATE DATABASE in psql) and make CHECKPOINT_DATABASE_URL name it."
+        )
     with (
         Client(os.environ["HITL_URL"], os.environ["HITL_TOKEN"]) as client,
-        PostgresSaver.from_conn_string(os.environ["CHECKPOINT_DATABASE_URL"]) as checkpointer,
+        PostgresSaver.from_conn_string(checkpoints) as checkpointer,
     ):
         checkpointer.setup()
         graph = build_graph(client, checkpointer)

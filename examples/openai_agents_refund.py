@@ -68,6 +68,16 @@ agent = Agent(
 )
 
 
+def waiting(requests: list[dict]) -> None:
+    """Says where a person decides, while the agent waits: the card in the console."""
+    for request in requests:
+        print(
+            f"Waiting for a person to decide {request['action']}: {request['card_url']} "
+            f"(request {request['request_id']})",
+            flush=True,
+        )
+
+
 async def main(ticket: str, text: str) -> int:
     # Any OpenAI-compatible server, over chat completions; no traces leave the machine.
     set_default_openai_client(
@@ -79,7 +89,9 @@ async def main(ticket: str, text: str) -> int:
     state = Path(os.environ.get("STATE_DIR", "agent-state")) / f"{ticket}.json"
     async with AsyncClient(os.environ["HITL_URL"], os.environ["HITL_TOKEN"]) as console:
         try:
-            result = await run_with_approvals(agent, text, client=console, session=ticket, state_path=state)
+            result = await run_with_approvals(
+                agent, text, client=console, session=ticket, state_path=state, on_wait=waiting
+            )
         except SessionFinished as done:
             print(f"{ticket} was handled before: {done.final_output}")
             return 0

@@ -76,12 +76,22 @@ def refund_agent() -> Agent[None, str]:
     )
 
 
+def waiting(requests: list[dict]) -> None:
+    """Says where a person decides, while the agent waits: the card in the console."""
+    for request in requests:
+        print(
+            f"Waiting for a person to decide {request['action']}: {request['card_url']} "
+            f"(request {request['request_id']})",
+            flush=True,
+        )
+
+
 async def main(ticket: str, text: str) -> int:
     history = Path(os.environ.get("STATE_DIR", "agent-state")) / f"{ticket}.json"
     async with AsyncClient(os.environ["HITL_URL"], os.environ["HITL_TOKEN"]) as console:
         try:
             result = await run_with_approvals(
-                refund_agent(), text, client=console, session=ticket, history_path=history
+                refund_agent(), text, client=console, session=ticket, history_path=history, on_wait=waiting
             )
         except SessionFinished as done:
             print(f"{ticket} was handled before: {done.output}")

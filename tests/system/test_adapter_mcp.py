@@ -105,22 +105,33 @@ class Gateways:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def parameters(self) -> StdioServerParameters:
+    def arguments(self, approve: tuple[str, ...] = ("refund_order",), session: str | None = "ticket-42") -> list[str]:
+        """The gateway's command line after the interpreter: the refund server upstream, `--approve` each of
+        `approve`, and `--session` unless None (then each gateway process has its own)."""
         upstream = shlex.join([sys.executable, str(REFUND_SERVER)])
-        return StdioServerParameters(
-            command=sys.executable,
-            args=["-m", "hitl_client.adapters.mcp_gateway", "--upstream", upstream, "--channel", "payments"]
-            + ["--approve", "refund_order", "--session", "ticket-42", "--display", "amount_minor=amount_cents"],
-            env=self.env(),
-        )
+        return [
+            "-m",
+            "hitl_client.adapters.mcp_gateway",
+            "--upstream",
+            upstream,
+            "--channel",
+            "payments",
+            *[argument for name in approve for argument in ("--approve", name)],
+            *(["--session", session] if session is not None else []),
+            "--display",
+            "amount_minor=amount_cents",
+        ]
+
+    def parameters(self, **options) -> StdioServerParameters:
+        return StdioServerParameters(command=sys.executable, args=self.arguments(**options), env=self.env())
 
     @asynccontextmanager
-    async def client(self):
-        """An MCP client session with a new gateway process."""
+    async def client(self, **options):
+        """An MCP client session with a new gateway process (`options`: the gateway's `arguments`)."""
         log_path = self.tmp_path / f"gateway-{len(self.logs)}.log"
         self.logs.append(log_path)
         with open(log_path, "w") as errlog:
-            async with Client(stdio_client(self.parameters(), errlog=errlog)) as client:
+            async with Client(stdio_client(self.parameters(**options), errlog=errlog)) as client:
                 yield client
 
     def log(self) -> str:
@@ -195,11 +206,11 @@ def request_of(system, card: dict) -> dict:
     return {**response.body, "idempotency_key": request.idempotency_key}
 
 
-def call(gateways: Gateways, tool: str, arguments: dict) -> types.CallToolResult:
-    """One call through a new gateway process, in a new MCP client session."""
+def call(gateways: Gateways, tool: str, arguments: dict, **options) -> types.CallToolResult:
+    """One call through a new gateway process, in a new MCP client session (`options`: the gateway's)."""
 
     async def main():
-        async with gateways.client() as client:
+        async with gateways.client(**options) as client:
             return await asyncio.wait_for(client.call_tool(tool, arguments), WAIT)
 
     try:
@@ -248,6 +259,11 @@ def test_a_rejected_refund_is_an_error_result_with_the_comment_and_forwards_noth
     assert "The parcel was delivered: tracking shows a signature." in text(result)
     request = request_of(system, card)
     assert request["status"] == "rejected" and request["execution"]["status"] == "not_started"
+    # The decision as data too, as docs/external-agents.md says of every decided call (issue 24).
+    decision = result.meta["hitl/decision"]
+    assert decision["request_id"] == request["id"] and decision["status"] == "rejected"
+    assert decision["decided_by"] == "reviewer" and decision["forwarded"] is False
+    assert decision["comment"] == "The parcel was delivered: tracking shows a signature."
 
 
 def test_a_gateway_killed_after_its_go_is_restarted_and_the_retried_call_does_not_refund_again(
@@ -304,3 +320,58 @@ def test_a_tool_the_gateway_is_not_told_about_passes_through_without_a_card(syst
     assert ActionRequest.objects.count() == 0
     assert system.reviewer.get("/api/approvals?status=pending").body == []
     assert payments.refunds == []
+
+
+def test_a_misspelt_approve_name_stops_the_gateway_before_anything_is_forwarded(system, payments, gateways):
+    # Issue 24, defect 13. The upstream's tool is refund_order; the operator typed `--approve refund`. A gateway
+    # that started anyway would guard nothing and forward every refund_order without a card.
+    async def main():
+        async with gateways.client(approve=("refund",)) as client:
+            return await asyncio.wait_for(client.call_tool("refund_order", ASKED), WAIT)
+
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - whatever the SDK raises for a server that exited
+        result = asyncio.run(main())
+        pytest.fail(f"the gateway served the call: {text(result)}\n{gateways.log()}")
+
+    assert payments.refunds == [], gateways.log()
+    assert ActionRequest.objects.count() == 0
+    log = gateways.logs[-1].read_text(errors="replace")
+    assert "the upstream server has no tool named 'refund'" in log, (raised.value, log)
+    assert "refund_order" in log  # what it does have (and the likely meant name)
+
+    # The same gateway, as a process of its own: it exits non-zero, with one clear line and no traceback.
+    done = subprocess.run(
+        [sys.executable, *gateways.arguments(approve=("refund",))],
+        env={**os.environ, **gateways.env()},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [errors[0]] and "no tool named 'refund'" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert payments.refunds == []
+
+
+def test_two_gateway_processes_of_one_token_do_not_share_their_calls(system, payments, gateways):
+    # Issue 24: with the default session, every gateway process of a token made the same key for the same call,
+    # so a second conversation's refund got the first one's recorded result (and was never asked or made).
+    first_reviewer = Reviewer(system, "approve", comment="first conversation")
+    first = call(gateways, "refund_order", ASKED, session=None)
+    first_card = first_reviewer.decided()
+
+    second_reviewer = Reviewer(system, "approve", comment="second conversation")
+    second = call(gateways, "refund_order", ASKED, session=None)
+    second_card = second_reviewer.decided()
+
+    assert not first.is_error and not second.is_error, (text(first), text(second))
+    assert text(second).startswith("Approved by reviewer. refund_order was forwarded once."), text(second)
+    assert "second conversation" in text(second)
+    assert len(payments.refunds) == 2  # each conversation's own refund, each asked on its own card
+    assert first_card["id"] != second_card["id"] and ActionRequest.objects.count() == 2
+    keys = [request_of(system, card)["idempotency_key"] for card in (first_card, second_card)]
+    assert keys[0] != keys[1]
+    # Each process its own session: its own external run (one timeline per conversation).
+    assert request_of(system, first_card)["run_id"] != request_of(system, second_card)["run_id"]

@@ -108,10 +108,13 @@ class FakeConsole:
 
     # -- what the people at the console do ------------------------------------------------------------------
 
-    def approve(self, request_id: str, *, by: str = "bob", edit: dict[str, Any] | None = None) -> None:
+    def approve(
+        self, request_id: str, *, by: str = "bob", edit: dict[str, Any] | None = None, comment: str = ""
+    ) -> None:
         request = self.requests[request_id]
         assert request.status == "pending"
         request.status, request.decided_by, request.decided_at = "approved", by, _now()
+        request.comment = comment
         if edit is not None:
             request.arguments, request.edited = edit, True
 
@@ -129,8 +132,8 @@ class FakeConsole:
         request = self.requests[request_id]
         request.status, request.reason, request.arguments = "cancelled", "run cancelled", None
 
-    def approves_while_waiting(self, *, edit: dict[str, Any] | None = None, by: str = "bob") -> None:
-        self.reviewer = lambda request: self.approve(request.id, edit=edit, by=by)
+    def approves_while_waiting(self, *, edit: dict[str, Any] | None = None, by: str = "bob", comment: str = "") -> None:
+        self.reviewer = lambda request: self.approve(request.id, edit=edit, by=by, comment=comment)
 
     def rejects_while_waiting(self, *, comment: str, reason: str = "policy", by: str = "bob") -> None:
         self.reviewer = lambda request: self.reject(request.id, comment=comment, reason=reason, by=by)

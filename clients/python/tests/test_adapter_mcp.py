@@ -7,22 +7,35 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import mcp_types as types
+import pydantic
 import pytest
 from conftest import BASE_URL
 from fake_console import FakeConsole, digest_of
 from mcp import Client as McpClient
-from mcp.server.mcpserver import MCPServer
+from mcp.client._memory import InMemoryTransport
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
 
+import hitl_client
 from hitl_client import AsyncClient
-from hitl_client.adapters.mcp_gateway import DECISION_META, IDEMPOTENCY_KEY_META, Gateway
+from hitl_client.adapters.mcp_gateway import (
+    DECISION_META,
+    IDEMPOTENCY_KEY_META,
+    Gateway,
+    UnknownTools,
+    decline_elicitation,
+)
 
 ASKED = {"order_id": "o-42", "amount_cents": 500}
 
@@ -144,6 +157,17 @@ def test_a_rejected_call_is_an_error_result_with_the_comment_and_forwards_nothin
         "Rejected by bob (reason: policy): refund_order was not run, nothing was forwarded. "
         "Their comment: The parcel was delivered."
     )
+    # The same as data, as for an approved call (docs/external-agents.md): nothing forwarded.
+    assert result.meta[DECISION_META] == {
+        "request_id": console.only().id,
+        "status": "rejected",
+        "decided_by": "bob",
+        "edited": False,
+        "comment": "The parcel was delivered.",
+        "reason": "policy",
+        "forwarded": False,
+        "arguments": None,
+    }
 
 
 def test_an_expired_request_is_an_error_result_and_forwards_nothing(console):
@@ -153,6 +177,8 @@ def test_an_expired_request_is_an_error_result_and_forwards_nothing(console):
     (result,) = call(console, refunds, ("refund_order", ASKED))
 
     assert refunds.made == [] and result.is_error and "expired" in text(result)
+    decision = result.meta[DECISION_META]
+    assert decision["status"] == "expired" and decision["forwarded"] is False and decision["decided_by"] is None
 
 
 def test_a_tool_the_policy_does_not_name_passes_through_without_a_card(console):
@@ -409,14 +435,136 @@ def test_an_answer_lost_upstream_leaves_the_outcome_unknown_and_is_not_forwarded
     assert upstream.calls == ["refund_order"] and "Not forwarded again" in text(again)
 
 
+class Confirmation(pydantic.BaseModel):
+    confirm: bool
+
+
+class Eliciting:
+    """An upstream whose refund_order asks the user to confirm (MCP elicitation) and refunds only on a yes:
+    `asked` counts the confirmations it asked for, `made` the refunds."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.made: list[tuple[str, int]] = []
+        self.server = MCPServer("eliciting")
+
+        @self.server.tool()
+        async def refund_order(order_id: str, amount_cents: int, ctx: Context) -> dict[str, Any]:
+            """Refund an order, once the user confirms."""
+            self.asked.append(order_id)
+            answer = await ctx.elicit(f"Really refund {amount_cents} on {order_id}?", Confirmation)
+            if answer.action != "accept" or not answer.data.confirm:
+                raise ToolError(f"the refund was not confirmed ({answer.action})")
+            self.made.append((order_id, amount_cents))
+            return {"refund_id": "r-1"}
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_an_upstream_that_elicits_input_after_the_go_fails_cleanly_and_is_recorded_as_failed(console, mode):
+    # Issue 24: the call failed through the gateway with a raw JSON-RPC error after its approval was consumed.
+    # The gateway relays no elicitation: a person approved these arguments, not what the upstream would ask on
+    # top of them. Over the current protocol the upstream cannot ask (no back-channel: a protocol error); over
+    # the handshake-era one it asks and the gateway declines. Either way the client gets a tool result that
+    # says so, and the console records the execution as failed (never "outcome unknown").
+    upstream = Eliciting()
+    console.approves_while_waiting()
+
+    async def main():
+        connection = McpClient(InMemoryTransport(upstream.server), mode=mode, elicitation_callback=decline_elicitation)
+        async with connection as client, gateway(console, client) as downstream:
+            return await asyncio.wait_for(downstream.call_tool("refund_order", ASKED), 10)
+
+    result = asyncio.run(main())
+
+    assert isinstance(result, types.CallToolResult) and result.is_error, result
+    assert upstream.asked == ["o-42"] and upstream.made == []
+    assert text(result).startswith("Approved by bob. refund_order was forwarded once.")
+    assert result.meta[DECISION_META]["forwarded"] is True
+    request = console.only()
+    assert request.execution == "failed", request.execution
+    if mode == "auto":
+        assert "elicitation" in text(result) and "not relayed" in text(result)
+        assert "asked for input (elicitation/create)" in request.error, request.error
+    else:
+        assert "the refund was not confirmed (decline)" in text(result)
+        assert "the refund was not confirmed (decline)" in request.error
+
+
 def test_a_tool_the_upstream_does_not_have_is_a_protocol_error_and_asks_nothing(console):
     refunds = Refunds()
 
-    (error,) = call(console, refunds, ("delete_everything", {}), needs_approval={"delete_everything"})
+    def everything(tool: str, arguments: dict[str, Any]) -> bool:
+        return True
+
+    (error,) = call(console, refunds, ("delete_everything", {}), needs_approval=everything)
 
     assert isinstance(error, MCPError) and error.code == types.INVALID_PARAMS
     assert "Unknown tool: delete_everything" in error.message
     assert console.requests == {}
+
+
+def test_a_policy_that_names_a_tool_the_upstream_does_not_have_serves_nothing(console):
+    # Issue 24, defect 13: `refund` for `refund_order` would guard nothing and let every refund through.
+    refunds = Refunds()
+    console.approves_while_waiting()
+
+    results = call(
+        console, refunds, ("refund_order", ASKED), ("lookup_order", {"order_id": "o-42"}), needs_approval={"refund"}
+    )
+
+    assert refunds.made == [] and console.requests == {}
+    for error in results:
+        assert isinstance(error, MCPError), error
+        assert "refuses to serve: the upstream server has no tool named 'refund' (did you mean 'refund_order'?)" in (
+            error.message
+        )
+
+
+def test_verify_names_the_missing_tools_and_what_the_upstream_has(console):
+    async def main():
+        async with McpClient(Refunds().server) as upstream:
+            hitl = AsyncClient(BASE_URL, "tok-alice", transport=httpx.MockTransport(console.handler))
+            good = Gateway(upstream, hitl, channel="payments", needs_approval={"refund_order"})
+            bad = Gateway(upstream, hitl, channel="payments", needs_approval={"refund_order", "refund_ordr", "x"})
+            listed = [tool.name for tool in await good.verify()]
+            with pytest.raises(UnknownTools) as raised:
+                await bad.verify()
+            return listed, raised.value
+
+    listed, error = asyncio.run(main())
+
+    assert sorted(listed) == ["lookup_order", "refund_order"]
+    assert error.unknown == ["refund_ordr", "x"] and error.exit_code == 2
+    assert str(error).startswith(
+        "the upstream server has no tool named 'refund_ordr' (did you mean 'refund_order'?), 'x'; "
+        "its tools: lookup_order, refund_order."
+    )
+
+
+def test_a_gateway_that_guards_nothing_starts_only_when_told_to(console):
+    hitl = AsyncClient(BASE_URL, "tok-alice", transport=httpx.MockTransport(console.handler))
+    with pytest.raises(ValueError, match="would guard nothing"):
+        Gateway(object(), hitl, channel="payments", needs_approval=set())
+
+    refunds = Refunds()
+    (result,) = call(console, refunds, ("refund_order", ASKED), needs_approval=frozenset(), allow_unguarded=True)
+
+    assert not result.is_error and refunds.made == [("o-42", 500)] and console.requests == {}
+
+
+def test_each_gateway_has_its_own_session_unless_one_is_named(console):
+    # Issue 24: a default session shared by every gateway process of a token gave one conversation the recorded
+    # result of another's identical call.
+    refunds = Refunds()
+    console.approves_while_waiting()
+
+    call(console, refunds, ("refund_order", ASKED), session=None)
+    (second,) = call(console, refunds, ("refund_order", ASKED), session=None)
+
+    assert refunds.made == [("o-42", 500), ("o-42", 500)]
+    assert text(second).startswith("Approved by bob. refund_order was forwarded once.")
+    keys = [request.key for request in console.requests.values()]
+    assert len(set(keys)) == 2 and all(re.fullmatch(r"mcp:gw-[0-9a-f]{32}:[0-9a-f]{64}:1", key) for key in keys)
 
 
 def test_on_a_shadow_channel_nothing_is_forwarded(console):
@@ -459,7 +607,10 @@ def test_the_client_is_told_while_the_gateway_waits_for_a_person(console):
     result = asyncio.run(main())
 
     assert not result.is_error and len(told) == 2
-    assert told[0] == f"Waiting for a person's decision on the console (card 1, request {console.only().id})."
+    assert told[0] == (
+        f"Waiting for a person's decision on the console: {BASE_URL}/approvals/1/ (card 1, request "
+        f"{console.only().id})."
+    )
 
 
 @pytest.mark.parametrize(
@@ -475,3 +626,50 @@ def test_bad_options_are_refused(console, options, error):
     arguments = {"channel": "payments", "needs_approval": {"refund_order"}, **options}
     with pytest.raises((ValueError, TypeError), match=error):
         Gateway(object(), hitl, **arguments)
+
+
+CLIENT_SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(hitl_client.__file__)))
+
+
+def gateway_command(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """The gateway as its users start it, a process (no console is asked before it serves: none runs here)."""
+    env = {
+        **os.environ,
+        "HITL_URL": "http://127.0.0.1:9",
+        "HITL_TOKEN": "tok-alice",
+        "PYTHONPATH": os.pathsep.join(filter(None, [CLIENT_SOURCE, os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "hitl_client.adapters.mcp_gateway", "--channel", "payments", *arguments],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("upstream", "code", "says"),
+    [
+        ("no-such-mcp-server-command", 1, "could not be started or reached: FileNotFoundError: [Errno 2]"),
+        (f"{sys.executable} -c pass", 1, "could not be started or reached: Connection closed."),
+        ("http://127.0.0.1:9/mcp", 1, "could not be started or reached: ConnectError"),
+        ("", 2, "--upstream is empty"),
+        ("'unclosed", 2, "is not a command line: No closing quotation."),
+    ],
+)
+def test_a_bad_upstream_is_one_error_line_and_a_non_zero_exit(upstream, code, says):
+    # Issue 24: it was a traceback of nested ExceptionGroups.
+    done = gateway_command("--upstream", upstream, "--approve", "refund_order")
+
+    assert done.returncode == code, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("python -m hitl_client.adapters.mcp_gateway: error: ") and says in done.stderr
+
+
+def test_the_command_refuses_to_guard_nothing_unless_told_to():
+    done = gateway_command("--upstream", "whatever")
+
+    assert done.returncode == 2
+    assert "a gateway that guards nothing starts only with --allow-unguarded" in done.stderr

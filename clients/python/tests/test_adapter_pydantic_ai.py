@@ -144,6 +144,43 @@ def test_an_edit_runs_the_tool_once_with_the_edited_arguments_and_the_model_is_t
     assert saved["finished"] is True and "Done." in saved["output"]
 
 
+def test_an_edit_tells_the_model_the_reviewers_comment(console):
+    # Issue 24: LangGraph and the MCP gateway told the model why the arguments changed; this adapter dropped it.
+    refunds, model = Refunds(), Model([("refund_order", ASKED)])
+    edited = {**ASKED, "amount_cents": 300}
+    console.approves_while_waiting(edit=edited, comment="Two euros went back as a voucher already.")
+
+    run(console, agent_with(model, refunds.tool()))
+
+    assert refunds.made == [("o-42", 300)]
+    told = model.tool_outputs()["call_0"]
+    assert "A person edited the arguments" in told
+    assert "Their comment: Two euros went back as a voucher already." in told
+
+
+def test_on_wait_is_told_what_the_run_waits_for_before_each_wait(console):
+    # Issue 24: LangGraph's invoke_with_approvals has on_wait; this adapter printed nothing while it waited.
+    refunds, model = Refunds(), Model([("refund_order", ASKED), ("refund_order", {**ASKED, "order_id": "o-43"})])
+    told: list[list[dict[str, Any]]] = []
+    console.approves_while_waiting()
+
+    run(console, agent_with(model, refunds.tool()), on_wait=told.append)
+
+    assert len(told) == 1 and len(told[0]) == 2  # once, before the wait, with both undecided requests
+    first, second = told[0]
+    request = next(r for r in console.requests.values() if r.asked == ASKED)
+    assert first == {
+        "request_id": request.id,
+        "url": f"/api/approval-requests/{request.id}",
+        "card_id": str(request.card_id),
+        "card_url": f"{BASE_URL}/approvals/{request.card_id}/",
+        "action": "refund_order",
+        "tool_call_id": "call_0",
+    }
+    assert second["tool_call_id"] == "call_1" and second["card_url"].startswith(f"{BASE_URL}/approvals/")
+    assert refunds.made == [("o-42", 500), ("o-43", 500)]
+
+
 def test_a_rejection_reaches_the_model_with_the_comment_and_runs_nothing(console):
     refunds, model = Refunds(), Model([("refund_order", ASKED)])
     console.rejects_while_waiting(comment="Customer already got a voucher.")

@@ -190,6 +190,23 @@ def test_a_tool_error_toolnode_lets_through_is_reported_then_raised_and_the_reru
     assert "ran before and failed" in shop.model_saw[0][0] and console.calls("POST", "/consume") == 1
 
 
+def test_on_wait_is_told_where_a_person_decides(client, console: FakeConsole):
+    # Issue 24: the example showed the request's API address (`url`), which only the agent's token may read;
+    # on_wait now gets the card's address in the console too, as the other adapters' on_wait does.
+    shop, told = Shop(), []
+    console.approves_while_waiting()
+
+    invoke_with_approvals(
+        shop.graph(client, [("refund_order", REFUND)]), ask(), THREAD, client=client, on_wait=told.extend
+    )
+
+    (waiting,) = told
+    request = console.only()
+    assert waiting["request_id"] == request.id and waiting["card_id"] == str(request.card_id)
+    assert waiting["card_url"] == f"http://console.test/approvals/{request.card_id}/"
+    assert waiting["url"] == f"/api/approval-requests/{request.id}"
+
+
 def test_a_wrapper_of_its_own_is_refused(client):
     with pytest.raises(TypeError, match="wrap_tool_call"):
         Shop().graph(client, [], wrap_tool_call=lambda request, execute: execute(request))

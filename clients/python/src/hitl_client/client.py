@@ -88,6 +88,16 @@ class _Base:
             raise ValueError("An API token is required (manage.py create_api_token USER).")
         return {"Authorization": f"Bearer {token}", "Accept": "application/json", "User-Agent": _USER_AGENT}
 
+    _http: httpx.Client | httpx.AsyncClient
+
+    def card_url(self, card_id: str | int | None) -> str | None:
+        """The address of a request's card in the console (`<console>/approvals/<card_id>/`), where a person
+        decides it: what to show while waiting (a request's `url` is its API address, which only the agent's
+        token may read). None for a request without a card (`approval: "never"`)."""
+        if card_id is None:
+            return None
+        return str(self._http.base_url.join(f"approvals/{card_id}/"))
+
     def _request_kwargs(self, op: Send) -> dict[str, Any]:
         return {
             "params": op.params,

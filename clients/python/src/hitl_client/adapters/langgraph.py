@@ -389,14 +389,15 @@ def invoke_with_approvals(
     every decision: the thread stays stopped, and calling this again picks it up. `on_wait(requests)` is called
     before each wait with what the graph waits for (each request's `request_id`, `url`, `card_id`, `action`,
     `tool_call_id`). An interrupt of another kind is returned as `graph.invoke` returns it (`__interrupt__`), for
-    the caller to answer."""
+    the caller to answer. Each request `on_wait` is told of has `card_url` too: the card's address in the console,
+    where a person decides it (`url` is the request's API address, which only the agent's token may read)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     snapshot = graph.get_state(config)
     payload: Any = None if snapshot.next else input
     while True:
         if payload is None and (waiting := approval_interrupts(snapshot)):
             if on_wait:
-                on_wait([request for i in waiting for request in i.value[INTERRUPT_KEY]])
+                on_wait([_for_person(client, request) for i in waiting for request in i.value[INTERRUPT_KEY]])
             payload = Command(resume={i.id: _wait(client, i.value, deadline, poll) for i in waiting})
         result = graph.invoke(payload, config, durability="sync")
         snapshot = graph.get_state(config)
@@ -422,7 +423,7 @@ async def ainvoke_with_approvals(
     while True:
         if payload is None and (waiting := approval_interrupts(snapshot)):
             if on_wait:
-                on_wait([request for i in waiting for request in i.value[INTERRUPT_KEY]])
+                on_wait([_for_person(client, request) for i in waiting for request in i.value[INTERRUPT_KEY]])
             decided = {}
             for pending in waiting:
                 decided[pending.id] = await _await(client, pending.value, deadline, poll)
@@ -453,6 +454,11 @@ async def _await(client: AsyncClient, value: Mapping[str, Any], deadline: float 
         request = await client.wait(pending["request_id"], timeout=_left(deadline), poll=poll)
         decided[request.id] = request.status.value
     return decided
+
+
+def _for_person(client: Client | AsyncClient, request: Mapping[str, Any]) -> dict[str, Any]:
+    """An interrupt's request as `on_wait` is told of it: with the card's address in the console."""
+    return {**request, "card_url": client.card_url(request.get("card_id"))}
 
 
 def _left(deadline: float | None) -> float | None:

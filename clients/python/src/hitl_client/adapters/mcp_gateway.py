@@ -11,28 +11,40 @@ an approved call upstream, once, with the arguments the person approved: it take
 (the client's `require_approval`, so the rules of exactly once live in one place). The call's result says what
 was decided ("Approved by bob", "Edited by bob: amount_cents 4200 -> 2500", with the upstream's own content
 after it); a rejection, an expiry or a cancel is an error result with the reviewer's comment, and nothing was
-forwarded. Calls the policy does not name pass through untouched.
+forwarded; its `_meta["hitl/decision"]` says the same as data, as for an approved call. Calls the policy does
+not name pass through untouched.
+
+The gateway fails closed on its own configuration: before it serves anything it lists the upstream's tools, and
+a name in `--approve` that the upstream does not have (a typo, the wrong server) stops it (exit 2, one error
+line) rather than guard nothing under that name; a gateway with no `--approve` at all starts only with
+`--allow-unguarded`. An upstream that cannot be started or reached is one error line and exit 1.
 
 MCP has no call id that outlives a connection, so a call's idempotency key is the client's, when it sends one
 in the request's `_meta` under `hitl/idempotency-key` (1-200 characters, used as is), and otherwise
 `mcp:<session>:<digest of tool and arguments>:<n>`, where n counts the identical calls (same tool, same
-arguments) this gateway process has settled in its session. The same key is the same request: a call whose go
-was taken before is never forwarded again; it answers the recorded result, or, when the gateway died between
-the go and the upstream's answer, that the outcome is unknown (a person checks). docs/external-agents.md says
-exactly what this guarantees.
+arguments) this gateway process has settled in its session. The session is `--session`, or by default one the
+process makes for itself (`gw-<random>`): two gateway processes of one token never share a key unless they are
+given the same session, as a gateway restarted to continue the calls of the one before is.
+
+The same key is the same request: a call whose go was taken before is never forwarded again; it answers the
+recorded result, or, when the gateway died between the go and the upstream's answer, that the outcome is
+unknown (a person checks). docs/external-agents.md says exactly what this guarantees.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import logging
 import os
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Callable, Collection, Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +71,19 @@ from hitl_client.errors import (
 )
 from hitl_client.models import ApprovalRequest, RequestStatus
 
-__all__ = ["DECISION_META", "IDEMPOTENCY_KEY_META", "Gateway", "main", "serve"]
+__all__ = [
+    "DECISION_META",
+    "IDEMPOTENCY_KEY_META",
+    "Gateway",
+    "GatewayStartError",
+    "UnknownTools",
+    "decline_elicitation",
+    "main",
+    "serve",
+]
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger("hitl_client.mcp_gateway")
 
@@ -77,12 +101,59 @@ NeedsApproval = Collection[str] | Callable[[str, Mapping[str, Any]], bool]
 Describe = Callable[[str, Mapping[str, Any]], Any]
 
 
+class GatewayStartError(Exception):
+    """The gateway cannot serve: its upstream could not be started or reached, or its options do not fit (a
+    policy that names tools the upstream does not have). Nothing was served, nothing was forwarded. The message
+    is one line, for the operator; `exit_code` the command's (2: the options, 1: the upstream)."""
+
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class UnknownTools(GatewayStartError, ValueError):
+    """The policy names tools the upstream server does not have (a typo, or the wrong server): a gateway that
+    started anyway would guard nothing under those names, and forward the real tool's calls without a card."""
+
+    def __init__(self, unknown: Collection[str], available: Collection[str]) -> None:
+        self.unknown, self.available = sorted(unknown), sorted(available)
+        names = []
+        for name in self.unknown:
+            close = difflib.get_close_matches(name, self.available, n=1, cutoff=0.5)
+            names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        super().__init__(
+            f"the upstream server has no tool named {', '.join(names)}; its tools: "
+            f"{', '.join(self.available) or 'none'}. The gateway does not start: a name that matches no tool "
+            "would guard nothing.",
+            exit_code=2,
+        )
+
+
 class _UpstreamToolError(Exception):
     """The upstream tool ran and answered an error result (`isError`): recorded as the action's failure."""
 
     def __init__(self, result: types.CallToolResult) -> None:
         super().__init__(_text_of(result) or "the upstream tool answered an error")
         self.result = result
+
+
+class _UpstreamRefused(Exception):
+    """The upstream answered the forwarded call with a JSON-RPC error instead of a result (it refused it, or the
+    tool failed in a way it did not turn into an error result): recorded as the action's failure, with a text
+    that says which, and told to the client as an error result (not a raw protocol error)."""
+
+    def __init__(self, cause: MCPError) -> None:
+        said = f"the JSON-RPC error {cause.code}: {(cause.message or '').rstrip('.')}"
+        if "elicitation" in (cause.message or "").lower():
+            text = (
+                "the upstream asked for input (elicitation/create) during the call, and input is not relayed for an "
+                "approved call (a person approved these arguments, not what is asked on top of them); it ended "
+                f"with {said}"
+            )
+        else:
+            text = f"the upstream answered {said}"
+        super().__init__(text)
+        self.cause = cause
 
 
 class _UpstreamAnswerLost(BaseException):
@@ -117,11 +188,15 @@ class Gateway:
     or anything with its `list_tools(cursor=)` and `call_tool(name, arguments, meta=)`).
 
     `needs_approval`: the names of the tools whose every call needs a person's sign-off, or a predicate of a
-    call's tool name and arguments (one that raises is taken as a yes: fail closed). Those calls are asked on
-    `channel` through `console`. `session` names this gateway's calls in their idempotency keys (give each
-    agent conversation its own, or keep one per gateway: see the module's docstring). `rationale` and `current`
-    may be callables of the tool's name and arguments; `edits=False` sends no schema (a person may then approve
-    or reject, not edit). `timeout`: seconds to wait for a decision (None: until the request expires)."""
+    call's tool name and arguments (one that raises is taken as a yes: fail closed). Every name must be a tool
+    of the upstream: the gateway lists the upstream's tools before it serves anything (`verify()`, which
+    `serve_stdio` and the first request run) and refuses to serve, `UnknownTools`, when one is missing. An empty
+    collection guards nothing and is refused unless `allow_unguarded=True` says that is meant. Those calls are
+    asked on `channel` through `console`. `session` names this gateway's calls in their idempotency keys; by
+    default each Gateway (each gateway process) makes its own, so two conversations never share a key (name one
+    to let a restarted gateway continue the calls of the one before: see the module's docstring). `rationale`
+    and `current` may be callables of the tool's name and arguments; `edits=False` sends no schema (a person may
+    then approve or reject, not edit). `timeout`: seconds to wait for a decision (None: until the request expires)."""
 
     def __init__(
         self,
@@ -130,7 +205,8 @@ class Gateway:
         *,
         channel: str,
         needs_approval: NeedsApproval,
-        session: str = "mcp-gateway",
+        session: str | None = None,
+        allow_unguarded: bool = False,
         name: str = "hitl-mcp-gateway",
         instructions: str | None = None,
         rationale: str | Mapping[str, Any] | Describe | None = None,
@@ -145,10 +221,19 @@ class Gateway:
     ) -> None:
         if not isinstance(console, AsyncClient):
             raise TypeError("The gateway needs an AsyncClient (it serves MCP on asyncio).")
+        if session is None:
+            session = f"gw-{uuid.uuid4().hex}"  # this gateway's own: no other process makes its keys
         if not session or len(session) > _MAX_SESSION:
             raise ValueError(f"session must be 1 to {_MAX_SESSION} characters.")
         if isinstance(needs_approval, str):
             raise TypeError("needs_approval is a collection of tool names (or a predicate), not one string.")
+        if not callable(needs_approval):
+            needs_approval = frozenset(needs_approval)
+            if not needs_approval and not allow_unguarded:
+                raise ValueError(
+                    "needs_approval names no tool: this gateway would guard nothing. Name the tools whose calls "
+                    "need approval, or pass allow_unguarded=True if passing every call through is meant."
+                )
         self.upstream, self.console, self.channel, self.session = upstream, console, channel, session
         self.needs_approval = needs_approval
         self.rationale, self.current, self.risk, self.display = rationale, current, risk, display
@@ -158,12 +243,48 @@ class Gateway:
         self.run_id: str | None = None
         self._tools: dict[str, types.Tool] = {}
         self._counters = _Counters()
+        # Whether the policy's names were checked against the upstream's tools (None: not yet), and why not.
+        self._verified: bool | None = None
+        self._refusal: GatewayStartError | None = None
         self.server: Server[Any] = Server(
             name, instructions=instructions, on_list_tools=self._list_tools, on_call_tool=self._call_tool
         )
 
+    async def verify(self) -> list[types.Tool]:
+        """Lists every upstream tool, and checks that each name the policy gives is one of them (`UnknownTools`
+        otherwise: the gateway then refuses every request). Returns the tools."""
+        tools: list[types.Tool] = []
+        cursor: str | None = None
+        while True:
+            listing = await self.upstream.list_tools(cursor=cursor)
+            tools.extend(listing.tools)
+            cursor = listing.next_cursor
+            if not cursor:
+                break
+        self._tools.update({tool.name: tool for tool in tools})
+        if not callable(self.needs_approval):
+            unknown = set(self.needs_approval) - {tool.name for tool in tools}
+            if unknown:
+                self._verified, self._refusal = False, UnknownTools(unknown, [tool.name for tool in tools])
+                raise self._refusal
+        self._verified = True
+        return tools
+
+    async def _serving(self) -> None:
+        """Before the first request is served: the policy checked against the upstream (once)."""
+        if self._verified is None:
+            try:
+                await self.verify()
+            except UnknownTools as exc:
+                logger.error("Refusing to serve: %s", exc)
+        if self._refusal is not None:
+            raise MCPError(types.INTERNAL_ERROR, f"The HITL gateway refuses to serve: {self._refusal}")
+
     async def serve_stdio(self) -> None:
-        """Serves one MCP client over this process's stdin and stdout until it disconnects."""
+        """Serves one MCP client over this process's stdin and stdout until it disconnects, once `verify()` passed
+        (it raises `UnknownTools` before serving anything otherwise)."""
+        if not self._verified:
+            await self.verify()
         async with stdio_server() as (read_stream, write_stream):
             await self.server.run(read_stream, write_stream, self.server.create_initialization_options())
 
@@ -172,6 +293,7 @@ class Gateway:
     async def _list_tools(
         self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
+        await self._serving()
         listing = await self.upstream.list_tools(cursor=params.cursor if params else None)
         self._tools.update({tool.name: tool for tool in listing.tools})
         return types.ListToolsResult(tools=listing.tools, next_cursor=listing.next_cursor)
@@ -193,6 +315,7 @@ class Gateway:
     async def _call_tool(
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
+        await self._serving()
         name, arguments = params.name, dict(params.arguments or {})
         meta: Mapping[str, Any] = params.meta or {}
         if not self._asks(name, arguments):
@@ -260,7 +383,9 @@ class Gateway:
             except MCPError as exc:
                 if exc.code in _ANSWER_LOST:
                     raise _UpstreamAnswerLost(exc) from exc
-                raise  # the upstream answered with an error: it refused the call (recorded as failed)
+                # The upstream answered with an error: it refused the call, or could not finish it (recorded as
+                # failed: it answered, so it is not running any more).
+                raise _UpstreamRefused(exc) from exc
             except Exception as exc:
                 raise _UpstreamAnswerLost(exc) from exc
             if result.is_error:
@@ -291,12 +416,19 @@ class Gateway:
             decided = request if request.decided else await self._wait(ctx, request)
             value = await guarded(**arguments)
         except Declined as exc:
-            return _Outcome(_error(_declined(name, exc.request)), settled=True)
+            declined = _error(_declined(name, exc.request))
+            return _Outcome(_with_decision(declined, exc.request, None), settled=True)
         except (OutcomeUnknown, ActionFailed) as exc:
             return _Outcome(_error(f"Not forwarded again: {exc}"), settled=True)
         except _UpstreamToolError as exc:
             note = f"{_decision(name, arguments, decided, forwarded)} The upstream answered an error."
             return _Outcome(_with_note(exc.result, note, decided, forwarded), settled=True)
+        except _UpstreamRefused as exc:
+            note = (
+                f"{_decision(name, arguments, decided, forwarded)} The upstream did not answer with a result: {exc}. "
+                "Recorded as failed; it is not forwarded again."
+            )
+            return _Outcome(_with_note(_error(""), note, decided, forwarded, keep=False), settled=True)
         except _UpstreamAnswerLost as exc:
             logger.error("%s was forwarded (request %s) and its answer was lost: %r", name, decided.id, exc.cause)
             return _Outcome(
@@ -371,7 +503,11 @@ class Gateway:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         polls = 0
         while True:
-            message = f"Waiting for a person's decision on the console (card {request.card_id}, request {request.id})."
+            where = self.console.card_url(request.card_id)
+            message = (
+                f"Waiting for a person's decision on the console: {where} (card {request.card_id}, request "
+                f"{request.id})."
+            )
             try:
                 await ctx.session.report_progress(polls, None, message)
             except Exception:  # the client went away, or takes no progress: the wait goes on regardless
@@ -421,24 +557,60 @@ def _declined(name: str, request: ApprovalRequest) -> str:
 
 
 def _with_note(
-    result: types.CallToolResult, note: str, decided: ApprovalRequest, ran_with: Mapping[str, Any] | None
+    result: types.CallToolResult,
+    note: str,
+    decided: ApprovalRequest,
+    ran_with: Mapping[str, Any] | None,
+    *,
+    keep: bool = True,
 ) -> types.CallToolResult:
-    """The upstream's result with the decision first: a text part, and the same as data in `_meta`."""
+    """The upstream's result with the decision first: a text part, and the same as data in `_meta` (`keep=False`:
+    the note alone, `result` has no content of the upstream's)."""
+    noted = types.CallToolResult(
+        content=[types.TextContent(text=note), *(result.content if keep else [])],
+        structured_content=result.structured_content,
+        is_error=result.is_error,
+        _meta=result.meta,
+    )
+    return _with_decision(noted, decided, ran_with, arguments=dict(ran_with) if ran_with is not None else _UNSET)
+
+
+_UNSET: Any = object()
+
+
+def _with_decision(
+    result: types.CallToolResult,
+    decided: ApprovalRequest,
+    ran_with: Mapping[str, Any] | None,
+    *,
+    arguments: Any = _UNSET,
+) -> types.CallToolResult:
+    """`result` with what the console decided as data, in `_meta["hitl/decision"]`: for an approved call and a
+    declined one alike (`forwarded` says whether the upstream got it; `arguments`, what it got, or what was
+    approved when it ran before; None when nothing was approved)."""
     decision = {
         "request_id": decided.id,
         "status": decided.status.value,
         "decided_by": decided.decided_by,
         "edited": decided.edited,
         "comment": decided.comment,
+        "reason": decided.reason,
         "forwarded": ran_with is not None,
-        "arguments": dict(ran_with) if ran_with is not None else decided.arguments,
+        "arguments": decided.arguments if arguments is _UNSET else arguments,
     }
-    return types.CallToolResult(
-        content=[types.TextContent(text=note), *result.content],
-        structured_content=result.structured_content,
-        is_error=result.is_error,
-        _meta={**(result.meta or {}), DECISION_META: decision},
-    )
+    return result.model_copy(update={"meta": {**(result.meta or {}), DECISION_META: decision}})
+
+
+async def decline_elicitation(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+    """The gateway's answer to an upstream that asks its client for input (MCP elicitation) during a call:
+    declined. The gateway relays no elicitation: for an approved call a person approved its arguments, and input
+    asked for on top of them (an amount, a confirmation, a URL to visit) is not what they saw; for the calls that
+    pass through it has no way to tell whose call asks. The upstream hears "decline" and ends the call its own
+    way; for an approved call, whatever it answers then is recorded as the call's outcome (an error result or a
+    JSON-RPC error as its failure). Pass it as `elicitation_callback` to the upstream's `mcp.Client` (`serve`
+    does)."""
+    logger.warning("The upstream asked for input, declined (the gateway relays no elicitation): %s", params.message)
+    return types.ElicitResult(action="decline")
 
 
 def _recordable(result: types.CallToolResult) -> dict[str, Any]:
@@ -501,18 +673,38 @@ async def serve(
     **options: Any,
 ) -> None:
     """Starts the upstream server (a command to run over stdio, or an http(s) URL of a streamable-HTTP server),
-    and serves the gateway in front of it over stdio. `options` are the Gateway's."""
+    checks the policy against its tools, and serves the gateway in front of it over stdio. `options` are the
+    Gateway's. `GatewayStartError` (`UnknownTools` among them) when it cannot start: nothing was served."""
     target: StdioServerParameters | str
     if upstream.startswith(("http://", "https://")):
         target = upstream
     else:
-        command = shlex.split(upstream)
+        try:
+            command = shlex.split(upstream)
+        except ValueError as exc:
+            raise GatewayStartError(f"--upstream {upstream!r} is not a command line: {exc}.", exit_code=2) from None
         if not command:
-            raise ValueError("--upstream is empty.")
+            raise GatewayStartError(
+                "--upstream is empty: give the command that starts the upstream MCP server.", exit_code=2
+            )
         target = StdioServerParameters(command=command[0], args=command[1:], env=dict(upstream_env or {}))
-    async with McpClient(target) as connected:
+    async with AsyncExitStack() as stack:
+        try:
+            connected = await stack.enter_async_context(McpClient(target, elicitation_callback=decline_elicitation))
+        except Exception as exc:  # an ExceptionGroup of the SDK's task groups, as often as not
+            raise GatewayStartError(
+                f"the upstream server {upstream!r} could not be started or reached: {_leaf_text(exc)}."
+            ) from exc
         options.setdefault("instructions", connected.instructions)
         gateway = Gateway(connected, console, **options)
+        try:
+            await gateway.verify()
+        except GatewayStartError:
+            raise
+        except Exception as exc:
+            raise GatewayStartError(
+                f"the upstream server {upstream!r} did not list its tools: {_leaf_text(exc)}."
+            ) from exc
         logger.info(
             "MCP gateway (pid %d) in front of %s: calls of %s need approval on %r (session %s).",
             os.getpid(),
@@ -522,6 +714,19 @@ async def serve(
             gateway.session,
         )
         await gateway.serve_stdio()
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; the exception itself when it is none."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _leaf_text(exc: BaseException) -> str:
+    leaf = _leaves(exc)[0]
+    text = str(leaf).strip() or "(no message)"
+    return f"{type(leaf).__name__}: {text}" if not isinstance(leaf, MCPError) else text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -537,9 +742,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--channel", required=True, help="the console channel the approval requests are asked on")
     parser.add_argument(
-        "--approve", action="append", default=[], metavar="TOOL", help="a tool whose calls need approval (repeat)"
+        "--approve",
+        action="append",
+        default=[],
+        metavar="TOOL",
+        help="a tool whose calls need approval (repeat); each must be a tool of the upstream, or the gateway does "
+        "not start",
     )
-    parser.add_argument("--session", default="mcp-gateway", help="names this gateway's calls in their idempotency keys")
+    parser.add_argument(
+        "--allow-unguarded",
+        action="store_true",
+        help="start with no --approve at all, every call passing through (refused otherwise)",
+    )
+    parser.add_argument(
+        "--session",
+        help="names this gateway's calls in their idempotency keys (default: a new one for each process); give "
+        "the same one to a restarted gateway that must continue the calls of the one before",
+    )
     parser.add_argument("--name", default="hitl-mcp-gateway", help="the gateway's server name")
     parser.add_argument("--rationale", help="what the cards say about why (default: which client called which tool)")
     parser.add_argument("--risk", choices=["low", "medium", "high"])
@@ -560,13 +779,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: 0 when the client disconnected; 2 (after one `error:` line on stderr) when the options do not
+    fit the upstream (a name `--approve` gives that it does not have) or are missing; 1 when the upstream could not
+    be started or reached, or the gateway failed."""
     parser = _parser()
     args = parser.parse_args(argv)
     url, token = os.environ.get("HITL_URL"), os.environ.get("HITL_TOKEN")
     if not url or not token:
         parser.error("HITL_URL and HITL_TOKEN must be set (the console and an API token that may ask on the channel).")
-    if not args.approve:
-        parser.error("name at least one tool with --approve (the others pass through).")
+    if args.approve and args.allow_unguarded:
+        parser.error("--allow-unguarded is for a gateway with no --approve: give one or the other.")
+    if not args.approve and not args.allow_unguarded:
+        parser.error(
+            "name at least one tool with --approve (the others pass through); a gateway that guards nothing starts "
+            "only with --allow-unguarded."
+        )
     display = {}
     for item in args.display:
         field_name, equals, path = item.partition("=")
@@ -586,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
                 upstream_env=upstream_env,
                 channel=args.channel,
                 needs_approval=frozenset(args.approve),
+                allow_unguarded=args.allow_unguarded,
                 session=args.session,
                 name=args.name,
                 rationale=args.rationale,
@@ -597,7 +825,22 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=args.timeout,
             )
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # ExceptionGroups of the SDK's task groups included: one line, not a nest of them
+        leaves = _leaves(exc)
+        start = next((leaf for leaf in leaves if isinstance(leaf, GatewayStartError)), None)
+        if start is not None:
+            print(f"{parser.prog}: error: {start}", file=sys.stderr)
+            return start.exit_code
+        if isinstance(leaves[0], ValueError):  # the Gateway's own refusal of its options
+            print(f"{parser.prog}: error: {leaves[0]}", file=sys.stderr)
+            return 2
+        logger.debug("The gateway failed.", exc_info=exc)
+        print(f"{parser.prog}: error: the gateway stopped: {_leaf_text(exc)}", file=sys.stderr)
+        return 1
     return 0
 
 

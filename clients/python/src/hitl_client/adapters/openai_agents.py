@@ -36,7 +36,7 @@ import inspect
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ __all__ = ["NoApprovalSession", "NotAnApprovalTool", "SessionFinished", "approva
 
 F = TypeVar("F", bound=Callable[..., Any])
 Describe = str | Mapping[str, Any] | Callable[..., Any] | None
+OnWait = Callable[[list[dict[str, Any]]], "None | Awaitable[None]"]
 
 # The run_with_approvals that is running the agent: the tools' invokers run inside it (the SDK's tasks inherit it).
 _SESSION: ContextVar[_Session | None] = ContextVar("hitl_openai_agents_session", default=None)
@@ -262,6 +263,7 @@ async def run_with_approvals(
     run_config: RunConfig | None = None,
     timeout: float | None = None,
     poll: int = 25,
+    on_wait: OnWait | None = None,
 ) -> RunResult:
     """Runs `agent` on `input` until it ends, asking the console whenever it calls an approval tool, and returns
     the SDK's result.
@@ -273,12 +275,16 @@ async def run_with_approvals(
     without running anything twice. Without it, a restarted process starts the run over. Once the run has
     ended the file says so, and running the session again raises `SessionFinished`.
     `timeout`: seconds to wait for each decision (`WaitTimeout`; run again to go on waiting).
+    `on_wait(requests)` is called (and awaited, if it returns an awaitable) before each wait with what the run
+    waits for, as LangGraph's `invoke_with_approvals` calls it: each undecided request's `request_id`, `url` (its
+    API address), `card_id`, `card_url` (the card in the console, for a person), `action` and `tool_call_id`.
     A tool's `Locked` (kill switch), a console that cannot be reached and the like stop the run (raised); run
     again later. A person's rejection, an unknown outcome or the tool's own failure are the call's output, for
     the model to read."""
     if not isinstance(client, AsyncClient):
         raise TypeError("run_with_approvals needs an AsyncClient (the SDK runs on asyncio).")
     keeper = _Session(client, session, Path(state_path) if state_path is not None else None, timeout, poll)
+    keeper.on_wait = on_wait
     saved = keeper.load()
     next_input: str | list[Any] | RunState[Any] = input
     token = _SESSION.set(keeper)
@@ -323,7 +329,10 @@ class _Session:
             raise ValueError(f"session must be 1 to {_MAX_SESSION} characters.")
         self.client, self.name, self.path, self.timeout, self.poll = client, name, path, timeout, poll
         self.run_id: str | None = None
+        self.on_wait: OnWait | None = None
         self._state: dict[str, Any] | None = None
+        # The decisions this session read, by idempotency key: what the model is told of an edit (who, why).
+        self._decided: dict[str, ApprovalRequest] = {}
 
     def key(self, call_id: str) -> str:
         return f"{self.name}:{call_id}"
@@ -384,8 +393,12 @@ class _Session:
                 self.run_id = request.run_id
                 self.save()
             asked.append((item, approval, request))
+        undecided = [(item, request) for item, _, request in asked if not request.decided]
+        if undecided and self.on_wait is not None:
+            await _tell(self.on_wait, [_waiting(self.client, r, _raw_field(item, "call_id")) for item, r in undecided])
         for item, approval, request in asked:
             decided = request if request.decided else await self.client.wait(request.id, self.timeout, self.poll)
+            self._decided[self.key(_raw_field(item, "call_id"))] = decided
             if decided.status is RequestStatus.APPROVED:
                 # The SDK may now invoke the tool; its invoker runs what the console approved, once.
                 state.approve(item)
@@ -443,9 +456,33 @@ class _Session:
         if ran_with and ran_with != asked:
             return (
                 f"A person edited the arguments before approving: {approval.action} ran with "
-                f"{json.dumps(ran_with, sort_keys=True)}. Its result: {_as_text(result)}"
+                f"{json.dumps(ran_with, sort_keys=True)}.{_comment(self._decided.get(key))} "
+                f"Its result: {_as_text(result)}"
             )
         return result
+
+
+def _comment(decided: ApprovalRequest | None) -> str:
+    """The reviewer's comment on a decision, as the model reads it after an edit (LangGraph's and MCP's words)."""
+    return f" Their comment: {decided.comment}" if decided is not None and decided.comment else ""
+
+
+def _waiting(client: AsyncClient, request: ApprovalRequest, call_id: str) -> dict[str, Any]:
+    """What `on_wait` is told of a request the run waits for."""
+    return {
+        "request_id": request.id,
+        "url": request.url,
+        "card_id": request.card_id,
+        "card_url": client.card_url(request.card_id),
+        "action": request.action,
+        "tool_call_id": call_id,
+    }
+
+
+async def _tell(on_wait: OnWait, requests: list[dict[str, Any]]) -> None:
+    told = on_wait(requests)
+    if inspect.isawaitable(told):
+        await told
 
 
 def _approval_of(item: ToolApprovalItem) -> _Approval:

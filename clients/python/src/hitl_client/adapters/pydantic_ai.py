@@ -36,7 +36,7 @@ import inspect
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +67,7 @@ from hitl_client.models import ApprovalRequest, RequestStatus
 __all__ = ["NoApprovalSession", "NotAnApprovalTool", "SessionFinished", "approval_tool", "run_with_approvals"]
 
 Describe = str | Mapping[str, Any] | Callable[..., Any] | None
+OnWait = Callable[[list[dict[str, Any]]], "None | Awaitable[None]"]
 
 # The run_with_approvals that is running the agent: the tools run inside it (Pydantic AI's tasks inherit it).
 _SESSION: ContextVar[_Session | None] = ContextVar("hitl_pydantic_ai_session", default=None)
@@ -274,6 +275,7 @@ async def run_with_approvals(
     output_type: Any = None,
     timeout: float | None = None,
     poll: int = 25,
+    on_wait: OnWait | None = None,
     **run_options: Any,
 ) -> AgentRunResult[Any]:
     """Runs `agent` on `prompt` until it ends, asking the console whenever the model calls an approval tool, and
@@ -288,6 +290,9 @@ async def run_with_approvals(
     again raises `SessionFinished`.
     `output_type`: the run's output type (default the agent's); `DeferredToolRequests` is added to it.
     `timeout`: seconds to wait for each decision (`WaitTimeout`; run again to go on waiting).
+    `on_wait(requests)` is called (and awaited, if it returns an awaitable) before each wait with what the run
+    waits for, as LangGraph's `invoke_with_approvals` calls it: each undecided request's `request_id`, `url` (its
+    API address), `card_id`, `card_url` (the card in the console, for a person), `action` and `tool_call_id`.
     `run_options` go to every `agent.run` (`deps`, `model_settings`, `usage_limits`, ...).
     A tool's `Locked` (kill switch), a console that cannot be reached and the like stop the run (raised); run
     again later. A person's rejection, an unknown outcome or the tool's own failure are the call's output, for
@@ -298,6 +303,7 @@ async def run_with_approvals(
     if owned:
         raise TypeError(f"run_with_approvals keeps the history itself: it takes no {', '.join(owned)}.")
     keeper = _Session(client, session, Path(history_path) if history_path is not None else None, timeout, poll)
+    keeper.on_wait = on_wait
     tools = _approval_tools([*agent.toolsets, *(run_options.get("toolsets") or [])])
     outputs = _with_deferred(agent.output_type if output_type is None else output_type)
     saved = keeper.load()
@@ -332,6 +338,9 @@ class _Session:
             raise ValueError(f"session must be 1 to {_MAX_SESSION} characters.")
         self.client, self.name, self.path, self.timeout, self.poll = client, name, path, timeout, poll
         self.run_id: str | None = None
+        self.on_wait: OnWait | None = None
+        # The decisions this session read, by tool_call_id: what the model is told of an edit (who, why).
+        self._decided: dict[str, ApprovalRequest] = {}
         self._messages: Any = None
         self._pending: Any = None
         # The calls this session asked the console about, by tool_call_id: the model's arguments, which the tool
@@ -411,8 +420,12 @@ class _Session:
                 self.run_id = request.run_id
                 self.save()
             asked.append((call, approval, request))
+        undecided = [(call, request) for call, _, request in asked if not request.decided]
+        if undecided and self.on_wait is not None:
+            await _tell(self.on_wait, [_waiting(self.client, r, call.tool_call_id) for call, r in undecided])
         for call, approval, request in asked:
             decided = request if request.decided else await self.client.wait(request.id, self.timeout, self.poll)
+            self._decided[call.tool_call_id] = decided
             if decided.status is RequestStatus.APPROVED and decided.arguments is not None:
                 # Pydantic AI may now call the tool, with what the person approved; the tool itself runs what
                 # the console gives its go for, once.
@@ -477,9 +490,33 @@ class _Session:
         if ran_with and ran_with != asked:
             return (
                 f"A person edited the arguments before approving: {approval.action} ran with "
-                f"{json.dumps(ran_with, sort_keys=True)}. Its result: {_as_text(result)}"
+                f"{json.dumps(ran_with, sort_keys=True)}.{_comment(self._decided.get(call_id))} "
+                f"Its result: {_as_text(result)}"
             )
         return result
+
+
+def _comment(decided: ApprovalRequest | None) -> str:
+    """The reviewer's comment on a decision, as the model reads it after an edit (LangGraph's and MCP's words)."""
+    return f" Their comment: {decided.comment}" if decided is not None and decided.comment else ""
+
+
+def _waiting(client: AsyncClient, request: ApprovalRequest, call_id: str) -> dict[str, Any]:
+    """What `on_wait` is told of a request the run waits for."""
+    return {
+        "request_id": request.id,
+        "url": request.url,
+        "card_id": request.card_id,
+        "card_url": client.card_url(request.card_id),
+        "action": request.action,
+        "tool_call_id": call_id,
+    }
+
+
+async def _tell(on_wait: OnWait, requests: list[dict[str, Any]]) -> None:
+    told = on_wait(requests)
+    if inspect.isawaitable(told):
+        await told
 
 
 def _approval_tools(toolsets: Sequence[AbstractToolset[Any]]) -> dict[str, _Approval]:

@@ -128,7 +128,8 @@ class CallbackBackend:
     """An external agent's decision callback (external.requests): `payload` is {url, body, user_id}, the body
     POSTed to the url as JSON, signed (Standard Webhooks; `webhook-id` the notification's id, the same on every
     retry, so the agent can drop a repeated delivery) with the callback secret of each live API token of the
-    user who asked (core.models.ApiToken.callback_secret): no other agent holds a key that verifies it.
+    token that asked (core.models.ApiToken.callback_secret; a request asked before the request named its token: each
+    live token of the user who asked): no other agent holds a key that verifies it.
 
     The URL is checked again now and the connection goes to the address that check approved, with no redirect
     followed (core.outbound_url): a URL that now resolves inward, or answers a 3xx, is a failed delivery."""
@@ -137,7 +138,7 @@ class CallbackBackend:
 
     def send(self, notification: Notification) -> None:
         body = json.dumps(notification.payload["body"], cls=DjangoJSONEncoder, sort_keys=True).encode()
-        secrets = ApiToken.callback_secrets(_asker(notification))
+        secrets = ApiToken.callback_secrets(_asker(notification), notification.payload.get("token_id"))
         if not secrets:
             raise NothingToSend("the agent that asked has no live API token whose secret could sign its callback")
         outbound_url.post(

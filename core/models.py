@@ -331,14 +331,13 @@ class ApiToken(models.Model):
         return self.callback_secret
 
     @classmethod
-    def callback_secrets(cls, user_id) -> list[str]:
-        """The secrets a callback of `user_id`'s request is signed with: one per live token of that user (tokens
-        of one user are one agent: each may read and consume the user's requests), oldest first."""
-        return list(
-            cls.objects.filter(user_id=user_id, revoked_at__isnull=True)
-            .order_by("created_at", "pk")
-            .values_list("callback_secret", flat=True)
-        )
+    def callback_secrets(cls, user_id, token_id=None) -> list[str]:
+        """The secrets a callback of `user_id`'s request is signed with: the asking token's (`token_id`), while it
+        is live; for a request that did not record its token, one per live token of that user, oldest first."""
+        live = cls.objects.filter(user_id=user_id, revoked_at__isnull=True)
+        if token_id is not None:
+            live = live.filter(pk=token_id)
+        return list(live.order_by("created_at", "pk").values_list("callback_secret", flat=True))
 
     def revoke(self, by) -> bool:
         """Refuse this token from now on, audited. Idempotent: False (and no entry) when it already was."""

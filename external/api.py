@@ -218,7 +218,9 @@ def create_request(request: HttpRequest, body: RequestIn):
         approval=body.approval,
     )
     try:
-        action_request, created = requests.open_request(request.user, ask, console_host=request.get_host())
+        action_request, created = requests.open_request(
+            request.user, ask, console_host=request.get_host(), token=getattr(request, "api_token", None)
+        )
     except RequestError as exc:
         return _refused(exc)
     return Status(202 if created else 200, _out(action_request))

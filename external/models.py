@@ -25,6 +25,9 @@ class ApprovalMode(models.TextChoices):
 class ActionRequest(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
+    # The API token that asked: its callback secret (core.models.ApiToken.callback_secret) signs the request's
+    # callback, so no other token, of this user's or another's, holds a key that verifies it.
+    api_token = models.ForeignKey("core.ApiToken", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     idempotency_key = models.CharField(max_length=200)
     request_hash = models.CharField(max_length=64, help_text="What was asked: the same key must ask the same.")
     run = models.ForeignKey("runs.Run", on_delete=models.PROTECT, related_name="action_requests")

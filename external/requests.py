@@ -144,7 +144,7 @@ class Ask:
         return canonical_hash({"channel": self.channel, "action": self.action, "arguments": self.arguments})
 
 
-def open_request(user, ask: Ask, *, console_host: str = "") -> tuple[ActionRequest, bool]:
+def open_request(user, ask: Ask, *, console_host: str = "", token=None) -> tuple[ActionRequest, bool]:
     """Open the request (its step on the agent's run, its card in the inbox, its SLA timer) in one transaction:
     (request, True). The same key asking the same again gives (the request, False); another ask under it is a
     Conflict. `console_host` (host:port the call came to) is, with CONSOLE_URL, what a callback may not point at
@@ -156,7 +156,7 @@ def open_request(user, ask: Ask, *, console_host: str = "") -> tuple[ActionReque
     _check(ask, console_host)
     try:
         with transaction.atomic():
-            return _open(user, ask, channel), True
+            return _open(user, ask, channel, token), True
     except IntegrityError:
         # The same key sent twice at once: the other transaction's insert won the unique index.
         existing = ActionRequest.objects.filter(created_by=user, idempotency_key=ask.idempotency_key).first()
@@ -212,7 +212,7 @@ def schema_errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
     ]
 
 
-def _open(user, ask: Ask, channel: Channel) -> ActionRequest:
+def _open(user, ask: Ask, channel: Channel, token=None) -> ActionRequest:
     run = _run_for(user, ask.run)
     seq = ActionRequest.objects.filter(run=run).count()
     expires_at = timezone.now() + (timedelta(seconds=ask.expires_in) if ask.expires_in else channel.sla)
@@ -228,6 +228,7 @@ def _open(user, ask: Ask, channel: Channel) -> ActionRequest:
     )
     request = ActionRequest(
         created_by=user,
+        api_token=token,
         idempotency_key=ask.idempotency_key,
         request_hash=ask.fingerprint(),
         run=run,
@@ -579,7 +580,8 @@ def card_closed(sender, card: Approval, **_) -> None:
             payload={
                 "url": request.callback_url,
                 "body": json.loads(json.dumps(answer, default=str)),
-                "user_id": request.created_by_id,  # whose tokens' secrets sign it
+                "user_id": request.created_by_id,
+                "token_id": request.api_token_id,  # whose secret signs it (else every live token of the user's)
             },
         )
         send_notification.defer(notification_id=notification.pk)

@@ -243,3 +243,22 @@ def test_a_callback_secret_is_rotated_in_admin_shown_once_and_audited(admin_clie
         "/admin/core/apitoken/", {"action": "rotate_callback_secret", "_selected_action": [token.pk, other.pk]}
     )
     assert response.status_code == 302 and AuditEntry.objects.filter(action=entry.action).count() == 1
+
+
+def test_two_tokens_of_one_user_do_not_verify_each_others_callbacks(
+    agent, client, demo, receivers, local_receivers_allowed
+):
+    """The request records the token that asked, and only its secret signs the callback (before the request named
+    its token, every live token of the user signed it, so a second token of the same user verified it too)."""
+    second = Agent(client, demo["agent"])
+    receiver = receivers()
+    status, request = agent.ask("one-token", receiver.url)
+    assert status == 202, request
+    approve(client, demo, request["card_id"])
+    notification = Notification.objects.get(backend="callback", approval_id=request["card_id"])
+    assert send_notification(notification_id=notification.pk) == "sent"
+    ((headers, body),) = receiver.received
+    headers = {k.lower(): v for k, v in headers.items()}
+    assert Webhook(webhook_signing.key(agent.token.callback_secret)).verify(body, headers)["status"] == "approved"
+    with pytest.raises(WebhookVerificationError):
+        Webhook(webhook_signing.key(second.token.callback_secret)).verify(body, headers)

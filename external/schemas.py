@@ -8,16 +8,18 @@ turn into a 500:
   time is linear in the text; a pattern RE2 cannot compile (backreferences, lookaround) is refused when asked;
 - `$ref` (and `$dynamicRef`, `$recursiveRef`) stays within the document (`#...`), and every one of them is
   resolved when asked; validation uses a registry that retrieves nothing;
-- a validation counts its steps (one per keyword evaluated) and stops past MAX_STEPS, so a schema whose work grows
-  exponentially (`anyOf` of two `$ref`s to the next level, 30 levels deep) or that refers to itself without end
-  is refused rather than run; `uniqueItems` compares in one pass (jsonschema's is quadratic on items it cannot
-  sort);
+- a validation counts its steps (one per keyword evaluated, and one per key that patternProperties or
+  additionalProperties searches with each pattern) and stops past MAX_STEPS, or past MAX_CPU seconds of its
+  thread's CPU time (a step on a large value costs more: each error it finds writes the value into its message),
+  so a schema whose work grows exponentially (`anyOf` of two `$ref`s to the next level, 30 levels deep) or that
+  refers to itself without end is refused rather than run; `uniqueItems` compares in one pass (jsonschema's is
+  quadratic on items it cannot sort);
 - `unevaluatedProperties` is refused in a schema that also has `patternProperties`: jsonschema decides which
   properties were evaluated with Python's backtracking `re`, outside the keywords this module replaces.
 
 problems(schema) says what makes a schema unusable ([] when nothing does); errors(schema, value) says where a
 value does not fit it, and raises Unusable when the schema cannot be evaluated after all (a card opened before
-these checks existed, or a validation past MAX_STEPS).
+these checks existed, or a validation past MAX_STEPS or MAX_CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +44,9 @@ MAX_DEPTH = 24  # objects and arrays nested in each other, the schema itself cou
 # ($ref and anyOf) take 0.2-0.4 s of CPU; a plain one (type, pattern) a tenth of that. Arguments of 750 line items
 # of 6 checked fields each (55 KB) need 16,500.
 MAX_STEPS = 20_000
+# The same validation's CPU time, for steps that are costly one by one: 20,000 failures of `type` on a 60 KB
+# object took 2.7 s (each error's message holds the object's repr). The 750 line items above take 0.06 s.
+MAX_CPU = 0.5
 
 # Keywords whose value is a schema, a list of schemas, or an object of schemas (by name): what the walk below
 # descends into. Every other value is data (`const`, `enum`, `default`, `examples`) or an annotation.
@@ -66,7 +72,17 @@ _REFS = ("$ref", "$dynamicRef", "$recursiveRef")
 # jsonschema adds) is unresolvable, never fetched. (jsonschema's default registry fetches http(s) URLs.)
 _NOTHING = referencing.Registry()
 
-_steps: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("schema_steps", default=None)
+
+class _Budget:
+    """What the validation under way may still spend (external.schemas.errors sets one for each)."""
+
+    __slots__ = ("steps", "cpu_until")
+
+    def __init__(self):
+        self.steps, self.cpu_until = 0, time.thread_time() + MAX_CPU
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("schema_budget", default=None)
 
 
 class Unusable(ValueError):
@@ -78,7 +94,7 @@ class Unusable(ValueError):
 
 
 class _TooMuchWork(Exception):
-    pass
+    """The validation's budget is spent: args[0] says which ("more than 20000 steps")."""
 
 
 # --- patterns on RE2 ---------------------------------------------------------------------------------------------
@@ -111,11 +127,18 @@ def _why(exc: Exception) -> str:
     return why.decode("utf-8", "replace") if isinstance(why, bytes) else str(why)
 
 
+def _key_matches(pattern: str, key: str) -> bool:
+    # A step each: patternProperties and additionalProperties search every key with every pattern, all within one
+    # keyword's evaluation (2,200 patterns by 6,500 keys took 24 s).
+    _spend()
+    return _search(pattern, key)
+
+
 # jsonschema's own keywords, with re.search replaced by RE2 (same checks, same messages).
 
 
 def _pattern(validator, pattern, instance, schema):
-    if validator.is_type(instance, "string") and not _search(pattern, instance):
+    if validator.is_type(instance, "string") and not _search(pattern, instance):  # (the keyword's own step)
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -124,7 +147,7 @@ def _pattern_properties(validator, pattern_properties, instance, schema):
         return
     for pattern, subschema in pattern_properties.items():
         for key, value in instance.items():
-            if _search(pattern, key):
+            if _key_matches(pattern, key):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
@@ -133,7 +156,7 @@ def _additional_properties(validator, additional, instance, schema):
         return
     properties, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
     extras = {
-        key for key in instance if key not in properties and not any(_search(pattern, key) for pattern in patterns)
+        key for key in instance if key not in properties and not any(_key_matches(pattern, key) for pattern in patterns)
     }
     if validator.is_type(additional, "object"):
         for extra in extras:
@@ -196,18 +219,26 @@ _REPLACED = {
 
 
 def _counted(keyword):
-    """The keyword's function, counting one step each time it is evaluated (for any instance, at any depth)."""
+    """The keyword's function, counting one step each time it is evaluated (for any instance, at any depth), and
+    watching the CPU time (one step on its own takes milliseconds at most: the budget is overrun by no more)."""
 
     @functools.wraps(keyword)
     def evaluate(validator, value, instance, schema):
-        steps = _steps.get()
-        if steps is not None:
-            steps[0] += 1
-            if steps[0] > MAX_STEPS:
-                raise _TooMuchWork
+        _spend()
         return keyword(validator, value, instance, schema)
 
     return evaluate
+
+
+def _spend() -> None:
+    """One step of the validation under way (none under way: the metaschema's pass, bounded by MAX_BYTES)."""
+    budget = _budget.get()
+    if budget is not None:
+        budget.steps += 1
+        if budget.steps > MAX_STEPS:
+            raise _TooMuchWork(f"more than {MAX_STEPS} steps")
+        if time.thread_time() > budget.cpu_until:
+            raise _TooMuchWork(f"more than {MAX_CPU} s of CPU")
 
 
 @functools.cache
@@ -354,19 +385,17 @@ def errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
     """Where `value` does not fit `schema` (one problems() accepted), as [{loc, msg}] (loc dotted, under `prefix`;
     "payload" for the value itself). Raises Unusable when the schema cannot be evaluated on this value."""
     validator = _validator_class(_draft(schema))(schema, registry=_NOTHING)
-    token = _steps.set([0])
+    token = _budget.set(_Budget())
     try:
         found = list(validator.iter_errors(value))
-    except _TooMuchWork:
-        raise Unusable(
-            [{"loc": "schema", "msg": f"takes more than {MAX_STEPS} steps to check this value: simplify it"}]
-        ) from None
+    except _TooMuchWork as exc:
+        raise Unusable([{"loc": "schema", "msg": f"takes {exc.args[0]} to check this value: simplify it"}]) from None
     except RecursionError:
         raise Unusable([{"loc": "schema", "msg": "refers to itself without end"}]) from None
     except referencing.exceptions.Unresolvable as exc:
         raise Unusable([{"loc": "schema", "msg": f"has a $ref that points at nothing ({exc})"}]) from None
     finally:
-        _steps.reset(token)
+        _budget.reset(token)
     return [
         {"loc": ".".join(str(p) for p in (prefix, *error.absolute_path) if p != "") or "payload", "msg": error.message}
         for error in sorted(found, key=lambda e: list(map(str, e.absolute_path)))

@@ -71,7 +71,7 @@ def test_an_exponential_schema_and_unsortable_unique_items_are_answered_at_once(
     body = {**ASK, "schema": schema, "arguments": {"order_id": "o1", "code": "x"}, "idempotency_key": "expo"}
     response, exponential = timed(system.agent, PATH, body, give_up=2 * HANG_HEAVY)
     assert response.status == 422 and exponential < HANG_HEAVY, (response, exponential)
-    assert "steps" in str(response.body["detail"]), response
+    assert "to check this value" in str(response.body["detail"]), response
     tags = [{"a": i} for i in range(4_500)]  # objects cannot be sorted: jsonschema compared them pairwise
     body = {**ASK, "arguments": {"order_id": "o1", "tags": tags}, "idempotency_key": "tags"}
     response, took = timed(system.agent, PATH, body, give_up=2 * HANG_HEAVY)

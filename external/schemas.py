@@ -47,6 +47,13 @@ MAX_STEPS = 20_000
 # The same validation's CPU time, for steps that are costly one by one: 20,000 failures of `type` on a 60 KB
 # object took 2.7 s (each error's message holds the object's repr). The 750 line items above take 0.06 s.
 MAX_CPU = 0.5
+# Checking the schema itself (when asked; then once per process, by its text): the metaschema's pass over 32 KiB
+# takes 0.15-0.45 s of CPU; compiling a counted repetition of a Unicode class (`[\p{L}]{1,60}`) 25 ms, so 600 of
+# them, 15 KB, would take 15 s.
+MAX_CHECK_CPU = 1.0
+# RE2's memory for one compiled pattern (its default is 8 MiB): what a pattern kept in _compiled may hold, and a
+# bound on its compile time. `[\p{L}\p{N}]{1,64}` fits; `[\p{L}\p{N}]{1,200}` does not (`+` with maxLength does).
+RE2_MAX_MEM = 2 << 20
 
 # Keywords whose value is a schema, a list of schemas, or an object of schemas (by name): what the walk below
 # descends into. Every other value is data (`const`, `enum`, `default`, `examples`) or an annotation.
@@ -74,12 +81,14 @@ _NOTHING = referencing.Registry()
 
 
 class _Budget:
-    """What the validation under way may still spend (external.schemas.errors sets one for each)."""
+    """What the check under way may still spend: errors() sets one for each validation (MAX_STEPS, MAX_CPU),
+    problems() one for each schema it checks (MAX_CHECK_CPU)."""
 
-    __slots__ = ("steps", "cpu_until")
+    __slots__ = ("steps", "max_steps", "cpu_until", "max_cpu")
 
-    def __init__(self):
-        self.steps, self.cpu_until = 0, time.thread_time() + MAX_CPU
+    def __init__(self, max_steps: int | None, max_cpu: float):
+        self.steps, self.max_steps = 0, max_steps
+        self.cpu_until, self.max_cpu = time.thread_time() + max_cpu, max_cpu
 
 
 _budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("schema_budget", default=None)
@@ -103,13 +112,14 @@ class _TooMuchWork(Exception):
 def _options() -> re2.Options:
     options = re2.Options()
     options.log_errors = False  # a refused pattern is the agent's mistake, answered as such: not a log line
+    options.max_mem = RE2_MAX_MEM
     return options
 
 
 _OPTIONS = _options()
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)  # at most RE2_MAX_MEM each: 128 MiB
 def _compiled(pattern: str):
     """The pattern compiled by RE2 (raises re2.error for one it cannot compile: backreferences, lookaround...)."""
     return re2.compile(pattern, _OPTIONS)
@@ -231,14 +241,14 @@ def _counted(keyword):
 
 
 def _spend() -> None:
-    """One step of the validation under way (none under way: the metaschema's pass, bounded by MAX_BYTES)."""
+    """One step of the check under way (see _Budget)."""
     budget = _budget.get()
     if budget is not None:
         budget.steps += 1
-        if budget.steps > MAX_STEPS:
-            raise _TooMuchWork(f"more than {MAX_STEPS} steps")
+        if budget.max_steps is not None and budget.steps > budget.max_steps:
+            raise _TooMuchWork(f"more than {budget.max_steps} steps")
         if time.thread_time() > budget.cpu_until:
-            raise _TooMuchWork(f"more than {MAX_CPU} s of CPU")
+            raise _TooMuchWork(f"more than {budget.max_cpu} s of CPU")
 
 
 @functools.cache
@@ -273,17 +283,24 @@ def problems(schema: Any) -> list[dict]:
 @functools.lru_cache(maxsize=256)
 def _checked(text: str) -> tuple[dict, ...]:
     """The checks of a schema within the limits, by its text: a card's schema is checked again at each edit,
-    which need not take the metaschema's 0.1-0.4 s (32 KiB) each time."""
+    which need not take the metaschema's 0.1-0.4 s (32 KiB) each time. (A schema refused for the CPU time it
+    took is refused again from here: the time is CPU, not the wall's, and the same again would take as long.)"""
     schema = json.loads(text)
     draft = _draft(schema)
     if draft is jsonschema.Draft3Validator:
         return ({"loc": "schema", "msg": "draft-03 is not supported: use draft-04 or later"},)
-    # The draft's metaschema, evaluated by the same RE2 validator and without format checks: jsonschema's own
-    # check_schema would compile every pattern with Python's `re` (the metaschema's `format: regex`).
-    meta = _validator_class(draft)(draft.META_SCHEMA, registry=_NOTHING)
-    for error in meta.iter_errors(schema):
-        return ({"loc": "schema", "msg": f"is not a valid JSON Schema: {error.message}"},)
-    return tuple(_walk(schema, draft))
+    token = _budget.set(_Budget(None, MAX_CHECK_CPU))
+    try:
+        # The draft's metaschema, evaluated by the same RE2 validator and without format checks: jsonschema's own
+        # check_schema would compile every pattern with Python's `re` (the metaschema's `format: regex`).
+        meta = _validator_class(draft)(draft.META_SCHEMA, registry=_NOTHING)
+        for error in meta.iter_errors(schema):
+            return ({"loc": "schema", "msg": f"is not a valid JSON Schema: {error.message}"},)
+        return tuple(_walk(schema, draft))
+    except _TooMuchWork as exc:
+        return ({"loc": "schema", "msg": f"takes {exc.args[0]} to check: simplify it"},)
+    finally:
+        _budget.reset(token)
 
 
 def _depth(value: Any) -> int:
@@ -376,14 +393,17 @@ def _subschemas(node: dict, resolver, path: tuple) -> Iterator[tuple]:
 
 
 def _pattern_problem(pattern: str, loc: str) -> Iterator[dict]:
+    _spend()  # a compile may take milliseconds (see MAX_CHECK_CPU)
     try:
         _compiled(pattern)
     except re2.error as exc:
-        yield {
-            "loc": loc,
-            "msg": f"{pattern!r} is not a pattern RE2 accepts ({_why(exc)}): patterns are RE2 syntax, which has no "
-            "backreferences or lookaround and runs in linear time",
-        }
+        why = _why(exc)
+        hint = (
+            "a counted repetition of a large class, such as [\\p{L}]{1,200}, is too large: write + and maxLength"
+            if "too large" in why
+            else "patterns are RE2 syntax, which has no backreferences or lookaround and runs in linear time"
+        )
+        yield {"loc": loc, "msg": f"{pattern!r} is not a pattern RE2 accepts ({why}): {hint}"}
 
 
 def _loc(*path) -> str:
@@ -398,7 +418,7 @@ def errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
     "payload" for the value itself). Raises Unusable when the schema cannot be evaluated on this value."""
     draft = _draft(schema)
     validator = _validator_class(draft)(schema, registry=_crawled(schema, draft))
-    token = _budget.set(_Budget())
+    token = _budget.set(_Budget(MAX_STEPS, MAX_CPU))
     try:
         found = list(validator.iter_errors(value))
     except _TooMuchWork as exc:

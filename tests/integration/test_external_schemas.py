@@ -106,8 +106,13 @@ def test_a_catastrophic_pattern_is_answered_as_a_mismatch_at_the_ask_and_at_an_e
 
 @pytest.mark.parametrize(
     "pattern, why",
-    [(r"^(a)\1$", "invalid escape sequence"), ("^(?=a)a$", "invalid perl operator"), ("^(?<!b)a$", "perl operator")],
-    ids=["backreference", "lookahead", "lookbehind"],
+    [
+        (r"^(a)\1$", "invalid escape sequence"),
+        ("^(?=a)a$", "invalid perl operator"),
+        ("^(?<!b)a$", "perl operator"),
+        (r"^[\p{L}\p{N}]{1,200}$", "pattern too large"),
+    ],
+    ids=["backreference", "lookahead", "lookbehind", "too large"],
 )
 def test_a_pattern_re2_cannot_compile_is_refused_at_the_ask_naming_it(agent, pattern, why):
     code, body = ask(agent, schema_with(pattern=pattern))
@@ -202,6 +207,15 @@ def test_a_schema_whose_work_grows_exponentially_or_without_end_is_refused(agent
     endless["properties"]["code"] = {"$ref": "#/properties/code"}
     code, body = ask(agent, endless, key="endless")
     assert code == 422 and any(e["loc"] == "schema" for e in body["detail"]), body
+    assert nothing_opened()
+
+
+def test_a_schema_whose_patterns_take_long_to_compile_is_refused(agent):
+    """RE2 takes milliseconds to compile a counted repetition of a Unicode class: 600 of them (27 KB) would take
+    15 s; the check of a schema stops after MAX_CHECK_CPU seconds of CPU."""
+    schema = {"properties": {f"p{i}": {"pattern": rf"^[\p{{L}}\p{{N}}]{{1,{10 + i}}}$"} for i in range(600)}}
+    code, body = ask(agent, schema, {})
+    assert refused(code, body, "schema", f"takes more than {schemas.MAX_CHECK_CPU} s of CPU to check"), body
     assert nothing_opened()
 
 

@@ -185,7 +185,7 @@ def _additional_properties(validator, additional, instance, schema):
 
 def _unique_items(validator, unique, instance, schema):
     # jsonschema compares the items pairwise when it cannot sort them (objects, or strings beside numbers):
-    # quadratic, 25 s for 64 KiB of them. One pass over their canonical JSON answers the same.
+    # quadratic, 10 s of CPU for 3,000 small objects (32 KB). One pass, each item by its _identity, answers the same.
     if not unique or not validator.is_type(instance, "array"):
         return
     seen: set[tuple] = set()

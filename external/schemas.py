@@ -269,11 +269,11 @@ def _draft(schema: dict) -> type:
 
 def problems(schema: Any) -> list[dict]:
     """Why the agent's `schema` cannot be used, as [{loc, msg}] (loc "schema", or a dotted path into it); []
-    when it can. Each check is linear in the schema's size, which is checked first."""
+    when it can. The size is checked first; the rest stops after MAX_CHECK_CPU seconds of CPU."""
     if not isinstance(schema, dict):
         return [{"loc": "schema", "msg": "must be a JSON object"}]
-    if (depth := _depth(schema)) > MAX_DEPTH:
-        return [{"loc": "schema", "msg": f"is nested {depth} levels deep; at most {MAX_DEPTH} are allowed"}]
+    if _depth(schema) > MAX_DEPTH:
+        return [{"loc": "schema", "msg": f"nests objects and arrays too deep: at most {MAX_DEPTH} levels are allowed"}]
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if (size := len(text.encode())) > MAX_BYTES:
         return [{"loc": "schema", "msg": f"is {size} bytes as compact JSON; at most {MAX_BYTES} are allowed"}]
@@ -304,6 +304,7 @@ def _checked(text: str) -> tuple[dict, ...]:
 
 
 def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in `value` (1: not at all), counted no further than MAX_DEPTH + 1."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         value, depth = stack.pop()

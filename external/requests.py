@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import jsonschema
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -25,6 +24,7 @@ from approvals.tasks import send_notification
 from core import outbound_url, safe_input
 from core.access import may_act_unreviewed, may_operate_channel, may_request
 from core.models import ActorType, AuditEntry, Channel
+from external import schemas
 from external.models import ActionRequest, ApprovalMode
 from runs import effects
 from runs.breakers import BreakerOpen
@@ -186,14 +186,8 @@ def _channel_for(user, ask: Ask) -> Channel:
 
 def _check(ask: Ask, console_host: str) -> None:
     """What the API's schema cannot say: a valid JSON Schema that the arguments fit, a callback elsewhere."""
-    if ask.schema is not None:
-        try:
-            validator = jsonschema.validators.validator_for(ask.schema)
-            validator.check_schema(ask.schema)
-        except jsonschema.SchemaError as exc:
-            raise Invalid([{"loc": "schema", "msg": f"is not a valid JSON Schema: {exc.message}"}]) from None
-        if errors := schema_errors(ask.schema, ask.arguments, "arguments"):
-            raise Invalid(errors)
+    if ask.schema is not None and (errors := schemas.ask_errors(ask.schema, ask.arguments)):
+        raise Invalid(errors)
     if ask.callback_url:
         try:
             outbound_url.check(ask.callback_url, console=[console_host])
@@ -201,15 +195,6 @@ def _check(ask: Ask, console_host: str) -> None:
             if exc.transient:
                 raise Unavailable(f"callback_url: {exc.detail}; ask again in a moment") from None
             raise Invalid([{"loc": "callback_url", "msg": exc.detail}]) from None
-
-
-def schema_errors(schema: dict, value: Any, prefix: str = "") -> list[dict]:
-    """Where `value` does not fit the JSON Schema `schema`, as [{loc, msg}] (loc dotted, under `prefix`)."""
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    return [
-        {"loc": ".".join(str(p) for p in (prefix, *error.absolute_path) if p != "") or "payload", "msg": error.message}
-        for error in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path)))
-    ]
 
 
 def _open(user, ask: Ask, channel: Channel, token=None) -> ActionRequest:
@@ -334,7 +319,7 @@ class SchemaGate(GateSpec):
             return [{"loc": "payload", "msg": "must be an object"}]
         if self.schema is None:
             return [{"loc": "payload", "msg": "the agent sent no schema for this action: approve or reject it"}]
-        return schema_errors(self.schema, edited)
+        return schemas.edit_errors(self.schema, edited)
 
 
 def gate_of(card: Approval) -> GateSpec | None:

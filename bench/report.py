@@ -155,8 +155,8 @@ def render(meta: dict, sections: list[dict]) -> str:
         "",
         "Commands: `make bench` (everything, < 15 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
         "(tiny sizes, writes nothing: CI runs it after `make test`), `BENCH_ONLY=enqueue make bench` (a subset:",
-        "enqueue, throughput, webhook, resume, console, recovery), `BENCH_SCALE=0.1 make bench` (smaller cards,",
-        "audit log and memory runs). Each section names its own script; each script runs alone too.",
+        "enqueue, throughput, webhook, longpoll, resume, console, recovery), `BENCH_SCALE=0.1 make bench` (smaller",
+        "cards, audit log, memory runs and waiting agents). Each section names its own script; each runs alone too.",
         "",
         "## Goals",
         "",
@@ -212,6 +212,14 @@ def render(meta: dict, sections: list[dict]) -> str:
                     f" ({worst[0]}); queries {'the same' if same else 'NOT the same'} at both sizes |"
                     f" {'yes' if not slow and same else 'no: ' + ', '.join(slow)} |"
                 )
+    for _s, r in _results(sections, "longpoll"):
+        waiting, base = r["waiting"], r["baseline"]
+        met = waiting["p99_ms"] < 100 and r["long_poll_errors"] == 0
+        out.append(
+            f"| long-poll: the inbox's `GET /api/approvals` p99 < 100 ms with {r['agents']} agents waiting, and no"
+            f" long-poll error | p99 {waiting['p99_ms']:g} ms (nobody waiting, same run: {base['p99_ms']:g} ms),"
+            f" {r['long_poll_errors']} errors | {'yes' if met else 'no'} |"
+        )
     for _s, r in _results(sections, "recovery"):
         bound = r["sweep_s"] + 1  # docs/DESIGN-NOTES.md: sweep period S + poll P (WORKER_POLL_INTERVAL 1 s)
         out.append(

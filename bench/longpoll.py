@@ -13,7 +13,8 @@ costs the same in both cases, and only the waiting agents differ. Then:
 1. baseline: wrk -c<connections> -d<duration>s GET /api/approvals as `inbox`, nobody waiting;
 2. every `crm` request long-polled at once (`?wait=60`, asyncio + httpx, one connection each), and once the
    server's request log shows each one's first look, the same wrk run while they all wait;
-3. the demo `reviewer` approves every `crm` request (16 at a time); each long-poll must answer 200 `approved`.
+3. the demo `reviewer` approves every `crm` request (16 at a time); each agent must get 200 `approved` (an agent
+   whose wait ended first asks again, as the Python client's wait() does).
 
 Prints the inbox call's p50/p99 in both cases, the long-polls' errors (any answer but 200 `approved`, or none),
 the time from each decision's answer to its long-poll's answer, and the load average before and after.
@@ -161,15 +162,35 @@ async def scenario(args, port: int, tokens: dict[str, str], log_path: str) -> di
         baseline = await wrk(url, tokens["inbox"], args.connections, args.duration)
 
         answers: dict[str, tuple[int, dict | str, float]] = {}
+        repolls: dict[str, int] = {}  # long-polls that ended "pending" (their wait was over) and began again
+        retried: list[str] = []
+
+        async def get(request_id: str) -> httpx.Response:
+            path = f"/api/approval-requests/{request_id}"
+            try:
+                return await agent.get(path, params={"wait": WAIT})
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection that the server closed as idle (uvicorn's keep-alive timeout, 5 s) just as
+                # it was reused: the request never reached the server; a GET is asked again, as HTTP clients do.
+                retried.append(request_id)
+                return await agent.get(path, params={"wait": WAIT})
 
         async def long_poll(request: dict) -> None:
-            try:
-                response = await agent.get(f"/api/approval-requests/{request['id']}", params={"wait": WAIT})
-                is_json = response.headers.get("content-type", "").startswith("application/json")
-                body = response.json() if is_json else response.text
-                answers[request["id"]] = (response.status_code, body, time.monotonic())
-            except httpx.HTTPError as exc:
-                answers[request["id"]] = (0, f"{type(exc).__name__}: {exc}", time.monotonic())
+            # As the Python client's wait(): long-poll again while the answer is "pending" (a wait that ended).
+            while True:
+                try:
+                    response = await get(request["id"])
+                    is_json = response.headers.get("content-type", "").startswith("application/json")
+                    body = response.json() if is_json else response.text
+                except httpx.HTTPError as exc:
+                    response, body = None, f"{type(exc).__name__}: {exc}"
+                if response is None or response.status_code != 200 or not isinstance(body, dict):
+                    answers[request["id"]] = (response.status_code if response else 0, body, time.monotonic())
+                    return
+                if body["status"] != "pending":
+                    answers[request["id"]] = (200, body, time.monotonic())
+                    return
+                repolls[request["id"]] = repolls.get(request["id"], 0) + 1
 
         looks_before = first_looks(log_path)
         started = time.monotonic()
@@ -201,7 +222,7 @@ async def scenario(args, port: int, tokens: dict[str, str], log_path: str) -> di
         decisions_started = time.monotonic()
         await asyncio.gather(*(approve(r) for r in waiting))
         decisions_took = time.monotonic() - decisions_started
-        done, pending = await asyncio.wait(polls, timeout=WAIT)
+        done, pending = await asyncio.wait(polls, timeout=WAIT + 30)
         for task in pending:
             task.cancel()
 
@@ -225,6 +246,8 @@ async def scenario(args, port: int, tokens: dict[str, str], log_path: str) -> di
         "wake_p99_ms": round(percentile(wake, 99), 1) if wake else None,
         "wake_max_ms": round(max(wake), 1) if wake else None,
         "settled_s": round(settled_in, 1),
+        "repolls": sum(repolls.values()),
+        "idle_connection_retries": len(retried),
     }
 
 
@@ -307,7 +330,9 @@ def main() -> None:
         f"{result['answered_before_decision']} answered before any decision, {result['long_poll_errors']} errors"
         f" ({result['unanswered']} unanswered); decisions: {args.agents} in {result['decisions_s']} s,"
         f" {result['decisions_refused']} refused; decision to long-poll answer p50 {result['wake_p50_ms']} ms,"
-        f" p99 {result['wake_p99_ms']} ms, max {result['wake_max_ms']} ms"
+        f" p99 {result['wake_p99_ms']} ms, max {result['wake_max_ms']} ms; {result['repolls']} long-polls ended"
+        f" pending (their wait over) and were asked again; {result['idle_connection_retries']} GETs asked again"
+        " on a new connection (the kept-alive one closed as idle just as it was reused)"
     )
     for sample in result["error_samples"]:
         print("  error:", sample)

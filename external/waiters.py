@@ -16,8 +16,10 @@ with a backoff when its session ends (a restart of PostgreSQL, `pg_terminate_bac
 TCP keepalives reveal), and every time it starts listening it wakes every waiter, since what was committed while
 nobody listened was announced to nobody. While it does not listen (before it first connects, between two
 sessions, or for good when no URL keeps a session), it wakes every waiter every FALLBACK_SECONDS instead: coarse
-polling, not a lost decision. A waiter also looks again on its own after SAFETY_NET_SECONDS (jittered, so that
-agents that started together do not look together), against anything the trigger would not see.
+polling, not a lost decision. While it listens, a waiter nobody wakes costs nothing until its wait ends: PostgreSQL
+delivers every notification committed after a LISTEN to that session for as long as it lives, and a session that
+dies (even silently: the keepalives) makes the next one wake everybody. (A timer per waiter "in case" would cost
+1,000 waiting agents dozens of looks a second: bench/longpoll.py measured it.)
 
 LISTEN needs a session of its own: behind a transaction-mode pool (DATABASE_TRANSACTION_POOL=1, PgBouncer) a
 LISTEN is forgotten when its transaction ends. The listener uses DATABASE_URL unless it goes through such a pool,
@@ -30,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,7 +44,6 @@ log = structlog.get_logger("external.waiters")
 
 CHANNEL = "external_request_status"  # also in migration external 0002 (its trigger)
 FALLBACK_SECONDS = 5.0  # while the listener does not listen, every waiter looks again this often
-SAFETY_NET_SECONDS = 30.0  # while it listens, a waiter looks again after 0.75-1 x this all the same
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 5.0)  # between two attempts to connect; the last one repeats
 # The client's side of a dead connection: libpq's TCP keepalives end a session whose server vanished without
 # closing it (a machine gone from the network) within ~25 s, as the server's own probes do (console/settings.py).
@@ -91,9 +91,7 @@ class Listener:
     async def wait(self, waiter: Waiter, timeout: float) -> bool:
         """Until `waiter` is woken (True) or `timeout` seconds pass (False). Clears it for the next wait."""
         if not self.listening:
-            timeout = min(timeout, FALLBACK_SECONDS)  # the listener's ticks wake it sooner; this is their floor
-        else:
-            timeout = min(timeout, SAFETY_NET_SECONDS * random.uniform(0.75, 1.0))
+            timeout = min(timeout, FALLBACK_SECONDS)  # (the listener's ticks wake it too, meanwhile)
         try:
             await asyncio.wait_for(waiter.woken.wait(), max(0.0, timeout))
         except TimeoutError:

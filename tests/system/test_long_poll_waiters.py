@@ -4,7 +4,8 @@ A waiting agent holds neither a thread of the server nor its database: the serve
 of threads while 50 agents wait, nobody reads their requests while nothing happens, and a reviewer's inbox call
 answers meanwhile. A decision wakes its waiter at once (through the web process's one LISTEN session,
 external/waiters.py), not at a fallback interval; and when that session is terminated, a decision taken while it
-reconnects still wakes its waiter, and later decisions wake theirs at once again.
+reconnects still wakes its waiter, and later decisions wake theirs at once again. With no URL that keeps a
+session (a transaction pool and no WORKER_DATABASE_URL), the fallback still brings the decision within seconds.
 
 `LONG_POLL_WAITERS` (default 50) sets how many agents wait.
 """
@@ -180,3 +181,27 @@ def test_a_decision_taken_while_the_listener_reconnects_still_wakes_its_waiter(s
     waiter.join(10)
     assert waiter.response is not None and waiter.response.body["status"] == "approved", waiter.response
     assert waiter.answered_at - decided_at < 2.0, "after a reconnection, decisions wake waiters only at a fallback"
+
+
+class TestWithoutASessionForTheListener:
+    """DATABASE_URL declared a transaction pool (DATABASE_TRANSACTION_POOL=1) and no WORKER_DATABASE_URL: no URL
+    keeps a LISTEN session, so the web process opens none and waiting agents look again every 5 s instead."""
+
+    @pytest.fixture
+    def system_env(self):
+        return {"DATABASE_TRANSACTION_POOL": "1", "WORKER_DATABASE_URL": ""}
+
+    def test_a_decision_still_reaches_its_waiter_through_the_fallback(self, system):
+        request = ask(system, "fallback")
+        waiter = Waiter(system, request)
+        waiter.start()
+        time.sleep(1)
+        assert listener_pid(system.server.proc.pid) is None
+        version = versions(system)
+        decided_at = time.monotonic()
+        approve(system, request["card_id"], version[request["card_id"]])
+        waiter.join(15)
+        assert waiter.response is not None and waiter.response.body["status"] == "approved", waiter.response
+        waited = waiter.answered_at - decided_at
+        print(f"\nno listener: decision to answer {waited * 1000:.0f} ms (the fallback looks every 5 s)")
+        assert waited < 8

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -46,9 +45,15 @@ CHANNEL = "external_request_status"  # also in migration external 0002 (its trig
 FALLBACK_SECONDS = 5.0  # while the listener does not listen, every waiter looks again this often
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 5.0)  # between two attempts to connect; the last one repeats
 # The client's side of a dead connection: libpq's TCP keepalives end a session whose server vanished without
-# closing it (a machine gone from the network) within ~25 s, as the server's own probes do (console/settings.py).
-# Settings of the URL win over these.
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+# closing it (a machine gone from the network) within ~25 s, as the server's own probes do (console/settings.py),
+# and an attempt to connect to an unreachable host gives up after 10 s. Settings of the URL win over these.
+LIBPQ_DEFAULTS = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "connect_timeout": 10,
+}
 # Options of Django's DATABASES entry that are Django's or the pool's, not libpq's.
 NOT_LIBPQ = {"pool", "isolation_level", "assume_role", "server_side_binding", "cursor_factory", "context"}
 
@@ -71,6 +76,7 @@ class Listener:
         self.listening = False
         self.generation = 0  # +1 each time a session starts listening
         self._task: asyncio.Task | None = None
+        self._fallback_task: asyncio.Task | None = None
         self._failures = 0  # attempts to connect that failed since the last session listened
 
     @contextlib.contextmanager
@@ -125,13 +131,14 @@ class Listener:
 
     async def _run(self) -> None:
         params = connection_params()
+        if self._fallback_task is None or self._fallback_task.done():
+            self._fallback_task = self.loop.create_task(self._fallback(), name="long-poll fallback")
         if params is None:
             log.warning(
                 "long-poll listener: no database URL keeps a session (DATABASE_URL is a transaction pool and"
                 " WORKER_DATABASE_URL is unset): waiting agents look again every few seconds instead",
                 every_seconds=FALLBACK_SECONDS,
             )
-            await self._tick_forever()
             return
         while True:
             try:
@@ -144,7 +151,7 @@ class Listener:
                     error=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
                     retry_in_s=delay,
                 )
-                await self._tick(delay)
+                await asyncio.sleep(delay)
 
     async def _listen(self, params: dict) -> None:
         conn = await psycopg.AsyncConnection.connect(**params, autocommit=True)
@@ -163,17 +170,14 @@ class Listener:
             with contextlib.suppress(Exception):
                 await conn.close()
 
-    async def _tick(self, seconds: float) -> None:
-        """Sleep `seconds` while nobody listens, waking every waiter at least every FALLBACK_SECONDS."""
-        end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            await asyncio.sleep(min(left, FALLBACK_SECONDS))
-            self.wake_all()
-
-    async def _tick_forever(self) -> None:
+    async def _fallback(self) -> None:
+        """While nobody listens, wake every waiter every FALLBACK_SECONDS: those that began waiting while a session
+        listened would otherwise wait for the next session, or for the end of their wait. (Not at each attempt to
+        connect: during an outage their looks would only find the database away.)"""
         while True:
             await asyncio.sleep(FALLBACK_SECONDS)
-            self.wake_all()
+            if not self.listening:
+                self.wake_all()
 
 
 def connection_params() -> dict | None:
@@ -188,7 +192,7 @@ def connection_params() -> dict | None:
         params = {"conninfo": settings.WORKER_DATABASE_URL}  # a libpq URL; the keywords below add to it
     else:
         return None
-    params = {**KEEPALIVES, **params}  # (libpq ignores them on a unix socket)
+    params = {**LIBPQ_DEFAULTS, **params}  # (libpq ignores the keepalives on a unix socket)
     # Its role in pg_stat_activity, as the workers name theirs (README, "Connections and PgBouncer").
     params["application_name"] = f"web:{os.getpid()}:listen"
     return {k: v for k, v in params.items() if v not in (None, "")}

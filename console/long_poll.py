@@ -11,7 +11,8 @@ How: one pass through Django (a WSGI thread: middlewares, the token, the request
 wait lasts, the agent waits for a wake-up from the process's listener (external.waiters: a change of the request's
 card status, the listener's reconnection, or its fallback timer), then passes through Django once more; the last
 response is what the agent gets, as it would have got it from the view itself. Every pass is a full request (its
-token checked again, its own line in the request log); anything but a pending 200 (401, 404, 422 for a bad
+token checked again, its own line in the request log, external.waiters.EDGE_HEADER added so that the view does
+not wait itself); anything but a pending 200 (401, 404, 422 for a bad
 `wait`, 503 while the database is away) is answered at once. A client that goes away ends its wait.
 """
 
@@ -89,7 +90,8 @@ async def _pass(app, scope, body: dict, gone: asyncio.Event) -> list[dict]:
     async def keep(message):
         messages.append(message)
 
-    await app(dict(scope), replay, keep)
+    header = (waiters.EDGE_HEADER.lower().encode(), b"1")
+    await app({**scope, "headers": [*scope.get("headers", []), header]}, replay, keep)
     return messages
 
 

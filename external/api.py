@@ -4,16 +4,18 @@ external.requests; this module maps it to JSON."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import datetime
 from typing import Any, Literal
 
+from django.db import connection
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
 from core.api import ERRORS, ErrorOut
-from external import requests
+from external import requests, waiters
 from external.requests import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError
 
 router = Router(tags=["approval requests"])
@@ -22,6 +24,7 @@ NOT_BLANK = r"\S"
 ACTION = r"^[A-Za-z0-9_.:-]{1,100}$"
 PATH = r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$"
 MAX_WAIT = 60  # seconds a long-poll may hold the request (console/long_poll.py holds it)
+IN_THREAD_POLL = 1.0  # seconds between two looks of a long-poll that waits in its view (no edge: get_request)
 
 
 class Citation(Schema):
@@ -206,14 +209,29 @@ def create_request(request: HttpRequest, body: RequestIn):
     summary="The request: its decision and what to execute; `wait` long-polls until it is decided",
 )
 def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0, ge=0, le=MAX_WAIT)):
-    # One look, whatever `wait` says: the production server holds a long-poll at its edge (console/long_poll.py)
-    # and passes it through here again each time the request may have changed, so that a waiting agent holds
-    # neither a thread nor a database connection. (Called in process, as by Django's test client, it answers at
-    # once.)
+    # One look: the production server holds a long-poll at its edge (console/long_poll.py) and passes it through
+    # here again each time the request may have changed, so that a waiting agent holds neither a thread nor a
+    # database connection. Only without that edge (a plain WSGI server, runserver, Django's test client) does the
+    # view wait itself, in its thread.
     try:
-        return _out(requests.for_user(request.user, request_id))
+        answer = _out(requests.for_user(request.user, request_id))
+        if wait and not request.headers.get(waiters.EDGE_HEADER):
+            answer = _wait_in_thread(request.user, request_id, answer, wait)
+        return answer
     except RequestError as exc:
         return _refused(exc)
+
+
+def _wait_in_thread(user, request_id, answer: dict, wait: int) -> dict:
+    """The long-poll without the server's edge: a look every IN_THREAD_POLL seconds while the request is pending,
+    holding this thread (not a database connection: it goes back between two looks)."""
+    deadline = time.monotonic() + wait
+    while answer["status"] == "pending" and (left := deadline - time.monotonic()) > 0:
+        if not connection.in_atomic_block:  # (a test's transaction keeps its connection)
+            connection.close()
+        time.sleep(min(IN_THREAD_POLL, left))
+        answer = _out(requests.for_user(user, request_id))
+    return answer
 
 
 @router.post(

@@ -42,6 +42,9 @@ from django.conf import settings
 log = structlog.get_logger("external.waiters")
 
 CHANNEL = "external_request_status"  # also in migration external 0002 (its trigger)
+# The header the server's edge (console/long_poll.py) puts on each pass of a long-poll through Django: the view
+# then answers at once, as the edge does the waiting. (A client that sends it itself only gets an answer at once.)
+EDGE_HEADER = "X-Long-Poll-Pass"
 FALLBACK_SECONDS = 5.0  # while the listener does not listen, every waiter looks again this often
 BACKOFF_SECONDS = (0.5, 1.0, 2.0, 4.0, 5.0)  # between two attempts to connect; the last one repeats
 # The client's side of a dead connection: libpq's TCP keepalives end a session whose server vanished without

@@ -18,8 +18,8 @@ nobody listened was announced to nobody. While it does not listen (before it fir
 sessions, or for good when no URL keeps a session), it wakes every waiter every FALLBACK_SECONDS instead: coarse
 polling, not a lost decision. While it listens, a waiter nobody wakes costs nothing until its wait ends: PostgreSQL
 delivers every notification committed after a LISTEN to that session for as long as it lives, and a session that
-dies (even silently: the keepalives) makes the next one wake everybody. (A timer per waiter "in case" would cost
-1,000 waiting agents dozens of looks a second: bench/longpoll.py measured it.)
+dies (even silently: the keepalives) makes the next one wake everybody. (A timer per waiter "in case", a look
+every 25 s each, would cost 1,000 waiting agents 40 looks a second.)
 
 LISTEN needs a session of its own: behind a transaction-mode pool (DATABASE_TRANSACTION_POOL=1, PgBouncer) a
 LISTEN is forgotten when its transaction ends. The listener uses DATABASE_URL unless it goes through such a pool,

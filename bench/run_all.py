@@ -5,7 +5,8 @@ lines, and rewrites docs/BENCHMARKS.md (not with BENCH_SMOKE=1, the tiny CI vers
     BENCH_SMOKE=1 .venv/bin/python bench/run_all.py   # make bench-smoke (CI)
 
 Sizes: BENCH_SMOKE=1 makes every size tiny; BENCH_SCALE (default 1) multiplies the big sizes (cards, audit
-entries, memory runs) for a quicker full run, e.g. BENCH_SCALE=0.1. BENCH_ONLY=enqueue,resume runs a subset.
+entries, memory runs, waiting agents) for a quicker full run, e.g. BENCH_SCALE=0.1. BENCH_ONLY=enqueue,resume runs
+a subset.
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
                 ["bench/webhook_latency.py", "--duration", "1" if SMOKE else "10"],
                 {"_FRESH_PG_DB": "bench_webhook"},
                 "GET /healthz on the same server under the same connections; the duplicate-delivery path",
+            )
+        )
+    if pg15_up():
+        out.append(
+            (
+                "longpoll",
+                "long-poll: the inbox while agents wait, machine's PostgreSQL 15 (TCP)",
+                ["bench/longpoll.py", "--agents", str(n(1000, 20)), "--duration", "1" if SMOKE else "10"],
+                {},
+                "the same GET /api/approvals on the same server, with the same cards, while nobody waits",
             )
         )
     # The latency a person waits for (issue 21.4): on PostgreSQL 15 when it is up, else on the embedded server.

@@ -1,6 +1,7 @@
 """The application the production server (uvicorn, console/webserver.py) serves: Django as WSGI in a fixed pool of
-threads for every sync view, Django's ASGI handler only for async views (the long-poll of the approval-request
-API), behind the body limit (console/body_limit.py).
+threads for every sync view, Django's ASGI handler only for async views (none today), behind the body limit
+(console/body_limit.py). The approval-request long-poll waits at this edge, in the event loop, between its
+passes through Django's WSGI side (console/long_poll.py).
 
 Why not Django's ASGI handler for everything: it runs a sync view and the sync middlewares in a thread of their
 own per request and crosses from the event loop to a thread and back several times per request (the one-INSERT
@@ -26,6 +27,7 @@ from django.core.asgi import get_asgi_application
 from django.core.wsgi import get_wsgi_application
 from django.urls import Resolver404, resolve
 
+from console import long_poll
 from console.body_limit import BodyLimit, WsgiBodyLimit
 from console.env import env_int
 
@@ -63,6 +65,9 @@ class Hybrid:
             if not message.get("more_body"):
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        if waiting := long_poll.long_poll(scope):
+            # The approval-request long-poll waits here, in the event loop, between its passes through Django.
+            return await long_poll.serve(self.wsgi, scope, body, receive, send, *waiting)
 
         async def replay():
             nonlocal body

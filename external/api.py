@@ -4,23 +4,19 @@ external.requests; this module maps it to JSON."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Literal
 
-from asgiref.sync import sync_to_async
 from django.db import connection
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
-from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
 from core import safe_input
 from core.api import ERRORS, ErrorOut
-from core.models import ApiToken
-from external import requests
+from external import requests, waiters
 from external.requests import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError
 
 router = Router(tags=["approval requests"])
@@ -28,8 +24,8 @@ router = Router(tags=["approval requests"])
 NOT_BLANK = r"\S"
 ACTION = r"^[A-Za-z0-9_.:-]{1,100}$"
 PATH = r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$"
-MAX_WAIT = 60  # seconds a long-poll may hold the request
-POLL = 0.2  # seconds between two looks at the request while a long-poll waits
+MAX_WAIT = 60  # seconds a long-poll may hold the request (console/long_poll.py holds it)
+IN_THREAD_POLL = 1.0  # seconds between two looks of a long-poll that waits in its view (no edge: get_request)
 
 
 class Citation(Schema):
@@ -226,45 +222,35 @@ def create_request(request: HttpRequest, body: RequestIn):
     return Status(202 if created else 200, _out(action_request))
 
 
-class AsyncBearerToken(HttpBearer):
-    """The bearer token, looked up without blocking the event loop (the long-poll is an async view)."""
-
-    async def authenticate(self, request: HttpRequest, token: str):
-        found = await sync_to_async(ApiToken.find)(token)
-        if found is None:
-            return None
-        request.user, request.api_token = found.user, found
-        return found.user
-
-
 @router.get(
     "/approval-requests/{request_id}",
-    auth=AsyncBearerToken(),
     response={200: RequestOut, **ERRORS},
     summary="The request: its decision and what to execute; `wait` long-polls until it is decided",
 )
-async def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0, ge=0, le=MAX_WAIT)):
-    # An async view: a request waiting here holds no thread; each look at the database is a short sync call.
-    deadline = time.monotonic() + wait
-    look = sync_to_async(_look, thread_sensitive=True)
-    while True:
-        try:
-            answer = await look(request.user, request_id)
-        except RequestError as exc:
-            return _refused(exc)
-        if answer["status"] != "pending" or time.monotonic() >= deadline:
-            return answer
-        await asyncio.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
-
-
-def _look(user, request_id) -> dict:
+def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0, ge=0, le=MAX_WAIT)):
+    # One look: the production server holds a long-poll at its edge (console/long_poll.py) and passes it through
+    # here again each time the request may have changed, so that a waiting agent holds neither a thread nor a
+    # database connection. Only without that edge (a plain WSGI server, runserver, Django's test client) does the
+    # view wait itself, in its thread.
     try:
-        return _out(requests.for_user(user, request_id))
-    finally:
-        # Back to the pool between two looks: a waiting long-poll holds no database connection either (the pool
-        # has one per WSGI thread, console/asgi.py). Not inside a caller's transaction (tests).
-        if not connection.in_atomic_block:
+        answer = _out(requests.for_user(request.user, request_id))
+        if wait and not request.headers.get(waiters.EDGE_HEADER):
+            answer = _wait_in_thread(request.user, request_id, answer, wait)
+        return answer
+    except RequestError as exc:
+        return _refused(exc)
+
+
+def _wait_in_thread(user, request_id, answer: dict, wait: int) -> dict:
+    """The long-poll without the server's edge: a look every IN_THREAD_POLL seconds while the request is pending,
+    holding this thread (not a database connection: it goes back between two looks)."""
+    deadline = time.monotonic() + wait
+    while answer["status"] == "pending" and (left := deadline - time.monotonic()) > 0:
+        if not connection.in_atomic_block:  # (a test's transaction keeps its connection)
             connection.close()
+        time.sleep(min(IN_THREAD_POLL, left))
+        answer = _out(requests.for_user(user, request_id))
+    return answer
 
 
 @router.post(

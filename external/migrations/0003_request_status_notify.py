@@ -33,7 +33,7 @@ DROP FUNCTION IF EXISTS external_request_status_notify();
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("external", "0001_initial"),
+        ("external", "0002_action_request_api_token"),
         ("approvals", "0010_approval_on_expiry"),
     ]
 

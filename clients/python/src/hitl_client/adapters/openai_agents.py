@@ -36,7 +36,7 @@ import inspect
 import json
 import os
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,8 @@ from agents.items import ToolApprovalItem
 from agents.run_config import DEFAULT_MAX_TURNS
 from agents.tool_context import ToolContext
 
+from hitl_client.adapters import _waiting
+from hitl_client.adapters._waiting import OnWait
 from hitl_client.client import AsyncClient, OnExpiry, Risk
 from hitl_client.decorator import require_approval
 from hitl_client.digest import arguments_digest
@@ -59,7 +61,6 @@ __all__ = ["NoApprovalSession", "NotAnApprovalTool", "SessionFinished", "approva
 
 F = TypeVar("F", bound=Callable[..., Any])
 Describe = str | Mapping[str, Any] | Callable[..., Any] | None
-OnWait = Callable[[list[dict[str, Any]]], "None | Awaitable[None]"]
 
 # The run_with_approvals that is running the agent: the tools' invokers run inside it (the SDK's tasks inherit it).
 _SESSION: ContextVar[_Session | None] = ContextVar("hitl_openai_agents_session", default=None)
@@ -395,7 +396,9 @@ class _Session:
             asked.append((item, approval, request))
         undecided = [(item, request) for item, _, request in asked if not request.decided]
         if undecided and self.on_wait is not None:
-            await _tell(self.on_wait, [_waiting(self.client, r, _raw_field(item, "call_id")) for item, r in undecided])
+            await _waiting.tell(
+                self.on_wait, [_waiting.waiting(self.client, r, _raw_field(item, "call_id")) for item, r in undecided]
+            )
         for item, approval, request in asked:
             decided = request if request.decided else await self.client.wait(request.id, self.timeout, self.poll)
             self._decided[self.key(_raw_field(item, "call_id"))] = decided
@@ -456,33 +459,10 @@ class _Session:
         if ran_with and ran_with != asked:
             return (
                 f"A person edited the arguments before approving: {approval.action} ran with "
-                f"{json.dumps(ran_with, sort_keys=True)}.{_comment(self._decided.get(key))} "
+                f"{json.dumps(ran_with, sort_keys=True)}.{_waiting.comment(self._decided.get(key))} "
                 f"Its result: {_as_text(result)}"
             )
         return result
-
-
-def _comment(decided: ApprovalRequest | None) -> str:
-    """The reviewer's comment on a decision, as the model reads it after an edit (LangGraph's and MCP's words)."""
-    return f" Their comment: {decided.comment}" if decided is not None and decided.comment else ""
-
-
-def _waiting(client: AsyncClient, request: ApprovalRequest, call_id: str) -> dict[str, Any]:
-    """What `on_wait` is told of a request the run waits for."""
-    return {
-        "request_id": request.id,
-        "url": request.url,
-        "card_id": request.card_id,
-        "card_url": client.card_url(request.card_id),
-        "action": request.action,
-        "tool_call_id": call_id,
-    }
-
-
-async def _tell(on_wait: OnWait, requests: list[dict[str, Any]]) -> None:
-    told = on_wait(requests)
-    if inspect.isawaitable(told):
-        await told
 
 
 def _approval_of(item: ToolApprovalItem) -> _Approval:

@@ -306,10 +306,13 @@ class Approval(models.Model):
 
     @property
     def rule(self) -> dict:
-        """The policy this card is counted and asks under (rules.PolicyCount, rules.Asking): its snapshot; for a card
-        opened before every card carried one (`policy` null), its channel's own rule, read now. The one place
-        where a card without a snapshot is read as its channel's rule."""
-        return self.policy or rules.channel_rule(self.channel)
+        """The policy this card is counted and asks under (rules.PolicyCount, rules.Asking): its snapshot of an
+        admin's policy; under its channel's own rule, the rule as the card carries it, never weaker than the channel
+        is now (rules.channel_rule_now); for a card opened before every card carried one (`policy` null), its
+        channel's rule, read now. The one place where a card's channel rule is read."""
+        if not self.on_channel_rule:
+            return self.policy
+        return rules.channel_rule_now(self.policy, self.channel)
 
     @property
     def on_channel_rule(self) -> bool:

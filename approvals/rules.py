@@ -321,6 +321,19 @@ def channel_rule(channel: Channel) -> dict:
     }
 
 
+def channel_rule_now(carried: dict | None, channel: Channel) -> dict:
+    """The channel's rule a card under it (`carried`: its snapshot, or None on a card opened before cards carried
+    one) follows now: as it carries it, but never asking fewer people than the channel does now. Raising a
+    channel's `required_approvals` applies to its open cards, as it always did; lowering it does not loosen a card
+    opened under the two-person rule."""
+    now = channel_rule(channel)
+    if not carried:
+        return now
+    stage = carried["stages"][0]
+    quorum = max(stage["quorum"], now["stages"][0]["quorum"])
+    return carried if quorum == stage["quorum"] else {**carried, "stages": [{**stage, "quorum": quorum}]}
+
+
 def is_channel_rule(policy: dict | None) -> bool:
     """Whether a card's snapshot is its channel's own rule (channel_rule), not an admin's policy; None (a card
     opened before cards carried it) is the channel's rule."""

@@ -269,3 +269,16 @@ def test_a_tool_policy_applies_to_the_external_action_of_that_name(client, demo,
     assert card.card.policy["name"] == "refund-tool"
     assert yes(client, demo["reviewer"], card).status_code == 403
     assert yes(client, ann, card).status_code == 200
+
+
+@KINDS
+def test_lowering_the_channels_rule_does_not_loosen_an_open_card(kind, client, demo, three):
+    """A card opened under the two-person rule keeps it when the channel is lowered to one approval (it carries
+    its rule); raising a channel's rule applies to its open cards (test_card_view, test_slack), as it always did."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    card = open_card(kind, client, demo)
+    Channel.objects.filter(name="payments").update(required_approvals=1)
+    assert yes(client, three[0], card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "pending"
+    assert yes(client, three[1], card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "approved"

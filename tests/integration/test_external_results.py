@@ -123,7 +123,7 @@ def test_a_result_deeper_than_the_limit_is_refused_clearly_and_nothing_is_record
     code, body = agent.post(path, {"ok": True, "result": nested(safe_input.MAX_FREE_DEPTH + 5)})
     assert code == 422 and body["error"] == "invalid"
     assert f"nested deeper than {safe_input.MAX_FREE_DEPTH} levels" in json.dumps(body["detail"])
-    assert body["detail"][0]["loc"][:2] == ["body", "result"]
+    assert body["detail"][0]["loc"].split(".")[0] == "result"  # named as sent (no body, body prefix)
     assert Receipt.objects.get(key=f"external:{consumed['id']}").status == "pending"
 
 
@@ -274,7 +274,7 @@ def test_what_python_cannot_carry_is_refused_naming_the_field(agent, consumed):
     ):
         code, body = post_raw(agent, path, text)
         assert code == 422 and why in json.dumps(body["detail"]), body
-        assert body["detail"][0]["loc"][:2] == ["body", "result"]
+        assert body["detail"][0]["loc"].split(".")[0] == "result"  # named as sent (no body, body prefix)
     assert Receipt.objects.get(key=f"external:{consumed['id']}").status == "pending"
     # 1e400 is an integer, which jsonb's numeric keeps to the digit.
     code, body = post_raw(agent, path, '{"ok": true, "result": {"n": 1e400, "x": 0.1}}')

@@ -80,7 +80,8 @@ class CardOut(Schema):
     version: int
     due_at: datetime  # the deadline of the card's stage, under an approval policy
     created_at: datetime
-    # Under an approval policy (null otherwise): which policy, version and stage the card is at, and who it asks.
+    # Under an admin's approval policy (null under the channel's own rule): which policy, version and stage the
+    # card is at, and who it asks.
     policy_stage: dict | None = None
     asked: dict | None = None
 
@@ -90,7 +91,7 @@ class CardOut(Schema):
 
     @staticmethod
     def resolve_asked(card):
-        return card.asked_names() if card.policy else None
+        return card.asked_names() if card.admin_policy else None
 
     @staticmethod
     def resolve_action(card):

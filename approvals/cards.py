@@ -4,10 +4,12 @@ request (external.requests), opens through `open_card`, so that the rules of a c
 What the door gives every card:
 - its approval policy (approvals.models.ApprovalPolicy.for_card: the one the gate names, else the channel's for the
   step or the tool (`tool:<action>` for an external agent's action), else the channel's own), as a snapshot the card
-  keeps, starting at its first stage (who it asks, its SLA); without one, the channel's rule
-  (`required_approvals`, its SLA policy);
-- its deadline: the stage's SLA, else the channel's, never later than a hard end (`expires_at`: an external
-  request's `expires_in`), at which the card expires whatever its stage (approvals.policy.apply_sla);
+  keeps, starting at its first stage (who it asks, its SLA); without one, the channel's own rule as a one-stage
+  policy (approvals.rules.channel_rule: `required_approvals` of anyone who may approve the channel, its SLA policy),
+  so that Approval.decide has one count (approvals.rules.PolicyCount);
+- its deadline: the stage's SLA, or under the channel's rule the channel's own, never later than a hard end
+  (`expires_at`: an external request's `expires_in`), at which the card expires whatever its stage
+  (approvals.policy.apply_sla);
 - shadow mode as the channel and workflow say when it opens (an action card only);
 - its SLA timer, deferred in the caller's transaction: the timer exists if and only if the card does.
 
@@ -22,6 +24,7 @@ import structlog
 from django.utils import timezone
 
 from approvals import policy as sla
+from approvals import rules
 from approvals.models import Approval, ApprovalPolicy, OnExpiry
 from core.models import Channel
 from runs.gates import Kind
@@ -45,16 +48,17 @@ class CardSpec:
     display: dict = field(default_factory=dict)  # headline, amount_minor, currency (runs.gates.Display.values)
 
 
-def policy_for(channel: Channel, *, step: str = "", tool: str = "", named: str = "") -> dict | None:
-    """The snapshot of the approval policy a card on `channel` follows (ApprovalPolicy.for_card), or None: the
-    channel's rule. A gate naming a policy that does not exist gets one that fails closed (ApprovalPolicy.missing:
-    nobody may approve it, rejected at the channel's SLA), which its card page shows."""
+def policy_for(channel: Channel, *, step: str = "", tool: str = "", named: str = "") -> dict:
+    """The snapshot of the approval policy a card on `channel` follows (ApprovalPolicy.for_card), else the channel's
+    own rule as a one-stage policy (approvals.rules.channel_rule). A gate naming a policy that does not exist gets
+    one that fails closed (ApprovalPolicy.missing: nobody may approve it, rejected at the channel's SLA), which its
+    card page shows."""
     try:
         found = ApprovalPolicy.for_card(channel, step=step, tool=tool, named=named)
     except LookupError:
         log.error("a gate names an approval policy that does not exist: its card fails closed", policy=named)
         return ApprovalPolicy.missing(named, channel)
-    return found.snapshot() if found is not None else None
+    return found.snapshot() if found is not None else rules.channel_rule(channel)
 
 
 def open_card(
@@ -69,9 +73,11 @@ def open_card(
     on_expiry: str = OnExpiry.CHANNEL,
 ) -> Approval:
     """Open the card of step `seq` of `run` (in the caller's transaction, which holds the run's row): its policy's
-    first stage, its deadline, its timer. `expires_at`: a hard end (no deadline is later, and the card expires
+    first stage, its deadline, its timer. `policy`: policy_for's snapshot (None: the channel's own rule).
+    `expires_at`: a hard end (no deadline is later, and the card expires
     then); `due_by`: its first deadline at the latest (an external request that escalates once at `expires_in`)."""
     now = timezone.now()
+    policy = policy or rules.channel_rule(channel)
     card = Approval(
         **spec.display,
         run=run,
@@ -92,10 +98,13 @@ def open_card(
         due_at=expires_at or due_by or now + channel.sla,
         expires_at=expires_at,
         on_expiry=on_expiry,
+        # The card keeps the policy as it is now (a channel's rule too: its one stage asks anyone who may approve
+        # the channel, the columns' defaults).
+        policy=policy,
     )
-    if policy is not None:
-        # The card keeps the policy as it is now, and starts at its first stage (its SLA, who it asks).
-        card.policy = policy
+    if not rules.is_channel_rule(policy):
+        # An admin's policy: the card starts at its first stage (its SLA, who it asks). Under the channel's rule its
+        # deadline stays the channel's, as it always was (an external request's `expires_in` may exceed the SLA).
         card.enter_stage(0, now)
     if due_by is not None:
         card.due_at = min(card.due_at, due_by)

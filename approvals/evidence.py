@@ -144,7 +144,8 @@ def _as_read_from_the_database(summary: dict, card: Approval | None, runs: _Runs
             "opened_at": card.created_at,
             "due_at": card.due_at,
             "escalated_to": card.assigned_group.name if card.assigned_group else None,
-            # The approval policy the card was opened under, as it kept it (null: its channel's rule).
+            # The approval policy the card was opened under, as it kept it: an admin's, or its channel's own rule
+            # (`channel_rule: true`, approvals.rules.channel_rule); null on a card opened before cards carried one.
             "policy": card.policy,
             "status": card.status,
             "decided_at": card.decided_at,

@@ -122,7 +122,8 @@ class Approval(models.Model):
         Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="escalated_approvals"
     )
     # The approval policy the card was opened under (ApprovalPolicy.snapshot: an admin's later edit does not
-    # change it), and the row of it the card is at; null: its channel's rule (required_approvals, its SLA policy).
+    # change it), or its channel's own rule as a one-stage policy (rules.channel_rule), and the row of it the card
+    # is at. Null on a card opened before every card carried one: its channel's rule, read as `rule`.
     policy = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     stage = models.PositiveSmallIntegerField(default=0)
     # Who the card asks now (rules.Asking of its stage), as columns the inbox filters on: anyone who may approve
@@ -221,8 +222,9 @@ class Approval(models.Model):
         The rules are approvals.rules: what a decision carries (`Asked`), who may take it (a person with
         `approve_channel` on the card's channel, never on a run they started; the system, with no actor, always
         may), what it must fit (an edit the card's validator, approvals.edits; a shadow card's agreement), and
-        the two-person count (`TwoPersonCount`: on a channel with `required_approvals = 2` the card stays open
-        until a second person approves what executes as it stands). An edit is what runs from then on
+        the one count (`PolicyCount`, under the policy the card carries, `rule`: an admin's, or its channel's own
+        rule as a one-stage policy; on a channel with `required_approvals = 2` the card stays open until a second
+        person approves what executes as it stands). An edit is what runs from then on
         (`to_execute`): the card's display columns become the edit's, and the version that a later decision must
         name is the one after it. On a shadow card the decision records what the reviewer did by hand. `via` names
         where it was taken or where the person came from when not the console itself (`slack`; `email`: a
@@ -257,15 +259,14 @@ class Approval(models.Model):
 
     def _record(self, run: Run, actor, asked: rules.Asked, covering: list[int], via: str) -> None:
         """Approval.decide's write, on this card and its run as decide locked and checked them: the decision, where
-        it leaves the card (counted by its policy or the two-person rule), its audit entry, and the run resumed
-        when the card is decided."""
+        it leaves the card (the one count, rules.PolicyCount, under the policy it carries), its audit entry, and the
+        run resumed when the card is decided."""
         earlier = list(self.decisions.order_by("created_at", "pk"))
-        if self.policy:
-            count = rules.PolicyCount.of(self, actor, asked.decision, earlier, covering)
-        else:
-            count = rules.TwoPersonCount.of(self, asked.decision, earlier)
+        count = rules.PolicyCount.of(self, actor, asked.decision, earlier, covering)
         count.check(actor)
-        on_policy = isinstance(count, rules.PolicyCount)
+        # Under an admin's policy a decision records its stage (and whom it was taken for); under the channel's
+        # own rule, as before cards carried it, none (its evidence reads no `policy_stage`).
+        on_policy = not count.channel_rule
         Decision.objects.create(
             approval=self,
             actor=actor,
@@ -284,9 +285,9 @@ class Approval(models.Model):
             self.status, self.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
         elif on_policy and count.to_stage != self.stage:
             moved = self.enter_stage(count.to_stage, timezone.now())
-        # Under a policy the version names what runs (a quorum's second person approves what the first one
+        # Under an admin's policy the version names what runs (a quorum's second person approves what the first one
         # saw, even when both clicked at once): an edit or the card's end changes it, another yes does not.
-        # The two-person rule of a channel without a policy keeps its own (every decision changes it).
+        # Under the channel's own rule (the two-person rule) every decision changes it, as it always did.
         if not on_policy or count.complete or asked.decision == DecisionKind.EDIT:
             self.version += 1
         # The inbox shows what runs: after an edit, the display columns are the edit's (in this transaction).
@@ -301,10 +302,33 @@ class Approval(models.Model):
         if count.complete and run.status in Run.PARKED:
             run.resume()
 
+    # --- the policy the card carries --------------------------------------------------------------------------------
+
+    @property
+    def rule(self) -> dict:
+        """The policy this card is counted and asks under (rules.PolicyCount, rules.Asking): its snapshot of an
+        admin's policy; under its channel's own rule, the rule as the card carries it, never weaker than the channel
+        is now (rules.channel_rule_now); for a card opened before every card carried one (`policy` null), its
+        channel's rule, read now. The one place where a card's channel rule is read."""
+        if not self.on_channel_rule:
+            return self.policy
+        return rules.channel_rule_now(self.policy, self.channel)
+
+    @property
+    def on_channel_rule(self) -> bool:
+        """Under its channel's own rule (`required_approvals`, the channel's SLA policy), not an admin's policy."""
+        return rules.is_channel_rule(self.policy)
+
+    @property
+    def admin_policy(self) -> dict | None:
+        """The admin-defined approval policy this card was opened under, or None (its channel's own rule): what the
+        card page, the API (`policy_stage`, `asked`), the audit log and notifications name as a policy."""
+        return None if self.on_channel_rule else self.policy
+
     def policy_stage(self, row: int | None = None) -> dict | None:
         """Which policy, at which version, and which of its stages (row `row`, else the card's): for the audit log
-        and the evidence export."""
-        if not self.policy:
+        and the evidence export. None under the channel's own rule."""
+        if self.on_channel_rule:
             return None
         row = self.stage if row is None else row
         stage = self.policy["stages"][row]
@@ -330,8 +354,8 @@ class Approval(models.Model):
         """Move this open card (locked by the caller) to row `row` of its policy: who it asks, and its deadline,
         the row's SLA from `now`. Returns the columns changed, for the caller's save or UPDATE. An escalation level
         makes the card `escalated`, assigned to the level's first group."""
-        stage = self.policy["stages"][row]
-        asking = rules.Asking.at(self.policy, row)
+        stage = self.rule["stages"][row]
+        asking = rules.Asking.at(self.rule, row)
         self.stage, self.due_at = row, now + timedelta(seconds=stage["sla"])
         if self.expires_at is not None:
             self.due_at = min(self.due_at, self.expires_at)
@@ -348,7 +372,7 @@ class Approval(models.Model):
     def _audit_decision(self, actor, asked: rules.Asked, count, earlier: list[Decision], via: str = "") -> None:
         edit_pending = any(d.decision == DecisionKind.EDIT for d in earlier)
         policy = {}
-        if isinstance(count, rules.PolicyCount):
+        if not count.channel_rule:
             # The evidence export reads `policy_stage` and `on_behalf_of` (core.audit_verifier.decision_summary).
             policy = {
                 "policy_stage": self.policy_stage(count.stage),
@@ -533,9 +557,10 @@ class ApprovalPolicy(models.Model):
 
     Bound to a channel: `applies_to` empty, every card of the channel; else the cards of one workflow step (its
     name) or one agent tool (`tool:<name>`), which it overrides. A gate may also name its policy in code
-    (`wf.gate(..., policy="<name>")`), which wins over both. A channel with no policy keeps its own rule
-    (`required_approvals` of any approvers, its SLA policy). Each card keeps a snapshot of the policy it was
-    opened under (`snapshot`), so an edit here applies to cards opened after it. Edited in Django admin, audited."""
+    (`wf.gate(..., policy="<name>")`), which wins over both. The cards of a channel with no policy carry its own
+    rule as a one-stage policy (rules.channel_rule: `required_approvals` of any approvers, its SLA policy). Each
+    card keeps a snapshot of the policy it was opened under (`snapshot`), so an edit here applies to cards opened
+    after it. Edited in Django admin, audited."""
 
     AtEnd = AtEnd
 

@@ -87,7 +87,7 @@ def _recipients(notification: Notification):
     an email address, each once."""
     people = User.objects.filter(is_active=True).exclude(email="")
     card, position = notification.approval, (notification.payload.get("policy_stage") or {}).get("position")
-    if notification.event == "policy.escalate" and card.policy and position:
+    if notification.event == "policy.escalate" and card.admin_policy and position:
         level = card.policy["stages"][position - 1]
         named = Q(pk__in=level["users"]) | Q(groups__in=level["groups"])
         return people.filter(named).exclude(pk=card.run.created_by_id).distinct().order_by("email", "pk")

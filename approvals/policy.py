@@ -13,7 +13,9 @@ find nothing to do.
 A card may override its channel (`Approval.on_expiry`, an external agent's request): `expire` closes it as
 expired at its deadline (fail closed: nothing runs), `escalate` escalates it once and expires it at the next.
 
-A card opened under an approval policy (`Approval.policy`) follows it instead: its deadline is its stage's; when
+Every card carries a policy snapshot (`Approval.policy`). Under its channel's own rule (approvals.rules.channel_rule,
+or no snapshot on an older card) the card follows the channel's SLA policy above, as it always did. A card opened
+under an admin's approval policy follows that policy instead: its deadline is its stage's; when
 it passes, the card moves to the stage's next escalation level (announced: an audit entry and a notification),
 and past the last level the policy's end applies: `reject` (fail closed, as the safe default; a reconcile card
 waits instead) or `wait` (the card stays open and ops are alerted, again at each of the level's SLA).
@@ -87,8 +89,9 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
     # A hard end (an external agent's `expires_in`): the card expires, fail closed, whatever its stage.
     if card.expires_at is not None and card.expires_at <= now:
         return "expire" if _expire(card, now) else None
-    if card.policy:
+    if not card.on_channel_rule:
         return _policy_deadline(card, now)
+    # The channel's own rule: the channel's SLA policy (read now, as it always was), or what the card says.
     # A card may say what its deadline does (an external agent's request): it expires, fail closed, at once or
     # after one escalation.
     if card.on_expiry == OnExpiry.EXPIRE or (
@@ -223,7 +226,7 @@ def _notify(card: Approval, missed: datetime, event: str = "sla.escalate", group
         "summary": card.summary,
         "risk": card.risk,
         "group": group.name if group else None,
-        **({"policy_stage": card.policy_stage()} if card.policy else {}),
+        **({"policy_stage": card.policy_stage()} if card.admin_policy else {}),
         "missed_due_at": missed.isoformat(),
         "due_at": card.due_at.isoformat(),
         "url": f"/approvals/{card.pk}/",
@@ -250,8 +253,8 @@ def _safe_default(card: Approval, now: datetime, comment: str = SAFE_DEFAULT_COM
             decision=Decision.Kind.REJECT,
             comment=comment,
             reason=SAFE_DEFAULT_REASON,
-            stage=card.stage if card.policy else None,
-            stage_name=card.policy["stages"][card.stage]["name"] if card.policy else "",
+            stage=card.stage if card.admin_policy else None,
+            stage_name=card.policy["stages"][card.stage]["name"] if card.admin_policy else "",
         )
         _audit(
             card,
@@ -260,7 +263,7 @@ def _safe_default(card: Approval, now: datetime, comment: str = SAFE_DEFAULT_COM
                 "missed_due_at": card.due_at,
                 "comment": comment,
                 "reason": SAFE_DEFAULT_REASON,
-                **({"policy_stage": card.policy_stage()} if card.policy else {}),
+                **({"policy_stage": card.policy_stage()} if card.admin_policy else {}),
                 "kind": card.kind,
                 "proposed": card.proposed,
             },

@@ -1,6 +1,7 @@
-"""The rules of a decision, each written once: what a decision must carry, who may take it, the two-person count,
-the outcome it gives the engine, and the SLA state with its due-soon threshold. Approval.decide applies them;
-the card page, the inbox, the API and the engine's side of the gate (approvals.gates) read the same functions.
+"""The rules of a decision, each written once: what a decision must carry, who may take it, the one count
+(PolicyCount: a channel's own rule, the two-person rule, is its one-stage policy), the outcome it gives the engine,
+and the SLA state with its due-soon threshold. Approval.decide applies them; the card page, the inbox, the API
+and the engine's side of the gate (approvals.gates) read the same functions.
 
 A leaf of the approvals app: it knows cards by their fields, never imports approvals.models, and the models
 import it."""
@@ -154,55 +155,20 @@ def check_what_would_execute(card: Approval, asked: Asked) -> None:
         raise InvalidDecision(f"this card cannot be approved: {refusal}")
 
 
-# --- the two-person count ---------------------------------------------------------------------------------------
+# --- the count since the last change ----------------------------------------------------------------------------
 
 
 def counted(decisions: Sequence[Decision], toward: str) -> list[Decision]:
     """The decisions among `decisions` (in the order they were taken) that count toward `toward`, a decision or an
-    outcome, under the two-person rule: toward what executes (an approval), the approvals and edits given since
-    its last change (an edit restarts the count, its author counting as one); toward a rejection, the rejections;
-    toward a new edit, none (it restarts the count)."""
+    outcome: toward what executes (an approval), the approvals and edits given since its last change (an edit
+    restarts the count, its author counting as one); toward a rejection, the rejections; toward a new edit, none
+    (it restarts the count). PolicyCount counts these, stage by stage."""
     if toward in (DecisionKind.REJECT, Outcome.REJECTED):
         return [d for d in decisions if d.decision == DecisionKind.REJECT]
     if toward == DecisionKind.EDIT:
         return []
     since = max((i for i, d in enumerate(decisions) if d.decision == DecisionKind.EDIT), default=0)
     return [d for d in decisions[since:] if d.decision in (DecisionKind.APPROVE, DecisionKind.EDIT)]
-
-
-@dataclass(frozen=True)
-class TwoPersonCount:
-    """The two-person rule for one decision on a card. On a channel with `required_approvals` above 1, what
-    executes needs the approvals of that many different people given after its last change: an approval or an
-    edit is recorded and the card stays open until enough people approved it as it stands. A rejection by anyone
-    ends the card, except on a reconcile card, where "it did not happen" (a rejection: the write is done now) is
-    as risky as an approval and needs as many people."""
-
-    applies: bool
-    required: int
-    counted: tuple  # the earlier decisions that count with this one
-
-    @classmethod
-    def of(cls, card: Approval, decision: str, earlier: Sequence[Decision]) -> TwoPersonCount:
-        required = card.channel.required_approvals
-        applies = required > 1 and (decision != DecisionKind.REJECT or card.kind == Kind.RECONCILE)
-        return cls(applies, required, tuple(counted(earlier, decision)) if applies else ())
-
-    @property
-    def given(self) -> int:
-        """With this decision."""
-        return len(self.counted) + 1
-
-    @property
-    def complete(self) -> bool:
-        """The card is decided: its run goes on."""
-        return not self.applies or self.given >= self.required
-
-    def check(self, actor) -> None:
-        if actor is not None and any(d.actor_id == actor.pk for d in self.counted):
-            raise SecondApproverNeeded(
-                "you already answered this card as it stands: the two-person rule needs a different person"
-            )
 
 
 # --- the outcome --------------------------------------------------------------------------------------------------
@@ -286,11 +252,12 @@ def sla_state_expression(channels: Iterable[Channel], now: datetime) -> Case:
 
 
 # --- approval policies ------------------------------------------------------------------------------------------
-# A card opened under an approval policy (approvals.models.ApprovalPolicy) carries a snapshot of it
-# (`Approval.policy`, made by `ApprovalPolicy.snapshot`): {id, name, version, at_end, stages: [{name, purpose,
-# quorum, sla (seconds), anyone, users: [ids], groups: [ids]}]}. The rules below read that snapshot, never the
-# policy's rows, so an admin's edit does not change an open card's rules. A card without one follows its channel
-# (the two-person count above, the channel's SLA policy).
+# Every card carries a snapshot of the policy it was opened under (`Approval.policy`): an admin's
+# (approvals.models.ApprovalPolicy, made by `ApprovalPolicy.snapshot`), or, on a channel without one, the channel's
+# own rule as a one-stage policy (`channel_rule`): {id, name, version, at_end, stages: [{name, purpose, quorum, sla
+# (seconds), anyone, users: [ids], groups: [ids]}]}. The rules below read that snapshot, never the policy's rows,
+# so an admin's edit does not change an open card's rules. A card opened before cards carried the channel's rule
+# (`policy` null) reads it at read time (Approval.rule).
 
 
 class StagePurpose(models.TextChoices):
@@ -331,6 +298,46 @@ def policy_errors(purposes: Sequence[str]) -> list[str]:
     if purposes[0] != StagePurpose.APPROVE:
         return ["the first stage must be one that approves (an escalation level escalates the stage above it)"]
     return []
+
+
+def channel_rule(channel: Channel) -> dict:
+    """The channel's own rule as a one-stage policy, for a card on a channel without an approval policy:
+    `required_approvals` distinct people among anyone with `approve_channel` on it (never the run's creator), by
+    its SLA. Marked `channel_rule`, with the channel's SLA policy (`escalation_policy`): its deadline is the
+    channel's (approvals.policy.apply_sla: escalate to its escalation group again at each SLA, or the safe
+    default), and its cards are shown as under their channel's rule, not as named by an admin's policy."""
+    stage = {"name": f"approvers of {channel.name}", "purpose": StagePurpose.APPROVE}
+    stage |= {"quorum": channel.required_approvals, "sla": int(channel.sla.total_seconds())}
+    stage |= {"anyone": True, "users": [], "groups": []}
+    safe_default = channel.escalation_policy == "safe_default"
+    return {
+        "id": None,
+        "name": f"{channel.name} channel rule",
+        "version": 0,
+        "channel_rule": True,
+        "escalation_policy": channel.escalation_policy,
+        "at_end": AtEnd.REJECT if safe_default else AtEnd.WAIT,
+        "stages": [stage],
+    }
+
+
+def channel_rule_now(carried: dict | None, channel: Channel) -> dict:
+    """The channel's rule a card under it (`carried`: its snapshot, or None on a card opened before cards carried
+    one) follows now: as it carries it, but never asking fewer people than the channel does now. Raising a
+    channel's `required_approvals` applies to its open cards, as it always did; lowering it does not loosen a card
+    opened under the two-person rule."""
+    now = channel_rule(channel)
+    if not carried:
+        return now
+    stage = carried["stages"][0]
+    quorum = max(stage["quorum"], now["stages"][0]["quorum"])
+    return carried if quorum == stage["quorum"] else {**carried, "stages": [{**stage, "quorum": quorum}]}
+
+
+def is_channel_rule(policy: dict | None) -> bool:
+    """Whether a card's snapshot is its channel's own rule (channel_rule), not an admin's policy; None (a card
+    opened before cards carried it) is the channel's rule."""
+    return not policy or bool(policy.get("channel_rule"))
 
 
 def stage_of_level(policy: dict, row: int) -> int:
@@ -408,8 +415,8 @@ def policy_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
     """Why `actor` may not decide `card` at its current stage ("" when they may): the card's policy asks other
     people now, and nobody the actor covers for (approvals.models.Delegation) is among them, or those who are no
     longer active or no longer hold `approve_channel` on the card's channel."""
-    policy = card.policy
-    if actor is None or not policy:
+    policy = card.rule
+    if actor is None:
         return ""
     asking = Asking.at(policy, card.stage)
     if asking.includes(actor) or asking.covered(covering, card.run_created_by_id, card.channel) is not None:
@@ -421,7 +428,7 @@ def on_behalf_of(actor, card: Approval, covering: Iterable[int] = ()) -> int | N
     """Whose decision `actor` takes on `card` at its stage: None for their own (the stage asks them), else the
     absent person they cover for whom the stage names and who still holds the right to decide it
     (approvals.models.Delegation)."""
-    asking = Asking.at(card.policy, card.stage)
+    asking = Asking.at(card.rule, card.stage)
     if actor is None or asking.includes(actor):
         return None
     return asking.covered(covering, card.run_created_by_id, card.channel)
@@ -439,15 +446,20 @@ class _Taken:
 
 @dataclass(frozen=True)
 class PolicyCount:
-    """A decision on a card under an approval policy: the row it is taken at, whose it is (the actor's, or the
-    absent person's they cover), and where it leaves the card.
+    """The one count of a decision on a card (Approval.decide), under the policy its card carries (Approval.rule:
+    an admin's, or its channel's own rule as a one-stage policy): the row it is taken at, whose it is (the actor's,
+    or the absent person's they cover), and where it leaves the card.
 
     Each stage needs its quorum of distinct people (an escalation level's own quorum once the card reached it),
     counting the decisions given at the stage or any of its levels since the card's last edit; when it is met the
     card goes to the next stage, and past the last one it is decided. One person counts once per card, across
     stages (as the absent person they cover, too). An edit restarts the count: the card goes back to its first
     stage, its author counting as one at the stage they edited at. A rejection by anyone asked ends the card,
-    except on a reconcile card, where "it did not happen" (the write is done now) needs the quorums too."""
+    except on a reconcile card, where "it did not happen" (the write is done now) needs the quorums too.
+
+    Under the channel's rule (one stage, `required_approvals` of anyone who may approve the channel: the two-person
+    rule when 2), `applies` says whether a count was needed at all (more than one approval asked, and not a
+    rejection that ends the card), as the decision's audit entry records it (`approvals`, `required`)."""
 
     applies: bool
     stage: int  # the row this decision is taken at
@@ -458,35 +470,49 @@ class PolicyCount:
     required: int
     to_stage: int | None  # where the card goes (None once it is decided)
     complete: bool
+    channel_rule: bool = False  # counted under the channel's own rule (rules.channel_rule)
 
     @classmethod
     def of(cls, card: Approval, actor, decision: str, earlier: Sequence[Decision], covering: Iterable[int] = ()):
-        policy, row = card.policy, card.stage
+        policy, row = card.rule, card.stage
+        on_channel_rule = is_channel_rule(card.policy)
         on_behalf = on_behalf_of(actor, card, covering)
         taken = _Taken(decision, getattr(actor, "pk", None), on_behalf, row)
         name = policy["stages"][row]["name"]
         ends = decision == DecisionKind.REJECT and card.kind != Kind.RECONCILE
         if ends:
-            return cls(True, row, name, on_behalf, (), 1, 1, None, True)
+            return cls(not on_channel_rule, row, name, on_behalf, (), 1, 1, None, True, on_channel_rule)
         decisions = counted([*earlier, taken], DecisionKind.APPROVE if decision == DecisionKind.EDIT else decision)
         if decision == DecisionKind.EDIT and stage_of_level(policy, row) != 0:
             row = 0  # an edit restarts the chain
         while True:
             stage = stage_of_level(policy, row)
-            here = [d for d in decisions if d.stage is not None and stage_of_level(policy, d.stage) == stage]
+            # A decision under the channel's rule is recorded without a stage: its one stage, the first.
+            here = [d for d in decisions if stage_of_level(policy, d.stage or 0) == stage]
             given, required = len(here), policy["stages"][row]["quorum"]
+            applies = not on_channel_rule or required > 1
+            earlier_counted = tuple(decisions[:-1])
             if given < required:
-                return cls(True, taken.stage, name, on_behalf, tuple(decisions[:-1]), given, required, row, False)
+                return cls(
+                    applies, taken.stage, name, on_behalf, earlier_counted, given, required, row, False, on_channel_rule
+                )
             row = next_stage(policy, row)
             if row is None:
-                return cls(True, taken.stage, name, on_behalf, tuple(decisions[:-1]), given, required, None, True)
+                return cls(
+                    applies, taken.stage, name, on_behalf, earlier_counted, given, required, None, True, on_channel_rule
+                )
 
     def check(self, actor) -> None:
         if actor is None:
             return
         people = {actor.pk, self.on_behalf_of} - {None}
-        if any({d.actor_id, d.on_behalf_of_id} & people for d in self.counted):
+        if not any({d.actor_id, d.on_behalf_of_id} & people for d in self.counted):
+            return
+        if self.channel_rule:
             raise SecondApproverNeeded(
-                "you (or the person you cover for) already answered this card as it stands: its policy counts each "
-                "person once, across its stages"
+                "you already answered this card as it stands: the two-person rule needs a different person"
             )
+        raise SecondApproverNeeded(
+            "you (or the person you cover for) already answered this card as it stands: its policy counts each "
+            "person once, across its stages"
+        )

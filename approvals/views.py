@@ -138,10 +138,12 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.is_open = card.status in Approval.OPEN
     card.is_creator = rules.started_the_run(user, card)
     # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
-    card.required_approvals = card.channel.required_approvals if not card.policy else 1
+    # Under the channel's own rule, the quorum of its one stage (the snapshot the card counts by: Approval.rule).
+    card.required_approvals = card.rule["stages"][0]["quorum"] if card.on_channel_rule else 1
     card.approvals_given = rules.counted(card.decision_list, DecisionKind.APPROVE) if card.is_open else []
     card.i_approved = any(d.actor_id == user.pk for d in card.approvals_given)
-    card.standing = _standing(card, user) if card.policy else None
+    # Only a card under an admin's policy shows where it stands in it: the channel's own rule is no named policy.
+    card.standing = _standing(card, user) if card.admin_policy else None
     card.policy_refusal = card.standing["refusal"] if card.standing and card.is_open else ""
     card.can_decide = card.is_open and not card.is_creator and not card.policy_refusal
     card.labels = labels.for_card(card)

@@ -63,11 +63,13 @@ def view_of(card: Approval) -> blocks.CardView:
     decisions = list(card.decisions.select_related("actor").order_by("created_at", "pk"))
     is_open = card.status in Approval.OPEN
     approvals = ""
-    if is_open and card.channel.required_approvals > 1:
+    # The two-person rule: the quorum of the channel's own rule, as the card carries it (Approval.rule).
+    required = card.rule["stages"][0]["quorum"] if card.on_channel_rule else 1
+    if is_open and required > 1:
         given = rules.counted(decisions, rules.DecisionKind.APPROVE)
         if given:
             names = ", ".join(_who(d) for d in given)
-            approvals = f"{len(given)} of {card.channel.required_approvals} approvals so far: {names}"
+            approvals = f"{len(given)} of {required} approvals so far: {names}"
     outcome = ""
     if not is_open:
         last = decisions[-1] if decisions and card.status in Approval.DECIDED else None

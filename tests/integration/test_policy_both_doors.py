@@ -17,7 +17,9 @@ from django.contrib.auth.models import Group
 from django.utils import timezone
 
 from approvals import policy as sla
+from approvals import rules
 from approvals.models import Approval, Decision, Delegation
+from core.models import AuditEntry, Channel
 from runs.models import Run
 from tests.integration.test_api_approvals import bearer, decide, start_parked_run
 from tests.integration.test_approval_policies import approver, make_policy
@@ -165,13 +167,99 @@ def test_a_decision_after_the_deadline_is_refused_and_the_expiry_applies_at_once
     assert yes(client, ben, card).status_code == 409
 
 
+def channel_rule_of(channel: Channel) -> dict:
+    """What a card on `channel` carries when the channel has no approval policy: its own rule as one stage."""
+    stage = {"name": f"approvers of {channel.name}", "purpose": "approve", "quorum": channel.required_approvals}
+    stage |= {"sla": int(channel.sla.total_seconds()), "anyone": True, "users": [], "groups": []}
+    return {
+        "id": None,
+        "name": f"{channel.name} channel rule",
+        "version": 0,
+        "channel_rule": True,
+        "escalation_policy": channel.escalation_policy,
+        "at_end": "reject" if channel.escalation_policy == "safe_default" else "wait",
+        "stages": [stage],
+    }
+
+
 @KINDS
 def test_the_channels_own_rule_without_a_policy(kind, client, demo):
-    """No policy: the channel's rule (one approval on the demo's channels) for both."""
+    """No policy: the card carries the channel's rule (one approval on the demo's channels) as a one-stage policy,
+    for both kinds; the API names no admin policy for it."""
     card = open_card(kind, client, demo)
-    assert card.card.policy is None
+    assert card.card.policy == channel_rule_of(Channel.objects.get(name="payments"))
+    assert card.card.asked_anyone and card.card.asked_users == [] and card.card.asked_groups == []
+    body = client.get(f"/api/approvals/{card.card.pk}", headers=bearer(demo["reviewer"])).json()
+    assert body["policy_stage"] is None and body["asked"] is None
+    client.force_login(demo["reviewer"])
+    page = client.get(f"/approvals/{card.card.pk}/").content.decode()
+    assert 'data-testid="card-policy"' not in page  # no admin's policy named it
+    client.logout()
     assert yes(client, demo["reviewer"], card).status_code == 200
     assert card.outcome(client, demo["agent"]) == "approved"
+    decision = Decision.objects.get(approval=card.card)
+    assert decision.stage is None and decision.stage_name == ""  # no admin policy's stage: as before
+
+
+@KINDS
+@pytest.mark.parametrize("stored", ["snapshot", "none"])
+def test_the_two_person_rule_is_the_one_count_of_the_channels_one_stage_policy(kind, stored, client, demo, three):
+    """The two-person rule of a channel without a policy: its cards carry it as one stage of quorum 2 and
+    Approval.decide counts it with the one count (PolicyCount), keeping the rule's messages, 409s, versions and
+    audit fields; a card opened before cards carried it (`policy` null, as left in a database) counts the same."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    ann, ben, _ = three
+    card = open_card(kind, client, demo)
+    assert card.card.policy == channel_rule_of(Channel.objects.get(name="payments"))
+    assert card.card.policy["stages"][0]["quorum"] == 2
+    if stored == "none":
+        Approval.objects.filter(pk=card.card.pk).update(policy=None)
+    count = rules.PolicyCount.of(card.refresh(), ann, "approve", [])
+    assert count.channel_rule and count.applies and (count.given, count.required, count.complete) == (1, 2, False)
+
+    assert yes(client, ann, card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "pending"
+    assert card.refresh().version == 2  # every decision under the two-person rule changes the version, as before
+    first = AuditEntry.objects.get(approval_id=card.card.pk, action="approval.approve")
+    assert first.data["approvals"] == 1 and first.data["required"] == 2 and "policy_stage" not in first.data
+
+    again = yes(client, ann, card)
+    assert again.status_code == 409, again.content
+    assert "the two-person rule needs a different person" in again.json()["detail"]
+
+    assert yes(client, ben, card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "approved"
+    assert card.refresh().version == 3
+    second = AuditEntry.objects.filter(approval_id=card.card.pk, action="approval.approve").order_by("pk").last()
+    assert second.data["approvals"] == 2 and second.data["required"] == 2
+
+
+@KINDS
+def test_a_rejection_under_the_channels_rule_ends_the_card_with_no_count(kind, client, demo, three):
+    """Under the two-person rule one rejection ends a card (nothing runs), and its audit entry carries no count."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    card = open_card(kind, client, demo)
+    response = decide(client, three[0], card.refresh(), decision="reject", comment="no", reason="policy")
+    assert response.status_code == 200, response.content
+    assert card.outcome(client, demo["agent"]) == "closed"
+    entry = AuditEntry.objects.get(approval_id=card.card.pk, action="approval.reject")
+    assert "approvals" not in entry.data and "required" not in entry.data
+
+
+@KINDS
+def test_the_channels_rule_keeps_the_channels_deadline(kind, client, demo):
+    """The deadline of a card under its channel's rule is the channel's SLA policy: escalate to its escalation group
+    (an `sla.escalate` entry), as before cards carried the rule; an external request (on_expiry: reject) expires."""
+    group = Group.objects.create(name="payments-leads")
+    Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=group)
+    card = open_card(kind, client, demo)
+    done = sla.apply_sla(card.card.pk, card.refresh().due_at + timedelta(seconds=1))
+    if kind == "gate":
+        assert done == "escalate"
+        assert card.refresh().status == Approval.Status.ESCALATED and card.card.assigned_group == group
+        assert AuditEntry.objects.filter(approval_id=card.card.pk, action="sla.escalate").exists()
+    else:
+        assert done == "expire" and card.refresh().status == Approval.Status.EXPIRED
 
 
 def test_a_tool_policy_applies_to_the_external_action_of_that_name(client, demo, three):
@@ -181,3 +269,16 @@ def test_a_tool_policy_applies_to_the_external_action_of_that_name(client, demo,
     assert card.card.policy["name"] == "refund-tool"
     assert yes(client, demo["reviewer"], card).status_code == 403
     assert yes(client, ann, card).status_code == 200
+
+
+@KINDS
+def test_lowering_the_channels_rule_does_not_loosen_an_open_card(kind, client, demo, three):
+    """A card opened under the two-person rule keeps it when the channel is lowered to one approval (it carries
+    its rule); raising a channel's rule applies to its open cards (test_card_view, test_slack), as it always did."""
+    Channel.objects.filter(name="payments").update(required_approvals=2)
+    card = open_card(kind, client, demo)
+    Channel.objects.filter(name="payments").update(required_approvals=1)
+    assert yes(client, three[0], card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "pending"
+    assert yes(client, three[1], card).status_code == 200
+    assert card.outcome(client, demo["agent"]) == "approved"

@@ -42,6 +42,8 @@ _READ_SQL = "SELECT name, setting FROM pg_settings WHERE name = ANY(%s) AND sett
 # milliseconds of the client's goodbye; through PgBouncer, the reset runs as soon as the client has gone.
 PROBE_WAIT_SECONDS = 5.0
 PROBE_POLL_SECONDS = 0.02
+# How long the probe waits for the closed connection's backend to leave pg_stat_activity (only a direct one does).
+PROBE_EXIT_WAIT_SECONDS = 1.0
 
 # What the worker says once at start-up, for whoever configures the pooler in front of it.
 POOLER_RULES = (
@@ -124,6 +126,7 @@ async def check_locks_end_with_sessions(
     async with pool.connection() as watcher:
         async with pool.connection() as closed:
             key = await _lock_probe_key(closed)
+            pid = await _backend_pid(closed)
             await closed.close()
         started = time.monotonic()
         while (holders := await _holders(watcher, key)) and time.monotonic() - started < wait:
@@ -131,6 +134,31 @@ async def check_locks_end_with_sessions(
         if holders:
             await _end_sessions(watcher, holders)
             raise LocksOutliveSessions(locks_refusal(holders, wait))
+        # Connected directly, the closed connection's backend releases its locks a moment before it leaves
+        # pg_stat_activity, where the pool's new connection in its place may already stand: wait (briefly: behind a
+        # session pool the server connection lives on) until it is gone, so the worker is ready holding its pool.
+        started = time.monotonic()
+        while await _alive(watcher, pid) and time.monotonic() - started < PROBE_EXIT_WAIT_SECONDS:
+            await asyncio.sleep(PROBE_POLL_SECONDS)
+
+
+async def _backend_pid(connection: psycopg.AsyncConnection) -> int:
+    async with connection.cursor(row_factory=tuple_row) as cursor:
+        await cursor.execute("SELECT pg_backend_pid()")
+        row = await cursor.fetchone()
+    if not connection.autocommit:
+        await connection.commit()
+    assert row is not None
+    return row[0]
+
+
+async def _alive(connection: psycopg.AsyncConnection, pid: int) -> bool:
+    async with connection.cursor(row_factory=tuple_row) as cursor:
+        await cursor.execute("SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", [pid])
+        row = await cursor.fetchone()
+    if not connection.autocommit:
+        await connection.commit()
+    return bool(row and row[0])
 
 
 async def _lock_probe_key(connection: psycopg.AsyncConnection) -> int:

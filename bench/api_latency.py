@@ -23,13 +23,13 @@ Everything stays on the loopback; the load average is printed before and after, 
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +40,13 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import processes  # noqa: E402
+from bench.processes import free_port  # noqa: E402
+
 PY = sys.executable
+manage = functools.partial(processes.manage, timeout=120)
 REFUND = {"customer_id": "cus_1042", "amount_cents": 12_500, "currency": "EUR", "reason": "Item arrived damaged"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def percentile(sorted_values: list[float], p: float) -> float:
@@ -150,13 +149,6 @@ def concurrent(port: int, token: str, name: str, clients: int, per_client: int) 
     if errors:
         sys.exit(errors[0])
     return times, wall
-
-
-def manage(env: dict, *args: str) -> str:
-    done = subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        sys.exit(f"manage.py {' '.join(args)} failed:\n{done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1]  # `shell` may print a line about its auto-imports first
 
 
 def wait_for_health(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:

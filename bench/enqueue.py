@@ -36,7 +36,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,23 +46,13 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.processes import free_port, manage  # noqa: E402
+
 PY = sys.executable
 LUA = ROOT / "bench" / "enqueue_wrk.lua"
 WRK = shutil.which("wrk") or "/usr/bin/wrk"
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def manage(env: dict, *args: str) -> str:
-    done = subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        sys.exit(f"manage.py {' '.join(args[:2])} failed:\n{done.stderr[-3000:]}")
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 def healthy(port: int) -> bool:

@@ -29,7 +29,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,9 @@ import httpx
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.processes import free_port, manage  # noqa: E402
+
 PY = sys.executable
 WAIT = 60  # the API's longest wait: every agent is still waiting when the decisions come
 GOAL_P99_MS = 100
@@ -53,19 +55,6 @@ user, _ = User.objects.get_or_create(username="inbox")
 user.groups.add(Group.objects.get(name=Role.REVIEWER))
 assign_perm("core.approve_channel", user, Channel.objects.get(name="payments"))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def manage(env: dict, *args: str) -> str:
-    done = subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        sys.exit(f"manage.py {' '.join(args)} failed:\n{done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 def milliseconds(text: str) -> float:

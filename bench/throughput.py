@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,21 +40,11 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.processes import free_port, manage  # noqa: E402
+
 PY = sys.executable
 TIMEOUT_SECONDS = 150  # per batch
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def manage(env: dict, *args: str) -> str:
-    done = subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        sys.exit(f"manage.py {' '.join(args[:2])} failed:\n{done.stderr[-3000:]}")
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

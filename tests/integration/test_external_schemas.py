@@ -8,15 +8,13 @@ real server, and the report of issue 24 has the figures."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from approvals.models import Approval
-from core.models import ApiToken
 from external import schemas
 from external.models import ActionRequest
 from runs.models import Run
+from tests.integration.test_external_requests import Api
 
 ARGUMENTS = {"order_id": "ord_42", "amount_cents": 12_500, "code": "aaaa"}
 CATASTROPHIC = "^(a+)+$"  # Python's re backtracks 2**n times on n a's and a character that fails it
@@ -34,20 +32,6 @@ def schema_with(**code) -> dict:
         "required": ["order_id", "amount_cents"],
         "additionalProperties": False,
     }
-
-
-class Api:
-    def __init__(self, client, user):
-        _, raw = ApiToken.issue(user)
-        self.client, self.headers = client, {"Authorization": f"Bearer {raw}"}
-
-    def get(self, path):
-        response = self.client.get(path, headers=self.headers)
-        return response.status_code, response.json()
-
-    def post(self, path, body):
-        response = self.client.post(path, json.dumps(body), content_type="application/json", headers=self.headers)
-        return response.status_code, response.json()
 
 
 @pytest.fixture

@@ -526,11 +526,11 @@ def _locked(user, request_id) -> ActionRequest:
     )
 
 
-def _audit(request: ActionRequest, action: str, user, data: dict) -> None:
+def _audit(request: ActionRequest, action: str, user, data: dict, actor_type: str = ActorType.AGENT) -> None:
     AuditEntry.record(
         action,
         actor=user,
-        actor_type=ActorType.AGENT,
+        actor_type=actor_type,
         target=f"action_request:{request.id}",
         run_id=request.run_id,
         approval_id=request.card_id,
@@ -678,15 +678,6 @@ def record_outcome(user, run_id, step_seq: int, *, outcome: str, text: str) -> d
             error="" if ok else text,
             ended_at=timezone.now(),
         )
-        AuditEntry.record(
-            "external.result",
-            actor=user,
-            actor_type=ActorType.HUMAN,
-            target=f"action_request:{request.id}",
-            run_id=request.run_id,
-            approval_id=request.card_id,
-            channel=request.channel.name,
-            trace_id=request.run.trace_id,
-            data={"action": request.action, "ok": ok, "by_hand": True, **({"note": text} if ok else {"error": text})},
-        )
+        said_by_hand = {"ok": ok, "by_hand": True, **({"note": text} if ok else {"error": text})}
+        _audit(request, "external.result", user, said_by_hand, actor_type=ActorType.HUMAN)
         return execution(request)

@@ -1,7 +1,7 @@
 """Bench-only endpoints: the baselines of `make bench` (bench/enqueue.py), served by the production server itself.
 
 Wired in console/urls.py only when BENCH_ENDPOINTS=1 and CONSOLE_ENV is development; never in production
-(tests/integration/test_bench_endpoint_off.py).
+(tests/integration/console/test_bench_endpoint_off.py).
 
 `POST /bench/insert`: the cheapest durable request this server can answer, the baseline that `POST /api/runs` is
 compared with: the same HTTP server, processes, middleware and database connections (the pool), then one INSERT

@@ -570,8 +570,8 @@ class AuditEntry(models.Model):
             # comes back as the integer 10000000000000000, -0.0 as 0.0, 1e-07 as 0.0000001. The entry keeps
             # what PostgreSQL makes of the data (`::jsonb::text`, parsed as JSONField parses every read), and
             # that value is a fixed point: stored again, it reads back the same, so the canonical JSON hashed
-            # here is the one audit_verify recomputes (tests/integration/test_audit_hash.py checks edge cases and random
-            # doubles). Cheaper and simpler than a second text column, and the data stays queryable jsonb.
+            # here is the one audit_verify recomputes (tests/integration/core/test_audit_hash.py checks edge cases
+            # and random doubles). Cheaper and simpler than a second text column, and the data stays queryable jsonb.
             cursor.execute(
                 "SELECT pg_advisory_xact_lock(%s), clock_timestamp(), %s::jsonb::text",
                 [_AUDIT_CHAIN_LOCK, json.dumps(data or {}, cls=DjangoJSONEncoder)],

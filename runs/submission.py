@@ -14,7 +14,7 @@ no other job can hold it (a savepoint only existed to survive AlreadyEnqueued, w
 duplicate idempotency key fails the whole statement (IntegrityError): neither the run nor its job is written.
 
 The job is the one `Run.enqueue` defers (`Run.advance_job`: same task, queue, lock, queueing lock, priority and
-arguments); tests/integration/test_api_runs.py compares them. Runs has no save signals for this to skip (a receiver
+arguments); tests/integration/runs/test_api_runs.py compares them. Runs has no save signals for this to skip (a receiver
 added later would need `submit` to go back to `save()`).
 """
 

@@ -18,7 +18,7 @@ from runs.models import Run
 from tests.browser.test_browser_card import park
 from tests.conftest import log_in, set_production_password
 from tests.engine_helpers import REFUND
-from tests.integration.test_approval_policies import approver, make_policy
+from tests.integration.approvals.test_approval_policies import approver, make_policy
 
 
 def person(username: str, *groups: Group) -> User:

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from core.models import AuditEntry
 from tests.conftest import log_in, set_production_password
-from tests.integration.test_audit_evidence_export import _intact, verify
+from tests.integration.core.test_audit_evidence_export import _intact, verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 

@@ -13,7 +13,7 @@ from django.test import Client
 from approvals.models import Decision
 from runs.models import Run
 from tests.engine_helpers import queued_jobs
-from tests.integration.test_api_approvals import bearer, race, start_parked_run
+from tests.integration.approvals.test_api_approvals import bearer, race, start_parked_run
 
 
 def test_two_reviewers_deciding_at_once_on_the_real_server_make_one_decision(console_server, rita):

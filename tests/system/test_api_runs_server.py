@@ -15,7 +15,7 @@ from django.core.management import call_command
 
 from runs.models import Run
 from tests.engine_helpers import REFUND, queued_jobs
-from tests.integration.test_api_runs import bearer
+from tests.integration.runs.test_api_runs import bearer
 
 
 def test_it_creates_one_run_when_the_same_key_arrives_concurrently(console_server):

@@ -1,5 +1,5 @@
 """Production hardening on the production server: HTTPS (redirect, HSTS, behind a TLS proxy), the policy on
-/api/docs, and its assets served by the console itself (tests/integration/test_hardening.py in process)."""
+/api/docs, and its assets served by the console itself (tests/integration/console/test_hardening.py in process)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ConsoleServer
-from tests.integration.test_hardening import _ASSET
+from tests.integration.console.test_hardening import _ASSET
 
 
 def test_the_docs_page_and_its_assets_are_served_by_the_console(console_server):

@@ -1,5 +1,5 @@
 """Kill switches with real workers: a switch parks each run's email, and its release finishes each run with one
-email; no email starts after an engage commits (the switches in process: tests/integration/test_kill_switch.py)."""
+email; no email starts after an engage commits (the switches in process: tests/integration/runs/test_kill_switch.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from demo import sandbox
 from runs import submission
 from runs.models import Receipt, Run
 from tests.engine_helpers import SMALL_REFUND
-from tests.integration.test_kill_switch import channel, emails_per_run, submit
+from tests.integration.runs.test_kill_switch import channel, emails_per_run, submit
 from tests.worker import wait_until
 
 

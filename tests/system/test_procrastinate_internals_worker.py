@@ -1,5 +1,6 @@
 """A real worker checks the procrastinate SQL internals we rely on when it starts (jobs/internals.py), and does
-not start on a database where one changed (the checks in process: tests/integration/test_procrastinate_internals.py)."""
+not start on a database where one changed (the checks in process:
+tests/integration/jobs/test_procrastinate_internals.py)."""
 
 from __future__ import annotations
 

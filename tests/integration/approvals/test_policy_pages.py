@@ -13,8 +13,8 @@ from django.utils import timezone
 
 from approvals.models import Delegation
 from core.models import AuditEntry
-from tests.integration.test_api_approvals import start_parked_run
-from tests.integration.test_approval_policies import approver, make_policy
+from tests.integration.approvals.test_api_approvals import start_parked_run
+from tests.integration.approvals.test_approval_policies import approver, make_policy
 
 
 def shown(response) -> list[int]:

@@ -14,7 +14,7 @@ from approvals.models import Approval
 from external import schemas
 from external.models import ActionRequest
 from runs.models import Run
-from tests.integration.test_external_requests import Api
+from tests.integration.external.test_external_requests import Api
 
 ARGUMENTS = {"order_id": "ord_42", "amount_cents": 12_500, "code": "aaaa"}
 CATASTROPHIC = "^(a+)+$"  # Python's re backtracks 2**n times on n a's and a character that fails it

@@ -22,7 +22,7 @@ from runs import submission
 from runs.models import Run, Step
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import REFUND, drive
-from tests.integration.test_api_approvals import decide, snapshot
+from tests.integration.approvals.test_api_approvals import decide, snapshot
 
 
 def parked_refund() -> tuple[Run, Approval]:

@@ -16,7 +16,7 @@ from approvals.models import Approval
 from core.models import AuditEntry, Channel
 from external.models import ActionRequest
 from runs.models import Receipt, ShadowEffect
-from tests.integration.test_external_requests import REFUND, Api, ask, decide, digest, nothing_written
+from tests.integration.external.test_external_requests import REFUND, Api, ask, decide, digest, nothing_written
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from runs import submission
 from runs.models import Run
 from tests.conftest import approves_every_channel
 from tests.engine_helpers import SMALL_REFUND, drive
-from tests.integration.test_api_approvals import decide, snapshot
+from tests.integration.approvals.test_api_approvals import decide, snapshot
 
 # The refund's classify step costs 0.000034, its draft 0.000160 (the scripted model's tokens at the demo price).
 CEILING = Decimal("0.0001")

@@ -15,7 +15,7 @@ from approvals.models import Approval, RejectReason
 from console.api import api
 from core.models import Channel
 from tests.engine_helpers import REFUND
-from tests.integration.test_api_approvals import bearer, decide, start_parked_run
+from tests.integration.approvals.test_api_approvals import bearer, decide, start_parked_run
 
 
 def escalate(card: Approval) -> Approval:

@@ -244,7 +244,7 @@ RESULTS_TAKEN = {
     "no result": {"ok": True},
     "a success whose error is null": {"ok": True, "result": 1, "error": None},
     "a failure": {"ok": False, "error": "card declined"},
-    # A result is any valid JSON (issue 24, defect 10: tests/integration/test_external_results.py).
+    # A result is any valid JSON (issue 24, defect 10: tests/integration/external/test_external_results.py).
     "an integer beyond 2**53 in the result": {"ok": True, "result": {"n": 2**53 + 1}},
     "a float beyond 2**53 as the result": {"ok": True, "result": -1.39e16},
     "a NUL in the result": {"ok": True, "result": ["a\x00"]},

@@ -21,7 +21,7 @@ from runs.gates import ApprovalRequest
 from runs.models import Run
 from runs.workflow import Display, Workflow, register
 from tests.engine_helpers import REFUND, SMALL_REFUND, drive
-from tests.integration.test_api_approvals import bearer, decide, snapshot
+from tests.integration.approvals.test_api_approvals import bearer, decide, snapshot
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_a_reconcile_card_is_not_edited(client, demo):
 @pytest.mark.parametrize("number", [1e-7, -0.0, 1.5e-300, 0.1, 123456789.123])
 def test_an_edit_holding_an_awkward_float_leaves_the_audit_log_verifiable(client, demo, number):
     """jsonb rewrites numbers (1e-07 comes back as 0.0000001): the chain must hash what is stored. (1e16, which
-    it also rewrites, is refused at the API, beyond ±2**53: tests/integration/test_bad_input.py.)"""
+    it also rewrites, is refused at the API, beyond ±2**53: tests/integration/console/test_bad_input.py.)"""
     run = drive(submission.submit(workflow="test_float_gate", input={})[0])
     card = Approval.objects.get(run=run)
     response = decide(client, demo["reviewer"], card, decision="edit", comment="", payload={"factor": number})

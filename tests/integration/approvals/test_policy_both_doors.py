@@ -21,8 +21,8 @@ from approvals import rules
 from approvals.models import Approval, Decision, Delegation
 from core.models import AuditEntry, Channel
 from runs.models import Run
-from tests.integration.test_api_approvals import bearer, decide, start_parked_run
-from tests.integration.test_approval_policies import approver, make_policy
+from tests.integration.approvals.test_api_approvals import bearer, decide, start_parked_run
+from tests.integration.approvals.test_approval_policies import approver, make_policy
 
 ARGUMENTS = {"order_id": "ord_9", "amount_cents": 4_200}
 

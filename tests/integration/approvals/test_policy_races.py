@@ -21,8 +21,8 @@ from approvals.models import Approval, Decision
 from core.models import AuditEntry
 from runs.models import Run
 from tests.engine_helpers import queued_jobs
-from tests.integration.test_api_approvals import bearer, decide, race, start_parked_run
-from tests.integration.test_approval_policies import approver, make_policy
+from tests.integration.approvals.test_api_approvals import bearer, decide, race, start_parked_run
+from tests.integration.approvals.test_approval_policies import approver, make_policy
 
 ROUNDS = 5
 

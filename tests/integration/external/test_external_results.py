@@ -24,7 +24,7 @@ from core import safe_input
 from core.models import AuditEntry, Channel
 from external.models import ActionRequest
 from runs.models import Receipt, Step
-from tests.integration.test_external_requests import REFUND, Api, ask, decide, digest
+from tests.integration.external.test_external_requests import REFUND, Api, ask, decide, digest
 
 BIG = 2**63 + 1
 SNOWFLAKE = 1_234_567_890_123_456_789_012

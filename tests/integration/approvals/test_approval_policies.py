@@ -21,7 +21,7 @@ from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import drive, queued_jobs
-from tests.integration.test_api_approvals import bearer, decide, snapshot, start_parked_run
+from tests.integration.approvals.test_api_approvals import bearer, decide, snapshot, start_parked_run
 
 
 def approver(username: str, *groups: Group) -> User:

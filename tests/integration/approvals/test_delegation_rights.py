@@ -14,9 +14,9 @@ from guardian.shortcuts import assign_perm, remove_perm
 
 from approvals.models import Decision, Delegation, DelegationRefused
 from core.models import AuditEntry, Channel
-from tests.integration.test_api_approvals import decide, snapshot, start_parked_run
-from tests.integration.test_approval_policies import approver, listed, make_policy
-from tests.integration.test_policy_pages import _until, shown, text
+from tests.integration.approvals.test_api_approvals import decide, snapshot, start_parked_run
+from tests.integration.approvals.test_approval_policies import approver, listed, make_policy
+from tests.integration.approvals.test_policy_pages import _until, shown, text
 
 
 @pytest.fixture

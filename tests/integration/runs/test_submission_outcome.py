@@ -24,7 +24,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 from runs.models import Run
 from tests.engine_helpers import REFUND
-from tests.integration.test_api_approvals import bearer
+from tests.integration.approvals.test_api_approvals import bearer
 
 MARKER = b"procrastinate_defer_jobs"  # in the one statement that inserts a run and its first job
 READY_FOR_QUERY = b"Z\x00\x00\x00\x05"  # then the transaction status byte: the statement's work is over

@@ -16,7 +16,7 @@ from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs.models import Run
 from tests.engine_helpers import REFUND
-from tests.integration.test_api_approvals import bearer, decide, snapshot, start_parked_run, work_the_runs_job
+from tests.integration.approvals.test_api_approvals import bearer, decide, snapshot, start_parked_run, work_the_runs_job
 
 EDITED_CENTS = 12_345  # the agent proposes 12 500; the refund gate allows lowering it (never raising it)
 

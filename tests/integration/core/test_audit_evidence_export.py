@@ -32,8 +32,8 @@ from core import audit_verifier
 from core.models import AuditEntry, Channel, audit_key_id
 from runs.models import Receipt
 from tests.engine_helpers import REFUND
-from tests.integration.test_api_approvals import decide, start_parked_run, work_the_runs_job
-from tests.integration.test_audit_hash import AWKWARD
+from tests.integration.approvals.test_api_approvals import decide, start_parked_run, work_the_runs_job
+from tests.integration.core.test_audit_hash import AWKWARD
 
 KEY = "k" * 40
 EDITED_CENTS = 4_321
@@ -174,7 +174,7 @@ def test_the_verifier_says_intact_on_a_real_export_away_from_the_project(decided
     result = verify(bundle)
     _intact(result)
     # The verifier is the console's own module, byte for byte (what an auditor can compare with the source).
-    assert (bundle / "verify.py").read_bytes() == (Path(__file__).parents[2] / "core/audit_verifier.py").read_bytes()
+    assert (bundle / "verify.py").read_bytes() == (Path(__file__).parents[3] / "core/audit_verifier.py").read_bytes()
 
 
 def test_the_bundle_holds_every_hashed_field_exactly_as_hashed_and_the_heads(decided, tmp_path):
@@ -217,7 +217,7 @@ def test_only_the_periods_entries_are_exported_and_the_heads_tie_it_to_the_chain
     _intact(verify(auditor_copy(bundle, tmp_path)))
     # An anchor recorded elsewhere (audit_verify's head when the period was written) must be an entry of the
     # period; the head before it (an earlier export's head after) proves nothing of it (issue 24, defect 8:
-    # tests/integration/test_audit_verifier_proof.py).
+    # tests/integration/core/test_audit_verifier_proof.py).
     _intact(verify(bundle, "--anchor", second[-1].hash))
     assert "proves nothing" in _first_difference(verify(bundle, "--anchor", first[-1].hash))
     assert "anchor" in _first_difference(verify(bundle, "--anchor", third[-1].hash))

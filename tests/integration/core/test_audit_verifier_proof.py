@@ -7,7 +7,7 @@
   the verifier recomputed. The bundle's own `head_before` is no proof of anything: a rewritten bundle claims to
   start wherever its writer likes.
 
-The verifier runs as the auditor would (tests.integration.test_audit_evidence_export.verify)."""
+The verifier runs as the auditor would (tests.integration.core.test_audit_evidence_export.verify)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from datetime import date
 from pathlib import Path
 
 from core import audit_verifier
-from tests.integration.test_audit_evidence_export import (
+from tests.integration.core.test_audit_evidence_export import (
     KEY,
     _first_difference,
     _intact,

@@ -27,8 +27,8 @@ from slackapp import blocks, posting
 from slackapp.models import SlackIdentity, SlackMessage, SlackRoute
 from tests import slack_fake
 from tests.engine_helpers import REFUND, drive
-from tests.integration.test_approval_policies import make_policy
-from tests.integration.test_decide_permission import everything  # what a refused decision leaves as it was
+from tests.integration.approvals.test_approval_policies import make_policy
+from tests.integration.approvals.test_decide_permission import everything  # what a refused decision leaves as it was
 
 URL = "/api/slack/interactions"
 

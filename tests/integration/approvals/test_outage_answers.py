@@ -12,7 +12,7 @@ from django.db import connection
 from django.test import Client
 
 from approvals import api
-from tests.integration.test_api_approvals import bearer
+from tests.integration.approvals.test_api_approvals import bearer
 from tests.worker import database_url
 
 

@@ -18,7 +18,7 @@ from runs import breakers, submission
 from runs.models import Breaker, Receipt, Run, Step
 from runs.workflow import Ambiguous, Retryable
 from tests.engine_helpers import SMALL_REFUND, drive
-from tests.integration.test_metrics import scrape
+from tests.integration.console.test_metrics import scrape
 from tests.worker import wait_until
 
 

@@ -15,7 +15,7 @@ from runs import ratelimit, submission
 from runs.models import ModelUsage, Run, TenantThrottle
 from runs.workflow import Retryable
 from tests.engine_helpers import SMALL_REFUND, drive, model_calls
-from tests.integration.test_metrics import scrape
+from tests.integration.console.test_metrics import scrape
 
 
 @pytest.fixture

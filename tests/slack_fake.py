@@ -20,6 +20,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlencode
 
+from tests.serving import serve_in_thread
+
 BOT_TOKEN = "xoxb-test-token"
 SIGNING_SECRET = "test-slack-signing-secret"
 TEAM = "T0TESTTEAM"
@@ -55,7 +57,7 @@ class FakeSlack:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.api_url = f"{self.url}/api/"  # WebClient(base_url=...)
         self.hooks_url = f"{self.url}/actions/"  # where response_urls point
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def _answer(self, path: str, headers: dict, body: dict) -> tuple[int, dict]:
         with self._lock:

@@ -26,6 +26,7 @@ from django.db import connection
 
 from external.models import ActionRequest
 from tests.openai_stub import API_KEY, text, tool_calls
+from tests.serving import serve_in_thread
 from tests.worker import database_url
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ class Payments:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True, name="payments").start()
+        serve_in_thread(self._server, name="payments")
         self.url = f"http://127.0.0.1:{self._server.server_port}"
 
     def release(self) -> None:

@@ -30,6 +30,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from external.models import ActionRequest
+from tests.serving import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +73,7 @@ class Payments:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def stop(self) -> None:
         self.released.set()

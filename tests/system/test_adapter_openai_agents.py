@@ -23,6 +23,7 @@ from django.conf import settings
 
 from external.models import ActionRequest
 from tests.openai_stub import API_KEY, OpenAIStub, text, tool_calls
+from tests.serving import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ class Payments:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def stop(self) -> None:
         self.released.set()

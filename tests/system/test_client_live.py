@@ -37,6 +37,7 @@ from hitl_client import AsyncClient, Client, Expired, Locked, Rejected, require_
 from core.models import Channel
 from external.models import ActionRequest
 from tests.conftest import set_production_password
+from tests.serving import serve_in_thread
 from tests.worker import wait_with_logs
 
 pytestmark = pytest.mark.slow
@@ -74,7 +75,7 @@ class Payments:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def refund(self, order_id: str, amount_cents: int) -> dict:
         """What an agent's tool does: one POST /refunds."""

@@ -22,6 +22,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from core.models import ApiToken
 from external.models import ActionRequest
+from tests.serving import serve_in_thread
 from tests.worker import wait_with_logs
 
 pytestmark = pytest.mark.slow
@@ -105,7 +106,7 @@ def system_env() -> dict:
 
 def test_the_decision_is_posted_to_the_callback_signed_over_its_id_timestamp_and_body(system):
     server = HTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     _Receiver.received = []
     try:
         request = ask(system, "callback", callback_url=f"http://127.0.0.1:{server.server_port}/decisions")

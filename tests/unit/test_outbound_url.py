@@ -4,12 +4,12 @@ the delivery inward. The resolver is replaced here (a name we control); the conn
 
 from __future__ import annotations
 
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from core import outbound_url
+from tests.serving import serve_in_thread
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def receiver():
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     yield server.server_address[1], received
     server.shutdown()
     server.server_close()

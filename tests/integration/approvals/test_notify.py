@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +24,7 @@ from core.models import Channel
 from jobs.retry import BackoffWithJitter
 from runs import submission
 from tests.engine_helpers import REFUND, drive
+from tests.serving import serve_in_thread
 from tests.worker import wait_until
 
 SECRET = "notify-test-secret"
@@ -53,8 +53,7 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/hitl"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.thread = serve_in_thread(self.server)
 
     def close(self):
         self.server.shutdown()

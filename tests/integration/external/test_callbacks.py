@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -25,6 +24,7 @@ from approvals.tasks import send_notification
 from core import webhook_signing
 from core.models import ApiToken, AuditEntry, Channel
 from external.models import ActionRequest
+from tests.serving import serve_in_thread
 
 ARGUMENTS = {"order_id": "ord_9", "amount_cents": 900}
 
@@ -80,7 +80,7 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/decisions"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
 
     def close(self):
         self.server.shutdown()

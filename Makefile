@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast browser pgbouncer wrk lint format install clean bench bench-smoke
+.PHONY: run test test-fast test-unit browser pgbouncer wrk lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -60,8 +60,15 @@ pgbouncer:
 test: install browser pgbouncer
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The fast suite (unit and integration: in-process, against the database) on every core, each pytest-xdist worker
+# with a test database of its own. The unit tier alone (no database: the rules, the client) is `make test-unit`.
 test-fast: install
-	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
+	$(PY) -m pytest -m 'not slow' -n auto $(PYTEST_ARGS)
+
+# No database at all: the URL names a server that is not there (port 1), so the embedded one is not started, and a
+# unit test that connects fails with this URL's name in the error.
+test-unit: install
+	DATABASE_URL=postgres://no-database-in-the-unit-tier@127.0.0.1:1/none $(PY) -m pytest tests/unit clients/python/tests $(PYTEST_ARGS)
 
 # ruff (style, and imports at the top: PLC0415), then import-linter: the floors of pyproject.toml's
 # [tool.importlinter] (console on top, core at the bottom, the engine's floors inside runs, no circle in an app,

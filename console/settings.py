@@ -1,4 +1,4 @@
-"""Settings, all read from the environment (see the configuration table in README.md)."""
+"""Settings, all read from the environment (each variable: docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ else:
     DATABASE_IS_EMBEDDED = False
 # A worker process (`manage.py worker`) may reach PostgreSQL by another way than the rest: WORKER_DATABASE_URL, when
 # set, is its URL. The web tier may go through a transaction-mode pool (PgBouncer); a worker only directly or
-# through a session-mode pool, and refuses to start otherwise (jobs.sessions; README, "Connections and PgBouncer").
+# through a session-mode pool, and refuses to start otherwise (jobs.sessions; docs/deploy.md, "Connections and
+# PgBouncer").
 _WORKER_COMMAND = sys.argv[1:2] == ["worker"] or sys.argv[1:3] == ["procrastinate", "worker"]
 WORKER_DATABASE_URL = env_str("WORKER_DATABASE_URL")
 if _WORKER_COMMAND and WORKER_DATABASE_URL:
@@ -221,7 +222,7 @@ PROCRASTINATE_WORKER_DEFAULTS = {
 }
 # The worker's psycopg pool (the fetch loop, heartbeats, job statuses, the abort poll, periodic defers), all opened at
 # start; with its LISTEN connection and one per job thread, a worker holds WORKER_POOL_SIZE + 1 + WORKER_CONCURRENCY
-# connections (jobs.sessions.connections_per_worker; README, "Connections and PgBouncer"). Two at least: the
+# connections (jobs.sessions.connections_per_worker; docs/deploy.md, "Connections and PgBouncer"). Two at least: the
 # start-up check of its sessions takes two.
 WORKER_POOL_SIZE = env_int("WORKER_POOL_SIZE", 4)
 if WORKER_POOL_SIZE < 2:
@@ -402,7 +403,7 @@ SLACK_API_URL = env_str("SLACK_API_URL", "https://slack.com/api/")  # tests poin
 SLACK_RESPONSE_URL_PREFIX = env_str("SLACK_RESPONSE_URL_PREFIX", "https://hooks.slack.com/")
 
 # --- Security headers, HTTPS and login throttling ----------------------------------------------------------
-# (Kept together; README "Running in production".) Outside development the console is served over HTTPS only.
+# (Kept together; docs/deploy.md "Running in production".) Outside development the console is served over HTTPS only.
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEVELOPMENT)
 # Probes and scrapers speak plain HTTP to the process itself, from inside the network.
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,  # console.middleware logs one line per request, with its request id
         lifespan="off",
         server_header=False,  # no "server: uvicorn" banner naming what to attack
-        # X-Forwarded-For/-Proto are believed from FORWARDED_ALLOW_IPS only (uvicorn reads it; default 127.0.0.1),
+        # X-Forwarded-For/-Proto are believed from FORWARDED_ALLOW_IPS only (uvicorn reads it; default 127.0.0.1,::1),
         # so a client cannot pick the address that login throttling counts against.
     )
     if config.workers == 1:

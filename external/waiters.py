@@ -23,7 +23,7 @@ every 25 s each, would cost 1,000 waiting agents 40 looks a second.)
 
 LISTEN needs a session of its own: behind a transaction-mode pool (DATABASE_TRANSACTION_POOL=1, PgBouncer) a
 LISTEN is forgotten when its transaction ends. The listener uses DATABASE_URL unless it goes through such a pool,
-else WORKER_DATABASE_URL (PostgreSQL itself or a session pool, as workers need: README, "Connections and
+else WORKER_DATABASE_URL (PostgreSQL itself or a session pool, as workers need: docs/deploy.md, "Connections and
 PgBouncer"); with neither, long-polls run on the fallback alone (and it says so once, in the log).
 """
 
@@ -196,7 +196,7 @@ def connection_params() -> dict | None:
     else:
         return None
     params = {**LIBPQ_DEFAULTS, **params}  # (libpq ignores the keepalives on a unix socket)
-    # Its role in pg_stat_activity, as the workers name theirs (README, "Connections and PgBouncer").
+    # Its role in pg_stat_activity, as the workers name theirs (docs/deploy.md, "Connections and PgBouncer").
     params["application_name"] = f"web:{os.getpid()}:listen"
     return {k: v for k, v in params.items() if v not in (None, "")}
 

@@ -1,14 +1,14 @@
 """What a worker needs of its database connections: sessions of its own, and how many of them it holds.
 
-The rule (README, "Connections and PgBouncer"): the web tier may reach PostgreSQL through a transaction-mode pool
-(PgBouncer `pool_mode = transaction`); a worker only directly or through a session-mode pool. A worker relies on
-its sessions: a job holds its run's session-level advisory lock on its thread's connection, and every write of a
-step checks, in its own statement, that the session it runs in holds that lock (runs.ownership); the worker's
-LISTEN connection must keep hearing its channels. Behind a transaction pool a client's next transaction may run
-on another server backend, and another client's on this one: a lock taken by one job would be held by a backend
-that other clients' transactions then run on, and one of them would take the "same" lock again (advisory locks are
-re-entrant within a session). Two jobs would drive one run. So a worker that finds itself behind such a pool
-refuses to start (`check_own_sessions`, before it registers or takes a job).
+The rule (docs/deploy.md, "Connections and PgBouncer"): the web tier may reach PostgreSQL through a transaction-mode
+pool (PgBouncer `pool_mode = transaction`); a worker only directly or through a session-mode pool. A worker relies
+on its sessions: a job holds its run's session-level advisory lock on its thread's connection, and every write of a
+step checks, in its own statement, that the session it runs in holds that lock (runs.ownership); the worker's LISTEN
+connection must keep hearing its channels. Behind a transaction pool a client's next transaction may run on another
+server backend, and another client's on this one: a lock taken by one job would be held by a backend that other
+clients' transactions then run on, and one of them would take the "same" lock again (advisory locks are re-entrant
+within a session). Two jobs would drive one run. So a worker that finds itself behind such a pool refuses to start
+(`check_own_sessions`, before it registers or takes a job).
 
 The probe, on two connections A and B of the worker's own pool (so it opens no connection the formula below does
 not count), for a few rounds: A runs a statement (its backend, if A does not own one, is now the pool's most
@@ -21,7 +21,7 @@ the worker, naming what it saw. (The pid the server announces at start-up, psyco
 a pooler from PostgreSQL, but not a session pool from a transaction pool; `SHOW pool_mode` is PgBouncer's admin
 console, not a query that reaches through a pool.) Directly it costs a dozen short queries at start-up.
 
-Connections (README, "Connections and PgBouncer"; measured by tests/system/test_pgbouncer.py through
+Connections (docs/deploy.md, "Connections and PgBouncer"; measured by tests/system/test_pgbouncer.py through
 `pg_stat_activity`, each connection named by `application_name` as `<name>:<pid>:<role>`): a worker process holds
 `connections_per_worker()`: its pool (WORKER_POOL_SIZE, opened at start: the fetch loop, heartbeats, job statuses,
 the abort poll, the periodic deferrer, the async stalled-job sweep), one LISTEN connection, and one Django
@@ -50,7 +50,7 @@ class SessionPoolingRequired(ImproperlyConfigured):
 
 def connections_per_worker(concurrency: int, pool_size: int) -> int:
     """The PostgreSQL connections one worker process holds once it has run `concurrency` jobs at once: its pool,
-    its LISTEN connection and one per job thread (README, "Connections and PgBouncer")."""
+    its LISTEN connection and one per job thread (docs/deploy.md, "Connections and PgBouncer")."""
     return pool_size + 1 + concurrency
 
 

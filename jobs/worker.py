@@ -20,7 +20,7 @@
 * Job threads. procrastinate runs a sync task on the event loop's default executor, asyncio's, whose min(32,
   cores + 4) threads the loop's own work (a DNS lookup for a reconnect) shares: it caps a worker's sync jobs at 6
   on 2 cores whatever WORKER_CONCURRENCY says, and as it starts a thread whenever none has marked itself idle yet,
-  it sometimes runs the next job on a new thread, which opens one more Django connection than the README's
+  it sometimes runs the next job on a new thread, which opens one more Django connection than docs/deploy.md's
   formula. Ours gives jobs exactly WORKER_CONCURRENCY threads of their own (`JobThreads`).
 
 Every worker of this app is a `Worker` from here: `on_app_ready` (PROCRASTINATE_ON_APP_READY) makes

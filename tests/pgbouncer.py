@@ -58,9 +58,10 @@ class PgBouncer:
             "auth_file": self.dir / "userlist.txt",
             "admin_users": self.user,
             "pool_mode": pool_mode,
-            # The server settings a session-mode pool must keep for workers (README, "Connections and PgBouncer"):
-            # a client's session ends with DISCARD ALL (its advisory locks with it); `options` is the keepalive
-            # settings Django sends, which PgBouncer cannot pass on (its own tcp_keepalive settings stand in).
+            # The server settings a session-mode pool must keep for workers (docs/deploy.md, "Connections and
+            # PgBouncer"): a client's session ends with DISCARD ALL (its advisory locks with it); `options` is the
+            # keepalive settings Django sends, which PgBouncer cannot pass on (its own tcp_keepalive settings stand
+            # in).
             "server_reset_query": "DISCARD ALL",
             "ignore_startup_parameters": "extra_float_digits,options",
             "tcp_keepalive": 1,

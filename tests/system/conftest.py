@@ -63,7 +63,7 @@ STALLED_SWEEP = (
 SYSTEM_ENV = {
     **{k: v for k, v in FAST_WORKER_ENV.items() if not k.startswith("STALLED_SWEEP_")},
     **STALLED_SWEEP,
-    # As production workers are configured (README): keep connections between jobs.
+    # As production workers are configured (docs/deploy.md): keep connections between jobs.
     "DATABASE_CONN_MAX_AGE": "300",
     "LOG_LEVEL": "INFO",
     # A SIGKILLed worker's last log lines are what explain a failure: do not let them die in a buffer.

@@ -1,4 +1,4 @@
-"""Workers and PgBouncer (README, "Connections and PgBouncer").
+"""Workers and PgBouncer (docs/deploy.md, "Connections and PgBouncer").
 
 * A worker holds exactly `jobs.sessions.connections_per_worker(concurrency, pool size)` connections, counted at
   the server by the names its connections give themselves (`worker:<pid>:<role>`), at two concurrencies.

@@ -1,6 +1,6 @@
 """Where a worker's database connections go, how many there are and what they are called (console/settings.py,
-jobs/sessions.py; README, "Connections and PgBouncer"). The probe that refuses a transaction pool, and the count
-measured at the server: tests/system/test_pgbouncer.py."""
+jobs/sessions.py; docs/deploy.md, "Connections and PgBouncer"). The probe that refuses a transaction pool, and the
+count measured at the server: tests/system/test_pgbouncer.py."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ class ExternalConfig(AppConfig):
         # one of them does.
         from approvals import edits
         from approvals.models import card_closed
-        from external import requests
+        from external import asks
         from runs.models import EXTERNAL_WORKFLOW
 
-        edits.register_resolver(EXTERNAL_WORKFLOW, requests.gate_of)
-        card_closed.connect(requests.card_closed, dispatch_uid="external.card_closed")
+        edits.register_resolver(EXTERNAL_WORKFLOW, asks.gate_of)
+        card_closed.connect(asks.card_closed, dispatch_uid="external.card_closed")

@@ -15,7 +15,7 @@ from approvals.models import Approval, Decision
 from console.api import api
 from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
 from core.safe_input import NOT_BLANK
-from external import requests as external
+from external import asks as external
 from runs import submission
 from runs.models import Breaker, Receipt, Run
 from tests.engine_helpers import REFUND, drive

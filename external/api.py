@@ -17,7 +17,8 @@ from pydantic import ConfigDict
 from core import safe_input
 from core.api import ERRORS, ErrorOut
 from external import asks, waiters
-from external.asks import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError
+from external.asks import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask
+from external.errors import RequestError
 
 router = Router(tags=["approval requests"])
 

@@ -25,6 +25,20 @@ from core import outbound_url, safe_input
 from core.access import may_act_unreviewed, may_operate_channel, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external import schemas
+from external.errors import (
+    AlreadyConsumed,
+    Conflict,
+    DigestMismatch,
+    Forbidden,
+    Invalid,
+    Locked,
+    NotApproved,
+    NotConsumed,
+    NotFound,
+    RunEnded,
+    Stale,
+    Unavailable,
+)
 from external.models import ActionRequest, ApprovalMode
 from runs import effects
 from runs.breakers import BreakerOpen
@@ -54,65 +68,6 @@ def canonical(arguments: Any) -> bytes:
 def digest(arguments: Any) -> str:
     """SHA-256 hex of the canonical JSON: what an agent names when it consumes an approval."""
     return hashlib.sha256(canonical(arguments)).hexdigest()
-
-
-class RequestError(Exception):
-    """A request, a consume or a result refused: `status` (HTTP), `error` (code) and `detail`; nothing written."""
-
-    status, error = 400, "bad_request"
-
-    def __init__(self, detail: Any, **extra):
-        super().__init__(detail if isinstance(detail, str) else json.dumps(detail))
-        self.detail = detail
-        self.extra = extra
-
-
-class NotFound(RequestError):
-    status, error = 404, "not_found"
-
-
-class Forbidden(RequestError):
-    status, error = 403, "forbidden"
-
-
-class Invalid(RequestError):
-    status, error = 422, "invalid"
-
-
-class Conflict(RequestError):
-    status, error = 409, "conflict"
-
-
-class AlreadyConsumed(Conflict):
-    error = "already_consumed"
-
-
-class DigestMismatch(Conflict):
-    error = "digest_mismatch"
-
-
-class NotApproved(Conflict):
-    error = "not_approved"
-
-
-class NotConsumed(Conflict):
-    error = "not_consumed"
-
-
-class Stale(Conflict):
-    error = "stale"
-
-
-class RunEnded(Conflict):
-    error = "run_ended"
-
-
-class Locked(RequestError):
-    status, error = 423, "locked"
-
-
-class Unavailable(RequestError):
-    status, error = 503, "unavailable"
 
 
 # --- opening a request -------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
 from external import asks
+from external.errors import RequestError
 from runs.access import run_for
 from runs.views import render_run
 
@@ -22,7 +23,7 @@ def record_outcome(request, pk, seq: int):
     outcome, text = request.POST.get("outcome", ""), request.POST.get("text", "")
     try:
         asks.record_outcome(request.user, run.pk, seq, outcome=outcome, text=text)
-    except asks.RequestError as exc:
+    except RequestError as exc:
         messages.error(request, f"Not recorded: {exc.detail}")
         form = {"seq": seq, "outcome": outcome, "text": text}
         return render_run(request, run, status=exc.status, outcome_form=form)

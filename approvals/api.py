@@ -212,7 +212,7 @@ def get_card(request, card_id: int):
     card = card_for(request.user, card_id)
     if card.status in Approval.OPEN and card.due_at <= timezone.now():
         # Past its deadline the card's expiry applies (reject, escalate, safe default) before it is shown, as a
-        # request's GET does (external.asks): it never reads as waiting because no timer job ran yet.
+        # request's GET does (external.status): it never reads as waiting because no timer job ran yet.
         policy.apply_sla(card.pk)
         card = card_for(request.user, card_id)
     why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))

@@ -125,7 +125,7 @@ class WebhookBackend:
 
 
 class CallbackBackend:
-    """An external agent's decision callback (external.asks): `payload` is {url, body, user_id}, the body
+    """An external agent's decision callback (external.status): `payload` is {url, body, user_id}, the body
     POSTed to the url as JSON, signed (Standard Webhooks; `webhook-id` the notification's id, the same on every
     retry, so the agent can drop a repeated delivery) with the callback secret of each live API token of the
     token that asked (core.models.ApiToken.callback_secret; a request asked before the request named its token: each

@@ -10,8 +10,8 @@ class ExternalConfig(AppConfig):
         # one of them does.
         from approvals import edits
         from approvals.models import card_closed
-        from external import asks
+        from external import asks, status
         from runs.models import EXTERNAL_WORKFLOW
 
         edits.register_resolver(EXTERNAL_WORKFLOW, asks.gate_of)
-        card_closed.connect(asks.card_closed, dispatch_uid="external.card_closed")
+        card_closed.connect(status.card_closed, dispatch_uid="external.card_closed")

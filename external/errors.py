@@ -1,7 +1,7 @@
 """Why an external agent's request, consume or result, or a person's record of its outcome, is refused: each error
 names the HTTP status (`status`) and code (`error`) it maps to, with its `detail` (external.api answers with them
-as JSON; external.views shows them on the run's page). A leaf, like approvals/errors.py: the logic (external.asks)
-raises these, and nothing is written when it does."""
+as JSON; external.views shows them on the run's page). A leaf, like approvals/errors.py: the logic (external.asks,
+external.status, external.executions) raises these, and nothing is written when it does."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from typing import Any
 from django.utils import timezone
 
 from approvals import policy
-from approvals.models import Approval, Notification
-from approvals.tasks import send_notification
+from approvals.models import Approval
+from external import callbacks
 from external.errors import NotFound
 from external.models import ActionRequest
 from external.results import stored_result
@@ -141,15 +141,4 @@ def card_closed(sender, card: Approval, **_) -> None:
             ended_at=timezone.now(),
         )
     if request.callback_url:
-        notification = Notification.objects.create(
-            approval=card,
-            event="external.decision",
-            backend="callback",
-            payload={
-                "url": request.callback_url,
-                "body": json.loads(json.dumps(answer, default=str)),
-                "user_id": request.created_by_id,
-                "token_id": request.api_token_id,  # whose secret signs it (else every live token of the user's)
-            },
-        )
-        send_notification.defer(notification_id=notification.pk)
+        callbacks.queue(request, answer)

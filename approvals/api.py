@@ -46,7 +46,7 @@ def _changes(old, new) -> list[dict]:
 
 def with_action(cards: QuerySet[Approval]) -> QuerySet[Approval]:
     """The cards, each with the name of its run's step at the card's seq (`action_name`): a workflow gate's step
-    name, or an external request's action (external.requests records the request as a step of that name). Read
+    name, or an external request's action (external.asks records the request as a step of that name). Read
     through the run's steps, so that approvals need not know the external app, which builds on it."""
     step = Step.objects.filter(run_id=OuterRef("run_id"), seq=OuterRef("step_seq")).values("name")[:1]
     return cards.annotate(action_name=Subquery(step))
@@ -212,7 +212,7 @@ def get_card(request, card_id: int):
     card = card_for(request.user, card_id)
     if card.status in Approval.OPEN and card.due_at <= timezone.now():
         # Past its deadline the card's expiry applies (reject, escalate, safe default) before it is shown, as a
-        # request's GET does (external.requests): it never reads as waiting because no timer job ran yet.
+        # request's GET does (external.status): it never reads as waiting because no timer job ran yet.
         policy.apply_sla(card.pk)
         card = card_for(request.user, card_id)
     why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))

@@ -1,5 +1,5 @@
 """The one door for cards: every card, a workflow gate's (approvals.gates.CardBackend.open) or an external agent's
-request (external.requests), opens through `open_card`, so that the rules of a card are written once.
+request (external.asks), opens through `open_card`, so that the rules of a card are written once.
 
 What the door gives every card:
 - its approval policy (approvals.models.ApprovalPolicy.for_card: the one the gate names, else the channel's for the

@@ -25,8 +25,7 @@ from django.utils.dateparse import parse_datetime
 
 from approvals import labels, links
 from approvals.models import DecisionLink, Notification
-from core import outbound_url, webhook_signing
-from core.models import ApiToken
+from core import webhook_signing
 
 
 class NothingToSend(Exception):
@@ -124,47 +123,8 @@ class WebhookBackend:
             response.read(1024)
 
 
-class CallbackBackend:
-    """An external agent's decision callback (external.requests): `payload` is {url, body, user_id}, the body
-    POSTed to the url as JSON, signed (Standard Webhooks; `webhook-id` the notification's id, the same on every
-    retry, so the agent can drop a repeated delivery) with the callback secret of each live API token of the
-    token that asked (core.models.ApiToken.callback_secret; a request asked before the request named its token: each
-    live token of the user who asked): no other agent holds a key that verifies it.
-
-    The URL is checked again now and the connection goes to the address that check approved, with no redirect
-    followed (core.outbound_url): a URL that now resolves inward, or answers a 3xx, is a failed delivery."""
-
-    name = "callback"
-
-    def send(self, notification: Notification) -> None:
-        body = json.dumps(notification.payload["body"], cls=DjangoJSONEncoder, sort_keys=True).encode()
-        secrets = ApiToken.callback_secrets(_asker(notification), notification.payload.get("token_id"))
-        if not secrets:
-            raise NothingToSend("the agent that asked has no live API token whose secret could sign its callback")
-        outbound_url.post(
-            notification.payload["url"],
-            body,
-            {
-                "Content-Type": "application/json",
-                "User-Agent": "hitl-console-callback",
-                **webhook_signing.signed_headers(secrets, str(notification.pk), body),
-            },
-            timeout=settings.NOTIFY_WEBHOOK_TIMEOUT,
-        )
-
-
-def _asker(notification: Notification):
-    """The user whose request the callback answers: in its payload, or (a callback queued before the payload
-    named it) through the card's request."""
-    if "user_id" in notification.payload:
-        return notification.payload["user_id"]
-    request = getattr(notification.approval, "action_request", None)
-    return request.created_by_id if request is not None else None
-
-
-BACKENDS: dict[str, Backend] = {
-    backend.name: backend for backend in (EmailBackend(), WebhookBackend(), CallbackBackend())
-}
+# The apps above register their own backends at start-up (their AppConfig.ready): approvals knows only these.
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (EmailBackend(), WebhookBackend())}
 
 
 def enabled_backends() -> list[str]:

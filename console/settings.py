@@ -349,7 +349,7 @@ NOTIFY_WEBHOOK_SECRET = env_secret(
 )
 webhook_secrets("NOTIFY_WEBHOOK_SECRET", NOTIFY_WEBHOOK_SECRET)
 NOTIFY_WEBHOOK_TIMEOUT = env_float("NOTIFY_WEBHOOK_TIMEOUT", 10)
-# An approval that nobody consumed within this many seconds of its decision goes stale (external.requests.consume:
+# An approval that nobody consumed within this many seconds of its decision goes stale (external.executions.consume:
 # 409 `stale`): the world it was given in may have changed. Never later than the request's own expiry plus this.
 APPROVAL_CONSUME_WITHIN = env_int("APPROVAL_CONSUME_WITHIN", 24 * 3600)
 # An external agent's `callback_url` (core.outbound_url) may not reach loopback, link-local, multicast or the

@@ -278,7 +278,7 @@ class ApiToken(models.Model):
     """A bearer token for the JSON API. Only its SHA-256 digest is stored; the token is shown once.
 
     Its `callback_secret` signs the decisions POSTed to the callbacks of the requests its user asks for
-    (approvals.notify.CallbackBackend), so that an agent verifies them with a secret no other agent has. It is
+    (external.callbacks.CallbackBackend), so that an agent verifies them with a secret no other agent has. It is
     stored as it is, not hashed: the console needs the key itself to compute each HMAC (a hash could only
     verify one). It is shown once, when the token is issued or the secret rotated, and never in admin."""
 

@@ -9,7 +9,7 @@ strings, cookies and form fields.
 One exception: a field that records what happened outside the console (an external agent's result: whatever its
 system answered) must take any valid JSON, or that outcome could never be recorded. loads() takes such fields
 (`free`) as they are: integers exact at any size Python prints (4,300 digits), NUL characters and lone
-surrogates (their storage is the caller's: external.requests keeps such a value as its JSON text), nesting to
+surrogates (their storage is the caller's: external.results keeps such a value as its JSON text), nesting to
 MAX_FREE_DEPTH. The OpenAPI document says so on the field (`ANY_JSON`).
 """
 

@@ -1,6 +1,6 @@
 """Approval requests over HTTP (docs/external-agents.md): an external agent asks a person to sign off one action,
 waits for the decision (a long-poll), consumes the approval once and reports the outcome. The logic is in
-external.requests; this module maps it to JSON."""
+external.asks, external.status and external.executions; this module maps it to JSON."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from pydantic import ConfigDict
 
 from core import safe_input
 from core.api import ERRORS, ErrorOut
-from external import requests, waiters
-from external.requests import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask, RequestError
+from external import asks, executions, status, waiters
+from external.asks import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask
+from external.errors import RequestError
 
 router = Router(tags=["approval requests"])
 
@@ -121,7 +122,7 @@ class RequestOut(Schema):
 
 
 def _out(action_request, answer: dict | None = None) -> dict:
-    return {**(answer or requests.state(action_request)), "url": f"/api/approval-requests/{action_request.id}"}
+    return {**(answer or status.state(action_request)), "url": f"/api/approval-requests/{action_request.id}"}
 
 
 class ConsumeIn(Schema):
@@ -214,7 +215,7 @@ def create_request(request: HttpRequest, body: RequestIn):
         approval=body.approval,
     )
     try:
-        action_request, created = requests.open_request(
+        action_request, created = asks.open_request(
             request.user, ask, console_host=request.get_host(), token=getattr(request, "api_token", None)
         )
     except RequestError as exc:
@@ -233,7 +234,7 @@ def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0
     # database connection. Only without that edge (a plain WSGI server, runserver, Django's test client) does the
     # view wait itself, in its thread.
     try:
-        answer = _out(requests.for_user(request.user, request_id))
+        answer = _out(status.for_user(request.user, request_id))
         if wait and not request.headers.get(waiters.EDGE_HEADER):
             answer = _wait_in_thread(request.user, request_id, answer, wait)
         return answer
@@ -249,7 +250,7 @@ def _wait_in_thread(user, request_id, answer: dict, wait: int) -> dict:
         if not connection.in_atomic_block:  # (a test's transaction keeps its connection)
             connection.close()
         time.sleep(min(IN_THREAD_POLL, left))
-        answer = _out(requests.for_user(user, request_id))
+        answer = _out(status.for_user(user, request_id))
     return answer
 
 
@@ -260,7 +261,7 @@ def _wait_in_thread(user, request_id, answer: dict, wait: int) -> dict:
 )
 def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
     try:
-        return requests.consume(request.user, request_id, body.arguments_digest, body.nonce)
+        return executions.consume(request.user, request_id, body.arguments_digest, body.nonce)
     except RequestError as exc:
         return _refused(exc)
 
@@ -279,7 +280,7 @@ def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
         what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
         return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})
     try:
-        execution = requests.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
+        execution = executions.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
     except RequestError as exc:
         return _refused(exc)
     return {"execution": execution}

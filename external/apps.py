@@ -1,3 +1,7 @@
+"""The external app (external/__init__.py says which module does what), wired at start-up into the apps below it,
+which know nothing of this one: its cards' gates (approvals.edits), what a decision on one of them does
+(approvals.models.card_closed), and the backend that sends a decision to an agent's callback (approvals.notify)."""
+
 from django.apps import AppConfig
 
 
@@ -6,12 +10,12 @@ class ExternalConfig(AppConfig):
     verbose_name = "external agents"
 
     def ready(self):
-        # Wiring at start-up (the lower apps know nothing of this one): its cards' gates, and what a decision on
-        # one of them does.
-        from approvals import edits
+        from approvals import edits, notify
         from approvals.models import card_closed
-        from external import requests
+        from external import asks, callbacks, status
         from runs.models import EXTERNAL_WORKFLOW
 
-        edits.register_resolver(EXTERNAL_WORKFLOW, requests.gate_of)
-        card_closed.connect(requests.card_closed, dispatch_uid="external.card_closed")
+        edits.register_resolver(EXTERNAL_WORKFLOW, asks.gate_of)
+        card_closed.connect(status.card_closed, dispatch_uid="external.card_closed")
+        # Registered by this app, as slackapp registers Slack's: approvals does not know external agents' callbacks.
+        notify.BACKENDS[callbacks.CallbackBackend.name] = callbacks.CallbackBackend()

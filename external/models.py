@@ -4,7 +4,8 @@ most once by the agent with the arguments the person approved.
 A request lives on an external run (`Run.Status.EXTERNAL`, workflow `external`: the agent's session, whose page
 reads as one timeline; the engine never drives it) as one step: its card (an `Approval`, in the inbox like any
 other, with the two-person rule, the SLA and shadow mode) and, once the agent consumes the approval, its receipt
-(a `Receipt`: written once, pending until the agent reports the outcome). The logic is in `external.requests`.
+(a `Receipt`: written once, pending until the agent reports the outcome). The logic is in `external.asks`,
+`external.status` and `external.executions`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The JSON Schema an external agent sends with its request (external.requests): checked once when it is asked,
+"""The JSON Schema an external agent sends with its request (external.asks): checked once when it is asked,
 then used to check the agent's arguments and every reviewer's edit of the card, in the web thread.
 
 The schema is the agent's text, so nothing in it may stall that thread, reach the network or the filesystem, or

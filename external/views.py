@@ -1,5 +1,5 @@
 """The console's pages for external agents' requests: a person records the outcome of an execution whose outcome
-is unknown, from its run's page (runs.views shows the form; the logic is external.requests.record_outcome)."""
+is unknown, from its run's page (runs.views shows the form; the logic is external.executions.record_outcome)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from django.contrib import messages
 from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
-from external import requests
+from external import executions
+from external.errors import RequestError
 from runs.access import run_for
 from runs.views import render_run
 
@@ -21,8 +22,8 @@ def record_outcome(request, pk, seq: int):
     run = run_for(request.user, pk)
     outcome, text = request.POST.get("outcome", ""), request.POST.get("text", "")
     try:
-        requests.record_outcome(request.user, run.pk, seq, outcome=outcome, text=text)
-    except requests.RequestError as exc:
+        executions.record_outcome(request.user, run.pk, seq, outcome=outcome, text=text)
+    except RequestError as exc:
         messages.error(request, f"Not recorded: {exc.detail}")
         form = {"seq": seq, "outcome": outcome, "text": text}
         return render_run(request, run, status=exc.status, outcome_form=form)

@@ -1,5 +1,5 @@
 """The one door for side effects: every effect's receipt, a workflow step's (runs.steps.Context.effect) or an external
-agent's one execution of an approved action (external.requests.consume), is opened here, so what holds for one
+agent's one execution of an approved action (external.executions.consume), is opened here, so what holds for one
 holds for the other:
 
 - the run must be live: a workflow's run still owned by this job (runs.models.Run.owned) with no cancel requested;
@@ -46,7 +46,7 @@ def open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", 
     """Insert the effect's receipt (or find the one an earlier attempt wrote) under the rules above. Returns the
     receipt with `fresh` (written now) and `shadow` (recorded, not sent; a ShadowEffect is written with a new
     shadow receipt; an earlier attempt's pending receipt keeps its mode). An external agent's caller holds its run's
-    row (external.requests._locked) in the transaction this joins."""
+    row (external.executions._locked) in the transaction this joins."""
     breakers.check(channel)  # an open breaker: held back before any receipt is written (BreakerOpen)
     with transaction.atomic():
         _check_live(run)

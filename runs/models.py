@@ -712,7 +712,7 @@ class Receipt(models.Model):
         return response
 
     def complete_outcome(self, response: dict) -> None:
-        """The outcome of an external agent's execution (external.requests.report), which no engine job owns:
+        """The outcome of an external agent's execution (external.executions.report), which no engine job owns:
         recorded once, by a compare-and-swap from pending (the caller holds the run's row lock)."""
         now = timezone.now()
         if not Receipt.objects.filter(pk=self.pk, status=self.Status.PENDING).update(

@@ -12,8 +12,8 @@ from django.contrib.auth.models import User
 from playwright.sync_api import expect
 
 from core.models import ApiToken
-from external import requests
-from external.requests import Ask
+from external import asks, executions
+from external.asks import Ask
 from tests.conftest import log_in
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -23,7 +23,7 @@ ARGUMENTS = {"order_id": "ord_9", "amount_cents": 4_250, "currency": "EUR", "rea
 
 def test_a_reviewer_sees_and_approves_an_external_request_then_its_outcome(console_server, page, reviewer, client):
     agent = User.objects.get(username="agent")
-    request, _ = requests.open_request(
+    request, _ = asks.open_request(
         agent,
         Ask(
             channel="payments",
@@ -52,11 +52,11 @@ def test_a_reviewer_sees_and_approves_an_external_request_then_its_outcome(conso
 
     # The agent consumes the approval and does not report back (it crashed): the card says the outcome is unknown.
     canonical = json.dumps(ARGUMENTS, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    requests.consume(agent, request.id, hashlib.sha256(canonical).hexdigest())
+    executions.consume(agent, request.id, hashlib.sha256(canonical).hexdigest())
     page.reload()
     expect(page.locator(".card-execution-unknown")).to_contain_text("Outcome unknown")
 
-    requests.report(agent, request.id, ok=True, result={"refund_id": "re_77"})
+    executions.report(agent, request.id, ok=True, result={"refund_id": "re_77"})
     page.reload()
     expect(page.locator(".card-outcome-done")).to_be_visible()
     expect(page.locator(".card-execution-response")).to_contain_text("re_77")

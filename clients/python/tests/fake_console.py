@@ -3,7 +3,7 @@ tests through `httpx.MockTransport`: the key -> request map, the statuses, the d
 again to its own nonce while nothing is reported), shadow cards, an idempotent result. It computes the digest
 itself (not with the client's function), as the server does.
 
-As the server (external/requests.py): a key names the channel, action and arguments (a repeat's `current`,
+As the server (external/asks.py): a key names the channel, action and arguments (a repeat's `current`,
 rationale and other context may differ; the first ask's stand); POST answers with the request's whole state plus
 its `url`; a result may be any JSON value.
 """

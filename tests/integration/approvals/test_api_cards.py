@@ -195,7 +195,7 @@ def test_a_decision_422_names_its_fields_as_sent_and_a_query_parameter_by_its_na
 
 
 def test_a_card_read_past_its_deadline_has_its_deadline_applied_first(client, demo):
-    """As a request's GET (external.requests): the card never reads as waiting past its deadline because no timer
+    """As a request's GET (external.status): the card never reads as waiting past its deadline because no timer
     job ran; here the channel's safe default rejects it."""
     _, card = start_parked_run(client, demo["agent"])
     Channel.objects.filter(pk=card.channel_id).update(escalation_policy="safe_default")

@@ -15,7 +15,7 @@ from approvals.models import Approval, Decision
 from console.api import api
 from core.models import ApiToken, AuditEntry, Channel, GlobalKillSwitch
 from core.safe_input import NOT_BLANK
-from external import requests as external
+from external import asks, executions, status
 from runs import submission
 from runs.models import Breaker, Receipt, Run
 from tests.engine_helpers import REFUND, drive
@@ -211,11 +211,11 @@ def test_what_depends_on_the_card_is_documented_as_a_422(client, demo, document,
 @pytest.fixture
 def consumed(demo, client):
     """An external agent's request, approved and consumed: its result is what the agent reports next."""
-    request, _ = external.open_request(
-        demo["agent"], external.Ask(channel="payments", action="refund", arguments={"n": 1}, idempotency_key="k")
+    request, _ = asks.open_request(
+        demo["agent"], asks.Ask(channel="payments", action="refund", arguments={"n": 1}, idempotency_key="k")
     )
     request.card.decide(demo["reviewer"], "approve", version=request.card.version)
-    external.consume(demo["agent"], request.id, external.digest({"n": 1}))
+    executions.consume(demo["agent"], request.id, status.digest({"n": 1}))
     return request
 
 

@@ -8,21 +8,25 @@ redirect, signed with the secret of the asking agent's API token, so another age
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from django.apps import apps
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from guardian.shortcuts import assign_perm
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from approvals import notify
 from approvals.models import Notification
 from approvals.tasks import send_notification
 from core import webhook_signing
 from core.models import ApiToken, AuditEntry, Channel
+from external.callbacks import CallbackBackend
 from external.models import ActionRequest
 from tests.serving import serve_in_thread
 
@@ -262,3 +266,20 @@ def test_two_tokens_of_one_user_do_not_verify_each_others_callbacks(
     assert Webhook(webhook_signing.key(agent.token.callback_secret)).verify(body, headers)["status"] == "approved"
     with pytest.raises(WebhookVerificationError):
         Webhook(webhook_signing.key(second.token.callback_secret)).verify(body, headers)
+
+
+def test_the_callback_backend_is_there_only_when_the_external_app_registers_it(monkeypatch, settings):
+    """approvals knows email and webhook only: the callback backend is the external app's, registered at start-up
+    (external.apps), and NOTIFY_BACKENDS names it to no effect without that registration."""
+    spec = importlib.util.spec_from_file_location("approvals_notify_alone", notify.__file__)
+    alone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alone)
+    assert sorted(alone.BACKENDS) == ["email", "webhook"]
+    assert isinstance(notify.BACKENDS["callback"], CallbackBackend)
+
+    settings.NOTIFY_BACKENDS = ["email", "callback"]
+    monkeypatch.setattr(notify, "BACKENDS", dict(alone.BACKENDS))
+    assert notify.enabled_backends() == ["email"]
+    apps.get_app_config("external").ready()
+    assert isinstance(notify.BACKENDS["callback"], CallbackBackend)
+    assert notify.enabled_backends() == ["email", "callback"]

@@ -18,7 +18,8 @@ from django.contrib.auth.models import User
 from django.core.validators import RegexValidator
 
 from approvals import edits
-from approvals.models import CannotCheckEdit, RejectReason
+from approvals.errors import CannotCheckEdit
+from approvals.models import RejectReason
 from core import safe_input
 
 COMMENT_MAX = 5000

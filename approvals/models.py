@@ -13,17 +13,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from approvals import edits, rules
-
-# The errors of a decision (approvals.errors) and its vocabulary (approvals.rules), where callers found them before
-# they moved: `from approvals.models import NotAllowed` still works.
-from approvals.errors import AlreadyDecided as AlreadyDecided
-from approvals.errors import CannotCheckEdit as CannotCheckEdit
-from approvals.errors import DecisionError as DecisionError
 from approvals.errors import Expired
-from approvals.errors import InvalidDecision as InvalidDecision
-from approvals.errors import NotAllowed as NotAllowed
-from approvals.errors import SecondApproverNeeded as SecondApproverNeeded
-from approvals.errors import StaleVersion as StaleVersion
 from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
 from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel

@@ -10,7 +10,8 @@ import pytest
 from django.contrib.auth.models import Group, User
 from guardian.shortcuts import assign_perm
 
-from approvals.models import Approval, Decision, NotAllowed
+from approvals.errors import NotAllowed
+from approvals.models import Approval, Decision
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run

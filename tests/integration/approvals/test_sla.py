@@ -14,7 +14,8 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 from approvals import policy
-from approvals.models import AlreadyDecided, Approval, Decision, Notification
+from approvals.errors import AlreadyDecided
+from approvals.models import Approval, Decision, Notification
 from approvals.tasks import card_due, send_notification, sla_sweep
 from core.models import AuditEntry, Channel
 from demo import sandbox

@@ -22,7 +22,8 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
 from approvals import policy
-from approvals.models import Approval, SecondApproverNeeded
+from approvals.errors import SecondApproverNeeded
+from approvals.models import Approval
 from core.models import AuditEntry, Channel
 from demo import sandbox
 from demo.models import SandboxCall

@@ -45,6 +45,7 @@ from approvals.errors import (
 from approvals.forms import AwayForm, DecideForm, EditForm, RejectForm
 from approvals.models import Approval, Delegation, DelegationRefused, RejectReason
 from approvals.rules import Agreement, DecisionKind
+from core.views import HtmxHttpRequest
 from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
@@ -204,7 +205,7 @@ def _standing(card: Approval, user) -> dict:
     }
 
 
-def _render(request, card: Approval, status: int = 200) -> HttpResponse:
+def _render(request: HtmxHttpRequest, card: Approval, status: int = 200) -> HttpResponse:
     template = TEMPLATE + "#card" if request.htmx else TEMPLATE
     return render(request, template, {"card": card}, status=status)
 
@@ -214,14 +215,14 @@ def _render(request, card: Approval, status: int = 200) -> HttpResponse:
 
 @require_GET
 @vary_on_headers("HX-Request")
-def card(request, pk: int):
+def card(request: HtmxHttpRequest, pk: int):
     card = card_for(request.user, pk)
     return _render(request, prepare(card, request.user))
 
 
 @require_GET
 @never_cache
-def decision_link(request, token: str):
+def decision_link(request: HtmxHttpRequest, token: str):
     """An email's Approve or Reject link. The console's login comes first (LoginRequiredMiddleware sends a visitor
     through the login page and back here); then the link is checked for this user (approvals.links.check: a page
     saying why when it cannot be used), and the card is shown as its own page shows it, to those its page shows it
@@ -238,7 +239,7 @@ def decision_link(request, token: str):
 
 
 @require_POST
-def decide(request, pk: int):
+def decide(request: HtmxHttpRequest, pk: int):
     """A decision from the card's forms (approvals.forms.DecideForm parses and checks what was posted; Approval.decide
     takes it). Refused as posted: the card again with its forms as they were, 422; an edit's preview: the same, 200;
     decided: the card as it now is (an htmx request) or a redirect to it."""
@@ -283,7 +284,7 @@ def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:
 
 
 @require_http_methods(["GET", "POST"])
-def away(request):
+def away(request: HtmxHttpRequest):
     """ "Away until ..., cover: X" for the person signed in (approvals.models.Delegation: its checks, its audit
     entries). POST `action=set` (cover, until) or `action=clear`."""
     user, status = request.user, 200

@@ -8,9 +8,9 @@ class ApprovalsConfig(AppConfig):
 
     def ready(self):
         # Here, not at the top: Django reads apps.py before it loads the models (CardBackend's module imports them).
-        from approvals import policy
+        from approvals import sla
         from approvals.gates import CardBackend
         from approvals.models import card_overdue
 
         gates.register(CardBackend())
-        card_overdue.connect(policy.on_overdue)
+        card_overdue.connect(sla.on_overdue)

@@ -43,8 +43,8 @@ class OnExpiry(models.TextChoices):
 
 
 # Sent by Approval.decide, in its transaction, when a person's decision finds the card past its deadline: the card's
-# expiry (approvals.policy.apply_sla: escalate, safe default, expire) is applied there and then, whatever the timer
-# jobs do, and the decision is refused (Expired). approvals.apps connects the SLA policy, which imports this module.
+# expiry (approvals.sla.apply_sla: escalate, safe default, expire) is applied there and then, whatever the timer
+# jobs do, and the decision is refused (Expired). approvals.apps connects approvals.sla, which imports this module.
 card_overdue = Signal()
 
 # Sent in the transaction that closes a card with an outcome (a decision that completes it, an SLA's safe default
@@ -223,8 +223,8 @@ class Approval(models.Model):
             decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
         )
         with transaction.atomic():
-            # One lock order everywhere: the run, then its card (Run.cancel, the engine and the SLA policy do the
-            # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.policy):
+            # One lock order everywhere: the run, then its card (Run.cancel, the engine and approvals.sla do the
+            # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.sla):
             # whichever commits first wins, the other sees the card's new status.
             run = Run.objects.select_for_update().get(pk=self.run_id)
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)

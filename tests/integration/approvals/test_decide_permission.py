@@ -1,6 +1,6 @@
 """Approval.decide checks the actor's right to decide the card's channel itself (`core.approve_channel`, a
 django-guardian object permission; a superuser holds every permission), whichever code calls it: a person without
-it gets NotAllowed (403) and nothing is written. The system (no actor: the SLA policy) still decides."""
+it gets NotAllowed (403) and nothing is written. The system (no actor: approvals.sla) still decides."""
 
 from __future__ import annotations
 

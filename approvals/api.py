@@ -1,3 +1,6 @@
+"""The cards' JSON API (/api/approvals): the cards the caller may decide, one card (its deadline applied first),
+and a decision on it, under the rules the card page follows (approvals.access, Approval.decide)."""
+
 from __future__ import annotations
 
 from datetime import datetime

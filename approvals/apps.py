@@ -1,3 +1,6 @@
+"""The approvals app's start-up: its cards fill the engine's gate port (runs.gates), and a decision that finds a
+card past its deadline has the card's expiry applied (approvals.sla, on approvals.models.card_overdue)."""
+
 from django.apps import AppConfig
 
 from runs import gates

@@ -1,3 +1,7 @@
+"""The cards and what hangs on them: the card (Approval), its decisions, notifications and emailed decision links;
+the approval policies that say who decides a channel's cards (ApprovalPolicy, PolicyStage); and delegation while
+someone is away."""
+
 from __future__ import annotations
 
 import uuid

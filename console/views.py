@@ -1,3 +1,6 @@
+"""The console's own pages: `/` (the reviewer's inbox, or the empty states of the user's roles), and the liveness
+and readiness probes (/healthz, /readyz)."""
+
 from __future__ import annotations
 
 from datetime import timedelta

@@ -1,4 +1,6 @@
 #!/usr/bin/env python
+"""Django's command line for the console, with console.settings unless DJANGO_SETTINGS_MODULE says otherwise."""
+
 import os
 import sys
 

@@ -4,7 +4,7 @@
   it on every channel); anyone else gets 404, for the card and for a decision on it alike;
 - it is decided by them too, except by the person who started its run (separation of duties): they see it, and
   get 403 on a decision. The rule is approvals.rules.decider_refusal, which Approval.decide applies to every
-  caller (the SLA policy, deciding with no actor, always may);
+  caller (approvals.sla, deciding with no actor, always may);
 - a card opened under an approval policy is decided, at each moment, only by whom its current stage asks (or by
   who covers for a person it names, approvals.models.Delegation): the others who may approve its channel still
   see it (403 on a decision), and their inbox does not list it."""

@@ -61,7 +61,7 @@ class NotificationAdmin(admin.ModelAdmin):
                 queryset.select_related(None).select_for_update(of=("self",)).filter(status=Notification.Status.FAILED)
             ):
                 Notification.objects.filter(pk=notification.pk).update(status=Notification.Status.PENDING, attempts=0)
-                # By its name, as the SLA policy defers it (approvals.policy): tasks are deferred by name.
+                # By its name, as the SLA timer defers it (approvals.sla): tasks are deferred by name.
                 app.configure_task("approvals.tasks.send_notification", allow_unknown=False).defer(
                     notification_id=notification.pk
                 )

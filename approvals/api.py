@@ -1,3 +1,6 @@
+"""The cards' JSON API (/api/approvals): the cards the caller may decide, one card (its deadline applied first),
+and a decision on it, under the rules the card page follows (approvals.access, Approval.decide)."""
+
 from __future__ import annotations
 
 from datetime import datetime
@@ -9,7 +12,7 @@ from ninja import Field, Query, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from approvals import policy
+from approvals import sla
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, Expired, InvalidDecision
@@ -213,7 +216,7 @@ def get_card(request, card_id: int):
     if card.status in Approval.OPEN and card.due_at <= timezone.now():
         # Past its deadline the card's expiry applies (reject, escalate, safe default) before it is shown, as a
         # request's GET does (external.status): it never reads as waiting because no timer job ran yet.
-        policy.apply_sla(card.pk)
+        sla.apply_sla(card.pk)
         card = card_for(request.user, card_id)
     why_not = decider_refusal(request.user, card, Delegation.covered_by(request.user))
     if not why_not and card.status not in Approval.OPEN:

@@ -9,7 +9,7 @@ What the door gives every card:
   so that Approval.decide has one count (approvals.rules.PolicyCount);
 - its deadline: the stage's SLA, or under the channel's rule the channel's own, never later than a hard end
   (`expires_at`: an external request's `expires_in`), at which the card expires whatever its stage
-  (approvals.policy.apply_sla);
+  (approvals.sla.apply_sla);
 - shadow mode as the channel and workflow say when it opens (an action card only);
 - its SLA timer, deferred in the caller's transaction: the timer exists if and only if the card does.
 
@@ -23,8 +23,7 @@ from datetime import datetime
 import structlog
 from django.utils import timezone
 
-from approvals import policy as sla
-from approvals import rules
+from approvals import rules, sla
 from approvals.models import Approval, ApprovalPolicy, OnExpiry
 from core.models import Channel
 from runs.gates import Kind

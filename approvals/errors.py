@@ -65,7 +65,7 @@ class StaleVersion(DecisionError):
 
 
 class Expired(DecisionError):
-    """The decision came after the card's deadline: refused, and the card's expiry (approvals.policy.apply_sla) was
+    """The decision came after the card's deadline: refused, and the card's expiry (approvals.sla.apply_sla) was
     applied in the same transaction. `card` is as that left it (escalated to someone, rejected, expired)."""
 
     status = 409

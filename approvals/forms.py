@@ -1,4 +1,5 @@
-"""The card's decision forms: reject (comment + reason) and edit (the proposed payload, field by field).
+"""The card's decision forms: the decision as posted (DecideForm: which, against which version, with what), and
+within it reject (comment + reason) and edit (the proposed payload, field by field).
 
 The edit form is built from what the card runs (its `proposed` object, or the pending edit of a card that waits
 for a second person) and its gate's declaration (approvals.edits): one field per editable leaf, of the leaf's own
@@ -17,9 +18,13 @@ from django import forms
 from django.contrib.auth.models import User
 from django.core.validators import RegexValidator
 
-from approvals import edits
-from approvals.models import CannotCheckEdit, RejectReason
+from approvals import edits, links
+from approvals.diff import FieldDiff, changes
+from approvals.errors import CannotCheckEdit
+from approvals.models import Approval, DecisionLink, RejectReason
+from approvals.rules import DecisionKind
 from core import safe_input
+from runs.gates import Kind
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
@@ -174,3 +179,112 @@ class EditForm(forms.Form):
         if not self.errors:
             cleaned["payload"] = payload
         return cleaned
+
+
+MISSING_VERSION = "The card's version is missing: reload the card."
+CHOOSE = "Choose approve, edit or reject."
+
+
+class DecideForm(forms.Form):
+    """A decision posted from the card page (approvals.views.decide), parsed in the order its refusals are said: an
+    email link's token (`link`: approvals.links.check, whose LinkRefused is raised as it is, with its own status),
+    the card's version, the decision, then the decision's own form (`decision_form`: RejectForm, or EditForm,
+    whose `preview` decides nothing and shows the edit's diff), with a shadow card's agreement and what was done by
+    hand. Its own errors are said on the card, the first one alone (`refusal`); the decision's form shows its own.
+    What the decision must fit besides is Approval.decide's (approvals.rules); `decide` takes it."""
+
+    # Field order is the order of the checks (clean_link, then version, then decision) and so of `refusal`.
+    link = forms.CharField(required=False, strip=False)
+    version = forms.IntegerField(required=False, error_messages={"invalid": MISSING_VERSION})
+    decision = forms.ChoiceField(
+        choices=DecisionKind.choices, error_messages={"required": CHOOSE, "invalid_choice": CHOOSE}
+    )
+    comment = forms.CharField(required=False, strip=False)  # an approval's; a rejection's or edit's is their form's
+    # A shadow card's: Approval.decide refuses them on any other card, and requires the agreement on these.
+    agreement = forms.CharField(required=False, strip=False)
+    done_by_hand = forms.CharField(required=False, strip=False)
+    preview = forms.CharField(required=False, strip=False)
+
+    def __init__(self, card: Approval, user, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.card, self.user = card, user
+        self.decision_form: RejectForm | EditForm | None = None
+        self.via_link: dict | None = None  # {token, decision} of a link that checked out, kept when refused
+        self.previewed: list[FieldDiff] | None = None  # an edit's preview: its diff against the proposal
+
+    def clean_link(self) -> DecisionLink | None:
+        """From an email's link: it must still be good, for this user, card and decision as posted."""
+        token = self.cleaned_data["link"]
+        if not token:
+            return None
+        link = links.check(token, self.user, card_id=self.card.pk, decision=self["decision"].data or "")
+        self.via_link = {"token": token, "decision": link.decision}
+        return link
+
+    def clean_version(self) -> int:
+        if self.cleaned_data["version"] is None:
+            raise forms.ValidationError(MISSING_VERSION)
+        return self.cleaned_data["version"]
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.errors:  # the version or the decision: nothing else is read
+            return cleaned
+        decision = cleaned["decision"]
+        if decision == DecisionKind.REJECT:
+            self.decision_form = RejectForm(self.data)
+        elif decision == DecisionKind.EDIT:
+            if self.card.kind == Kind.RECONCILE:
+                raise forms.ValidationError("A reconcile card is approved or rejected, not edited.")
+            self.decision_form = EditForm(self.card, self.data)  # CannotCheckEdit: raised as it is (409)
+        valid = self.decision_form is not None and self.decision_form.is_valid()
+        if valid and decision == DecisionKind.EDIT and cleaned["preview"]:
+            self.previewed = changes(self.card.proposed, self.decision_form.cleaned_data["payload"])
+        return cleaned
+
+    def is_valid(self) -> bool:
+        """Its own fields, and the decision's form."""
+        return super().is_valid() and (self.decision_form is None or self.decision_form.is_valid())
+
+    @property
+    def refusal(self) -> str:
+        """The first of its own errors, said on the card as InvalidDecision is."""
+        return next((str(error) for errors in self.errors.values() for error in errors), "")
+
+    def state(self) -> dict:
+        """The card shown again with this post (approvals.views.prepare's `state`): the shadow card's answers, the
+        link it came with, the decision's form open with its errors, the edit's preview, and the refusal."""
+        state: dict = {}
+        if self.card.shadow:
+            state["shadow_values"] = self._shadow()
+        if self.via_link is not None:
+            state["via_link"] = self.via_link
+        if isinstance(self.decision_form, RejectForm):
+            state.update(reject_form=self.decision_form, opened="reject")
+        elif isinstance(self.decision_form, EditForm):
+            state.update(edit_form=self.decision_form, opened="edit")
+        if self.previewed is not None:
+            state["preview"] = self.previewed
+        if self.refusal:
+            state["error"] = self.refusal
+        return state
+
+    def _shadow(self) -> dict:
+        return {name: self.cleaned_data.get(name, "") for name in ("agreement", "done_by_hand")}
+
+    def decide(self) -> Approval:
+        """Approval.decide with what was posted, or, for a decision carrying an email's link, the same through
+        approvals.links (audited `via: email`, the link used in the decision's transaction). Call it on a valid
+        form that is no preview; a refusal is raised as Approval.decide raises it (DecisionError)."""
+        cleaned, sub = self.cleaned_data, self.decision_form.cleaned_data if self.decision_form else {}
+        fields: dict[str, Any] = {"version": cleaned["version"], **self._shadow()}
+        if cleaned["decision"] == DecisionKind.APPROVE:
+            fields["comment"] = cleaned["comment"]
+        elif cleaned["decision"] == DecisionKind.REJECT:
+            fields.update(comment=sub["comment"], reason=sub["reason"])
+        else:
+            fields.update(comment=sub.get("comment", ""), payload=sub["payload"])
+        link = cleaned["link"]
+        if link is None:
+            return self.card.decide(self.user, cleaned["decision"], **fields)
+        return links.decide_through(link, self.card, self.user, cleaned["decision"], **fields)

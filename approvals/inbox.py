@@ -54,6 +54,7 @@ from approvals.rules import (
 )
 from core.access import decidable_channels
 from core.models import Channel
+from core.views import HtmxHttpRequest
 
 TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
@@ -317,7 +318,7 @@ def approvable_channels(user) -> list[Channel]:
     return list(decidable_channels(user).order_by("name"))
 
 
-def render_inbox(request, channels: list[Channel]):
+def render_inbox(request: HtmxHttpRequest, channels: list[Channel]):
     """The page, or one of its partials for htmx, over `channels` (approvable_channels of the user, not empty)."""
     box = Inbox.from_request(request, channels)
     template, context = TEMPLATE, {"inbox": box, "reasons": REJECT_REASONS}
@@ -437,7 +438,7 @@ class MixedChannels(ValueError):
 
 
 @require_POST
-def bulk(request):
+def bulk(request: HtmxHttpRequest):
     form = BulkForm(request.POST)
     results, error, status = [], None, 200
     if not form.is_valid():

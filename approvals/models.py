@@ -1,3 +1,7 @@
+"""The cards and what hangs on them: the card (Approval), its decisions, notifications and emailed decision links;
+the approval policies that say who decides a channel's cards (ApprovalPolicy, PolicyStage); and delegation while
+someone is away."""
+
 from __future__ import annotations
 
 import uuid
@@ -13,17 +17,7 @@ from django.dispatch import Signal
 from django.utils import timezone
 
 from approvals import edits, rules
-
-# The errors of a decision (approvals.errors) and its vocabulary (approvals.rules), where callers found them before
-# they moved: `from approvals.models import NotAllowed` still works.
-from approvals.errors import AlreadyDecided as AlreadyDecided
-from approvals.errors import CannotCheckEdit as CannotCheckEdit
-from approvals.errors import DecisionError as DecisionError
 from approvals.errors import Expired
-from approvals.errors import InvalidDecision as InvalidDecision
-from approvals.errors import NotAllowed as NotAllowed
-from approvals.errors import SecondApproverNeeded as SecondApproverNeeded
-from approvals.errors import StaleVersion as StaleVersion
 from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
 from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel
@@ -53,8 +47,8 @@ class OnExpiry(models.TextChoices):
 
 
 # Sent by Approval.decide, in its transaction, when a person's decision finds the card past its deadline: the card's
-# expiry (approvals.policy.apply_sla: escalate, safe default, expire) is applied there and then, whatever the timer
-# jobs do, and the decision is refused (Expired). approvals.apps connects the SLA policy, which imports this module.
+# expiry (approvals.sla.apply_sla: escalate, safe default, expire) is applied there and then, whatever the timer
+# jobs do, and the decision is refused (Expired). approvals.apps connects approvals.sla, which imports this module.
 card_overdue = Signal()
 
 # Sent in the transaction that closes a card with an outcome (a decision that completes it, an SLA's safe default
@@ -233,8 +227,8 @@ class Approval(models.Model):
             decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
         )
         with transaction.atomic():
-            # One lock order everywhere: the run, then its card (Run.cancel, the engine and the SLA policy do the
-            # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.policy):
+            # One lock order everywhere: the run, then its card (Run.cancel, the engine and approvals.sla do the
+            # same). The card's lock orders this against the SLA timer's compare-and-swap (approvals.sla):
             # whichever commits first wins, the other sees the card's new status.
             run = Run.objects.select_for_update().get(pk=self.run_id)
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)

@@ -12,7 +12,8 @@ from datetime import datetime
 
 from django.db.models import Count, Q
 
-from approvals.models import Agreement, Approval, Decision
+from approvals.models import Approval, Decision
+from approvals.rules import Agreement
 from core.monitoring import rows
 
 

@@ -112,7 +112,7 @@ def decider_refusal(actor, card: Approval, covering: Iterable[int] = ()) -> str:
     """Why `actor` may not decide `card`, or "" when they may. Who may decide a card: a person with
     `approve_channel` on its channel (core.access.may_approve; a superuser holds it everywhere) who did not start
     its run, and, on a card opened under an approval policy, whom its current stage asks (or who covers for
-    someone it names: `covering`, approvals.models.Delegation.covered_by). The system (no actor: the SLA policy)
+    someone it names: `covering`, approvals.models.Delegation.covered_by). The system (no actor: approvals.sla)
     always may. Approval.decide applies it to every caller; the pages and the API ask approvals.access.card_for,
     which applies it too."""
     if actor is None:
@@ -304,7 +304,7 @@ def channel_rule(channel: Channel) -> dict:
     """The channel's own rule as a one-stage policy, for a card on a channel without an approval policy:
     `required_approvals` distinct people among anyone with `approve_channel` on it (never the run's creator), by
     its SLA. Marked `channel_rule`, with the channel's SLA policy (`escalation_policy`): its deadline is the
-    channel's (approvals.policy.apply_sla: escalate to its escalation group again at each SLA, or the safe
+    channel's (approvals.sla.apply_sla: escalate to its escalation group again at each SLA, or the safe
     default), and its cards are shown as under their channel's rule, not as named by an admin's policy."""
     stage = {"name": f"approvers of {channel.name}", "purpose": StagePurpose.APPROVE}
     stage |= {"quorum": channel.required_approvals, "sla": int(channel.sla.total_seconds())}

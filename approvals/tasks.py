@@ -8,7 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 from procrastinate.contrib.django import app
 
-from approvals import notify, policy
+from approvals import notify, sla
 from approvals.models import Approval, Notification
 from jobs.retry import BackoffWithJitter
 
@@ -20,11 +20,11 @@ def card_due(card_id: int) -> str | None:
     """A card's deadline came: apply its channel's SLA policy (a no-op if it was decided in time). A timer that
     finds the deadline moved later (the card escalated through the sweep meanwhile) waits for the new one."""
     now = timezone.now()
-    done = policy.apply_sla(card_id, now)
+    done = sla.apply_sla(card_id, now)
     card = Approval.objects.filter(pk=card_id, status__in=Approval.OPEN, due_at__gt=now).first()
     if card is not None:
         with transaction.atomic():
-            policy.schedule_timer(card)
+            sla.schedule_timer(card)
     return done
 
 
@@ -34,7 +34,7 @@ def sla_sweep(timestamp: int) -> int:
     """The safety net behind the timers (a timer lost with a restored backup, a card opened before timers
     existed): applies the policy to every open card past its deadline. Returns how many it changed."""
     now = timezone.now()
-    changed = sum(1 for card_id in policy.overdue_card_ids(now) if policy.apply_sla(card_id, now))
+    changed = sum(1 for card_id in sla.overdue_card_ids(now) if sla.apply_sla(card_id, now))
     if changed:
         log.warning("the SLA sweep applied a policy a timer had not", cards=changed)
     return changed

@@ -42,10 +42,10 @@ from approvals.errors import (
     SecondApproverNeeded,
     StaleVersion,
 )
-from approvals.forms import AwayForm, EditForm, RejectForm
+from approvals.forms import AwayForm, DecideForm, EditForm, RejectForm
 from approvals.models import Approval, Delegation, DelegationRefused, RejectReason
 from approvals.rules import Agreement, DecisionKind
-from runs.gates import Kind
+from core.views import HtmxHttpRequest
 from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
@@ -205,7 +205,7 @@ def _standing(card: Approval, user) -> dict:
     }
 
 
-def _render(request, card: Approval, status: int = 200) -> HttpResponse:
+def _render(request: HtmxHttpRequest, card: Approval, status: int = 200) -> HttpResponse:
     template = TEMPLATE + "#card" if request.htmx else TEMPLATE
     return render(request, template, {"card": card}, status=status)
 
@@ -215,14 +215,14 @@ def _render(request, card: Approval, status: int = 200) -> HttpResponse:
 
 @require_GET
 @vary_on_headers("HX-Request")
-def card(request, pk: int):
+def card(request: HtmxHttpRequest, pk: int):
     card = card_for(request.user, pk)
     return _render(request, prepare(card, request.user))
 
 
 @require_GET
 @never_cache
-def decision_link(request, token: str):
+def decision_link(request: HtmxHttpRequest, token: str):
     """An email's Approve or Reject link. The console's login comes first (LoginRequiredMiddleware sends a visitor
     through the login page and back here); then the link is checked for this user (approvals.links.check: a page
     saying why when it cannot be used), and the card is shown as its own page shows it, to those its page shows it
@@ -238,106 +238,39 @@ def decision_link(request, token: str):
     return _render(request, prepare(card, request.user, via_link={"token": token, "decision": link.decision}))
 
 
-def _decide(card: Approval, user, decision: str, link, **fields) -> Approval:
-    """Approval.decide, or, for a decision carrying an email's link, the same through approvals.links (audited
-    `via: email`, the link used in the decision's transaction)."""
-    if link is None:
-        return card.decide(user, decision, **fields)
-    return links.decide_through(link, card, user, decision, **fields)
-
-
-def _version(request) -> int | None:
-    try:
-        return int(request.POST.get("version", ""))
-    except ValueError:
-        return None
-
-
 @require_POST
-def decide(request, pk: int):
-    card = card_for(request.user, pk, to_decide=True)
-    decision, version, user = request.POST.get("decision", ""), _version(request), request.user
-    state: dict = {}
-    # Shadow cards only (Approval.decide refuses them elsewhere, and requires the agreement there).
-    shadow = {"agreement": request.POST.get("agreement", ""), "done_by_hand": request.POST.get("done_by_hand", "")}
-    if card.shadow:
-        state["shadow_values"] = shadow
-    decided = False
-    link, token = None, request.POST.get("link", "")
+def decide(request: HtmxHttpRequest, pk: int):
+    """A decision from the card's forms (approvals.forms.DecideForm parses and checks what was posted; Approval.decide
+    takes it). Refused as posted: the card again with its forms as they were, 422; an edit's preview: the same, 200;
+    decided: the card as it now is (an htmx request) or a redirect to it."""
+    user = request.user
+    card = card_for(user, pk, to_decide=True)
+    form = DecideForm(card, user, request.POST)
     try:
-        if token:  # from an email's link: it must still be good, for this user, card and decision
-            link = links.check(token, user, card_id=card.pk, decision=decision)
-            state["via_link"] = {"token": token, "decision": link.decision}  # kept if the decision is refused
-        if version is None:
-            raise InvalidDecision("The card's version is missing: reload the card.")
-        if decision == DecisionKind.APPROVE:
-            _decide(card, user, decision, link, comment=request.POST.get("comment", ""), version=version, **shadow)
-            decided = True
-        elif decision == DecisionKind.REJECT:
-            form = RejectForm(request.POST)
-            if form.is_valid():
-                state.update(reject_form=form, opened="reject")  # shown again if the decision is refused
-                _decide(
-                    card,
-                    user,
-                    decision,
-                    link,
-                    comment=form.cleaned_data["comment"],
-                    reason=form.cleaned_data["reason"],
-                    version=version,
-                    **shadow,
-                )
-                decided = True
-            else:
-                state.update(reject_form=form, opened="reject")
-        elif decision == DecisionKind.EDIT:
-            if card.kind == Kind.RECONCILE:
-                raise InvalidDecision("A reconcile card is approved or rejected, not edited.")
-            form = EditForm(card, request.POST)
-            if not form.is_valid():
-                state.update(edit_form=form, opened="edit")
-            elif request.POST.get("preview"):
-                preview = changes(card.proposed, form.cleaned_data["payload"])
-                state.update(edit_form=form, preview=preview, opened="edit")
-            else:
-                state.update(edit_form=form, opened="edit")  # shown again if the decision is refused
-                _decide(
-                    card,
-                    user,
-                    decision,
-                    link,
-                    comment=form.cleaned_data.get("comment", ""),
-                    payload=form.cleaned_data["payload"],
-                    version=version,
-                    **shadow,
-                )
-                decided = True
-        else:
-            raise InvalidDecision("Choose approve, edit or reject.")
+        if not form.is_valid() or form.previewed is not None:
+            return _render(request, prepare(card, user, **form.state()), status=200 if form.is_valid() else 422)
+        form.decide()
     except (AlreadyDecided, StaleVersion) as exc:
         card = card_for(user, pk)
         # A stale card is still open: its link (if any) stays pre-selected for the decision taken again.
-        again = {"via_link": state["via_link"]} if "via_link" in state and isinstance(exc, StaleVersion) else {}
+        again = {"via_link": form.via_link} if form.via_link is not None and isinstance(exc, StaleVersion) else {}
         return _render(request, prepare(card, user, conflict=_conflict_message(exc), **again), status=409)
     except NotAllowed as exc:
         raise PermissionDenied(str(exc)) from exc
     except SecondApproverNeeded as exc:
         return _render(request, prepare(card, user, conflict=f"Not recorded: {exc}."), status=409)
-    except InvalidDecision as exc:
-        state["error"] = str(exc)
+    except InvalidDecision as exc:  # Approval.decide's own checks: said on the card, its forms kept as posted
+        return _render(request, prepare(card, user, **{**form.state(), "error": str(exc)}), status=422)
     except DecisionError as exc:  # any other refusal: say it in place, with its own status
         return _render(request, prepare(card, user, error=str(exc)), status=exc.status)
 
-    if decided:
-        if not request.htmx:
-            return redirect("card", pk=pk)
-        response = _render(request, prepare(card_for(user, pk), user))
-        trigger_client_event(response, EVENT, after="settle")
-        if link is not None:  # the address bar leaves the used link for the card's own page
-            response["HX-Replace-Url"] = reverse("card", args=[pk])
-        return response
-    refused = bool(state.get("error") or any(f.errors for k, f in state.items() if k.endswith("_form")))
-    return _render(request, prepare(card, user, **state), status=422 if refused else 200)
+    if not request.htmx:
+        return redirect("card", pk=pk)
+    response = _render(request, prepare(card_for(user, pk), user))
+    trigger_client_event(response, EVENT, after="settle")
+    if form.via_link is not None:  # the address bar leaves the used link for the card's own page
+        response["HX-Replace-Url"] = reverse("card", args=[pk])
+    return response
 
 
 def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:
@@ -351,7 +284,7 @@ def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:
 
 
 @require_http_methods(["GET", "POST"])
-def away(request):
+def away(request: HtmxHttpRequest):
     """ "Away until ..., cover: X" for the person signed in (approvals.models.Delegation: its checks, its audit
     entries). POST `action=set` (cover, until) or `action=clear`."""
     user, status = request.user, 200

@@ -1,3 +1,5 @@
+"""The console app's configuration: at start-up it registers the console's system checks (console.checks)."""
+
 from django.apps import AppConfig
 
 

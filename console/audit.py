@@ -34,6 +34,7 @@ from django_htmx.http import push_url
 from console import audit_bundle
 from core.access import may_read_audit
 from core.models import ActorType, AuditEntry, Channel
+from core.views import HtmxHttpRequest
 
 PAGE_SIZE = 50
 EXPORT_CHUNK = 2000
@@ -200,7 +201,7 @@ def _evidence_period(form: AuditFilter) -> dict:
 
 @require_GET
 @vary_on_headers("HX-Request")
-def audit_log(request):
+def audit_log(request: HtmxHttpRequest):
     _require_admin(request)
     form = AuditFilter(request.GET, actions=known_actions())
     if form.is_valid():

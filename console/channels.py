@@ -26,6 +26,7 @@ from core.access import channel_for, global_switch_for, operable_channels, opera
 from core.api import ERRORS
 from core.models import GLOBAL_SWITCH, KILL_SWITCH_REASON_MAX, Channel, GlobalKillSwitch, ReasonRequired
 from core.safe_input import NOT_BLANK
+from core.views import HtmxHttpRequest
 from runs.models import Run
 
 log = structlog.get_logger("console.channels")
@@ -90,7 +91,7 @@ def _page_context(user) -> dict:
 
 @require_GET
 @vary_on_headers("HX-Request", "HX-Target")
-def channel_list(request):
+def channel_list(request: HtmxHttpRequest):
     context = _page_context(request.user)
     template = TEMPLATE
     if request.htmx and request.htmx.target == "switch-summary":
@@ -98,7 +99,7 @@ def channel_list(request):
     return render(request, template, context)
 
 
-def _flip_from_form(request, switch: Channel | GlobalKillSwitch) -> HttpResponse:
+def _flip_from_form(request: HtmxHttpRequest, switch: Channel | GlobalKillSwitch) -> HttpResponse:
     """The POST of one switch's form: flip, then answer with its re-rendered partial (htmx) or the page."""
     form = KillSwitchForm(request.POST)
     changed = False
@@ -126,12 +127,12 @@ def _flip_from_form(request, switch: Channel | GlobalKillSwitch) -> HttpResponse
 
 
 @require_POST
-def channel_kill_switch(request, name: str):
+def channel_kill_switch(request: HtmxHttpRequest, name: str):
     return _flip_from_form(request, channel_for(request.user, name, to_operate=True))
 
 
 @require_POST
-def global_kill_switch(request):
+def global_kill_switch(request: HtmxHttpRequest):
     return _flip_from_form(request, global_switch_for(request.user, to_operate=True))
 
 

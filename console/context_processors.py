@@ -1,3 +1,5 @@
+"""What every page's template is given: `can`, what the navigation shows the signed-in user (core.access.Navigation)."""
+
 from __future__ import annotations
 
 from django.contrib.auth.models import AnonymousUser

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from console import alerts, charts, monitoring, prometheus
 from core.access import oversees
 from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired
+from core.views import HtmxHttpRequest
 from runs import breakers
 from runs.access import check_may_force_breaker, may_force_breakers
 
@@ -33,11 +34,11 @@ def _check_dashboard_access(request) -> None:
 
 @require_GET
 @never_cache
-def dashboard(request):
+def dashboard(request: HtmxHttpRequest):
     return render_dashboard(request)
 
 
-def render_dashboard(request, status: int = 200, **extra):
+def render_dashboard(request: HtmxHttpRequest, status: int = 200, **extra):
     """The page (or its figures, for htmx), with `extra` in its context (the breaker form's errors)."""
     _check_dashboard_access(request)
     snap = monitoring.snapshot()

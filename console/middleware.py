@@ -1,3 +1,7 @@
+"""The console's middleware: request ids and the request log, the API's body limit, input PostgreSQL cannot store,
+database outages, access refusals as 404 and 403 pages, and the middleware a token (API) request skips
+(`browser_only`)."""
+
 from __future__ import annotations
 
 import functools

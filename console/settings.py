@@ -337,7 +337,7 @@ if 0 < len(AUDIT_HMAC_KEY) < 32:
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 
-# Approval SLAs (approvals.policy): the sweep that catches any open card past its deadline (the safety net
+# Approval SLAs (approvals.sla): the sweep that catches any open card past its deadline (the safety net
 # behind each card's own timer job), and the notifier that tells an escalation group about a card.
 SLA_SWEEP_SECONDS, SLA_SWEEP_CRON = schedules.periodic_from_env("SLA_SWEEP", default_seconds=30)
 NOTIFY_BACKENDS = env_list("NOTIFY_BACKENDS", "email,webhook")  # the webhook only when its URL is set

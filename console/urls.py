@@ -1,3 +1,6 @@
+"""The console's URLs: every app's pages, Slack's interactions, the JSON API under /api/ (bearer tokens: no login
+redirect) and the admin."""
+
 from __future__ import annotations
 
 from django.conf import settings

@@ -1,3 +1,6 @@
+"""The console's own pages: `/` (the reviewer's inbox, or the empty states of the user's roles), and the liveness
+and readiness probes (/healthz, /readyz)."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -16,11 +19,12 @@ from procrastinate.contrib.django.models import ProcrastinateWorker
 from approvals import inbox
 from core.access import roles_of
 from core.models import Role
+from core.views import HtmxHttpRequest
 
 
 @require_GET
 @vary_on_headers("HX-Request", "HX-Target")
-def home(request):
+def home(request: HtmxHttpRequest):
     """`/`: the reviewer's inbox (approvals.inbox) for whoever may approve a channel; for everyone else the empty
     states of their roles."""
     if channels := inbox.approvable_channels(request.user):

@@ -1,3 +1,5 @@
+"""The core app's configuration (CoreConfig says what the app holds)."""
+
 from django.apps import AppConfig
 
 

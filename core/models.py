@@ -1,3 +1,6 @@
+"""The models every app shares: channels and their kill switches (and the global one), the roles, API tokens, and
+the append-only, hash-chained audit log."""
+
 from __future__ import annotations
 
 import base64

@@ -1,3 +1,6 @@
+"""The demo app's configuration: at start-up it registers the count of duplicate side effects its fake systems
+received (core.monitoring), which the dashboard and /metrics show."""
+
 from django.apps import AppConfig
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval
 from external import callbacks
 from external.errors import NotFound
@@ -110,7 +110,7 @@ def execution(request: ActionRequest) -> dict:
 
 def for_user(user, request_id) -> ActionRequest:
     """The request, if it is this user's (NotFound otherwise: another token's requests do not exist for it). A card
-    past its deadline has its expiry applied first (approvals.policy.apply_sla), so the agent is never told
+    past its deadline has its expiry applied first (approvals.sla.apply_sla), so the agent is never told
     `pending` by a request that expired while no timer job ran."""
     found = ActionRequest.objects.select_related("channel", "card", "receipt", "run").filter(created_by=user)
     request = found.filter(pk=request_id).first()
@@ -118,7 +118,7 @@ def for_user(user, request_id) -> ActionRequest:
         raise NotFound("Not found.")
     card = request.card
     if card is not None and card.status in Approval.OPEN and card.due_at <= timezone.now():
-        policy.apply_sla(card.pk)
+        sla.apply_sla(card.pk)
         request = found.get(pk=request_id)
     return request
 

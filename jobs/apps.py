@@ -1,3 +1,6 @@
+"""The jobs app's configuration: at start-up every process refuses to run on a procrastinate whose Python internals,
+which the app relies on, have changed (jobs.internals; the SQL ones are checked when a worker starts)."""
+
 from django.apps import AppConfig
 
 

@@ -1,3 +1,6 @@
+"""Dead letters: the runs that failed for good, kept with what the on-call person needs, and how each was resolved
+(requeued, or marked resolved)."""
+
 from __future__ import annotations
 
 from django.conf import settings

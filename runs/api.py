@@ -1,3 +1,6 @@
+"""The runs' JSON API (/api/runs): start a run (for the token's tenants), read one with its steps and its open card,
+and cancel one; who may see and cancel a run: runs.access."""
+
 from __future__ import annotations
 
 import uuid

@@ -1,3 +1,6 @@
+"""The runs app's start-up: it imports the workflow modules (settings.WORKFLOW_MODULES), which register their
+workflows, and resumes the runs a kill switch paused when the switch is released."""
+
 from importlib import import_module
 
 from django.apps import AppConfig

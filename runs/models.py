@@ -1,3 +1,6 @@
+"""The engine's records: runs and their steps (the checkpoints), model usage, the receipts of side effects, signed
+webhook deliveries, shadow mode's kept effects, circuit breakers and tenant throttles."""
+
 from __future__ import annotations
 
 import functools

@@ -1,3 +1,6 @@
+"""The engine's worker tasks (procrastinate): `advance_run` drives a run, and two periodic sweeps requeue the jobs
+of dead workers and give a job to the runs whose owner is gone and the queued runs without one (runs.recovery)."""
+
 from __future__ import annotations
 
 import contextvars

@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from core.access import may_operate_channel
 from core.models import Channel
+from core.views import HtmxHttpRequest
 from runs import workflow as workflows
 from runs.access import may_operate_run, run_for, visible_runs
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
@@ -31,7 +32,7 @@ def _pretty(value) -> str:
 
 
 @require_GET
-def run_list(request):
+def run_list(request: HtmxHttpRequest):
     """Newest first, PAGE_SIZE a page, with a keyset cursor (`before`: the last row's created_at and id) instead
     of page numbers, so a page costs the same however many runs there are (no COUNT over them)."""
     runs = visible_runs(request.user).select_related("created_by").order_by("-created_at", "-pk")
@@ -74,11 +75,11 @@ def _cursor(value: str) -> tuple[datetime, uuid.UUID] | None:
 
 
 @require_GET
-def run_detail(request, pk):
+def run_detail(request: HtmxHttpRequest, pk):
     return render_run(request, run_for(request.user, pk))
 
 
-def render_run(request, run: Run, *, status: int = 200, outcome_form: dict | None = None):
+def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome_form: dict | None = None):
     """The run's page (`status`: 200, or the refusal of a form posted from it, shown again with `outcome_form`:
     the step, outcome and text a person tried to record)."""
     steps = list(Step.objects.filter(run=run).order_by("seq"))
@@ -239,7 +240,7 @@ def _call(turn: dict, index: int, step: Step, cards: list) -> dict:
 
 
 @require_POST
-def run_cancel(request, pk):
+def run_cancel(request: HtmxHttpRequest, pk):
     run = run_for(request.user, pk, to_operate=True)
     if run.is_finished:
         messages.info(request, f"The run had already finished ({run.status}).")

@@ -1,3 +1,6 @@
+"""The Slack app's configuration: at start-up it registers Slack as a notification backend (approvals.notify), and
+posts a new card to Slack or updates its messages when the card is saved or closed (slackapp.posting)."""
+
 from django.apps import AppConfig
 
 

@@ -143,7 +143,7 @@ def card_saved(sender, instance: Approval, created: bool, **_) -> None:
 
 
 def card_closed(sender, card: Approval, **_) -> None:
-    """approvals.models.card_closed: also sent where a card is closed without being saved (the SLA policy's
+    """approvals.models.card_closed: also sent where a card is closed without being saved (approvals.sla's
     compare-and-swap: a safe default, an expiry; its run's cancel)."""
     refresh(card.pk)
 

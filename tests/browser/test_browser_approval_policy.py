@@ -11,7 +11,7 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from approvals import policy as sla
+from approvals import sla
 from approvals.models import Approval, Decision, Delegation
 from core.models import AuditEntry
 from runs.models import Run

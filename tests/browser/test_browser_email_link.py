@@ -10,7 +10,7 @@ from django.contrib.auth.models import Group, User
 from django.core import mail
 from playwright.sync_api import expect
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval, DecisionLink, Notification
 from approvals.tasks import send_notification
 from core.models import AuditEntry, Channel
@@ -28,7 +28,7 @@ def test_a_reviewer_approves_from_the_email_link_after_logging_in(console_server
     Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=leads)
     run = drive(submission.submit(workflow="refund", input=REFUND, created_by=User.objects.get(username="agent"))[0])
     card = Approval.objects.get(run=run)
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
     assert send_notification(notification_id=Notification.objects.get(approval=card).pk) == "sent"
     (message,) = mail.outbox
     (html, _), *_ = message.alternatives

@@ -1,3 +1,6 @@
+"""`manage.py audit_export`: the audit evidence of a period, for an auditor, as a directory or a zip file
+(docs/audit-evidence.md)."""
+
 from __future__ import annotations
 
 from pathlib import Path

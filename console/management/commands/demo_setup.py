@@ -1,3 +1,6 @@
+"""`manage.py demo_setup`: the demo channels and users, with their roles and channel permissions (development
+only: the users have a known password)."""
+
 from __future__ import annotations
 
 from django.conf import settings

@@ -1,3 +1,5 @@
+"""`manage.py audit_verify`: checks the audit log's hash chain and prints its head, to anchor elsewhere."""
+
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError

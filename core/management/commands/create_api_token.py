@@ -1,3 +1,5 @@
+"""`manage.py create_api_token USER`: a new API token and the secret that signs its callbacks, each shown once."""
+
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model

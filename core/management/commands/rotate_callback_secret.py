@@ -1,3 +1,5 @@
+"""`manage.py rotate_callback_secret PREFIX`: a new callback signing secret for a live API token (audited)."""
+
 from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError

@@ -1,3 +1,6 @@
+"""`manage.py demo_traffic`: submits N demo runs (refund, support_agent, or both) through the code path of
+POST /api/runs."""
+
 from __future__ import annotations
 
 import random

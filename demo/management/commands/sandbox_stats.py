@@ -1,3 +1,6 @@
+"""`manage.py sandbox_stats`: the side effects the demo's fake systems received, per channel, and the duplicates,
+as JSON."""
+
 import json
 
 from django.core.management.base import BaseCommand

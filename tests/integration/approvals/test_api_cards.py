@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import Group
 
-from approvals import inbox, policy
+from approvals import inbox, sla
 from approvals.forms import RejectForm
 from approvals.models import Approval, RejectReason
 from console.api import api
@@ -19,10 +19,10 @@ from tests.integration.approvals.test_api_approvals import bearer, decide, start
 
 
 def escalate(card: Approval) -> Approval:
-    """The card's SLA runs out on a channel whose policy escalates (approvals.policy, as the timer applies it)."""
+    """The card's SLA runs out on a channel whose policy escalates (approvals.sla, as the timer applies it)."""
     group, _ = Group.objects.get_or_create(name="payments-leads")
     Channel.objects.filter(pk=card.channel_id).update(escalation_policy="escalate", escalation_group=group)
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
     card.refresh_from_db()
     assert card.status == Approval.Status.ESCALATED
     return card

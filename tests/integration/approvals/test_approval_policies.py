@@ -12,8 +12,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm
 
 import tests.workflows  # noqa: F401 - registers test_named_policy
-from approvals import evidence, inbox
-from approvals import policy as sla
+from approvals import evidence, inbox, sla
 from approvals.errors import NotAllowed
 from approvals.models import Approval, ApprovalPolicy, Decision, Delegation, Notification, PolicyStage
 from approvals.tasks import send_notification

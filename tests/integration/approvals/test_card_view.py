@@ -258,18 +258,28 @@ def test_without_htmx_a_decision_redirects_to_the_card(client, card, bob):
     assert response["Location"] == f"/approvals/{card.pk}/"
 
 
-def test_a_decision_without_a_version_is_refused(client, card, bob):
+@pytest.mark.parametrize("decision", ["approve", "reject", "maybe"])
+@pytest.mark.parametrize("version", [None, "", "two"], ids=["absent", "empty", "not-a-number"])
+def test_a_decision_without_a_version_is_refused(client, card, bob, decision, version):
+    """Said before anything else is checked: the decision itself, or a rejection's form."""
     client.force_login(bob)
     before = snapshot(card)
-    response = client.post(f"/approvals/{card.pk}/decide", {"decision": "approve"}, headers=HTMX)
+    data = {"decision": decision} if version is None else {"decision": decision, "version": version}
+    response = client.post(f"/approvals/{card.pk}/decide", data, headers=HTMX)
     assert response.status_code == 422
+    html = response.content.decode()
+    assert "The card&#x27;s version is missing: reload the card." in html
+    assert "Choose a reason." not in html and "Choose approve, edit or reject." not in html
     assert snapshot(card) == before
 
 
-def test_an_unknown_decision_is_refused(client, card, bob):
+@pytest.mark.parametrize("decision", ["maybe", ""])
+def test_an_unknown_decision_is_refused(client, card, bob, decision):
     client.force_login(bob)
     before = snapshot(card)
-    assert post(client, card, decision="maybe").status_code == 422
+    response = post(client, card, decision=decision)
+    assert response.status_code == 422
+    assert "Choose approve, edit or reject." in response.content.decode()
     assert snapshot(card) == before
 
 
@@ -473,7 +483,9 @@ def test_a_reconcile_card_is_approved_or_rejected_not_edited(client, agent, bob_
     assert "Did this write happen?" in html and "It happened" in html and "It did not happen" in html
     assert "card-edit-form" not in html
     before = snapshot(card)
-    assert post(client, card, decision="edit", payload_json="{}").status_code == 422
+    response = post(client, card, decision="edit", payload_json="{}")
+    assert response.status_code == 422
+    assert "A reconcile card is approved or rejected, not edited." in response.content.decode()
     assert snapshot(card) == before
 
 

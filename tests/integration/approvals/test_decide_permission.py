@@ -1,6 +1,6 @@
 """Approval.decide checks the actor's right to decide the card's channel itself (`core.approve_channel`, a
 django-guardian object permission; a superuser holds every permission), whichever code calls it: a person without
-it gets NotAllowed (403) and nothing is written. The system (no actor: the SLA policy) still decides."""
+it gets NotAllowed (403) and nothing is written. The system (no actor: approvals.sla) still decides."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from django.contrib.auth.models import Group, User
 from guardian.shortcuts import assign_perm
 
-from approvals.models import Approval, Decision, NotAllowed
+from approvals.errors import NotAllowed
+from approvals.models import Approval, Decision
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run

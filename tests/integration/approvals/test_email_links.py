@@ -15,7 +15,7 @@ from django.test import Client
 from django.utils import formats, timezone
 from guardian.shortcuts import assign_perm, remove_perm
 
-from approvals import links, policy
+from approvals import links, sla
 from approvals.errors import LinkRefused
 from approvals.models import Approval, Decision, DecisionLink, Notification
 from approvals.tasks import send_notification
@@ -50,7 +50,7 @@ def leads(demo, settings):
 def escalate(created_by=None) -> Approval:
     run = drive(submission.submit(workflow="refund", input=REFUND, created_by=created_by)[0])
     card = Approval.objects.get(run=run)
-    assert policy.apply_sla(card.pk, card.due_at + SECOND) == "escalate"
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) == "escalate"
     card.refresh_from_db()
     assert send_notification(notification_id=Notification.objects.get(approval=card).pk) == "sent"
     return card
@@ -144,7 +144,7 @@ def test_a_retry_after_a_failure_part_way_mails_only_those_not_mailed_yet(leads,
     monkeypatch.setattr(EmailMultiAlternatives, "send", send_then_fail)
     run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
-    policy.apply_sla(card.pk, card.due_at + SECOND)
+    sla.apply_sla(card.pk, card.due_at + SECOND)
     notification = Notification.objects.get(approval=card)
     with pytest.raises(Exception, match="went away"):
         send_notification(notification_id=notification.pk)
@@ -310,7 +310,7 @@ def test_a_link_to_a_closed_card_is_refused(leads, how):
     else:
         Channel.objects.filter(name="payments").update(escalation_policy="safe_default")
         card.refresh_from_db()
-        assert policy.apply_sla(card.pk, card.due_at + SECOND) == "safe_default"
+        assert sla.apply_sla(card.pk, card.due_at + SECOND) == "safe_default"
     card.refresh_from_db()
     before = (card.status, card.version, card.decisions.count(), AuditEntry.objects.count())
     lena = logged_in(leads["lena"])

@@ -17,7 +17,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from procrastinate.retry import RetryDecision
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval, Notification
 from approvals.tasks import send_notification
 from core.models import Channel
@@ -80,7 +80,7 @@ def escalated_card(**settings_changes) -> Approval:
     Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=group)
     run = drive(submission.submit(workflow="refund", input=REFUND)[0])
     card = Approval.objects.get(run=run)
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "escalate"
     card.refresh_from_db()
     return card
 

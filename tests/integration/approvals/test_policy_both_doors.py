@@ -16,8 +16,7 @@ import pytest
 from django.contrib.auth.models import Group
 from django.utils import timezone
 
-from approvals import policy as sla
-from approvals import rules
+from approvals import rules, sla
 from approvals.models import Approval, Decision, Delegation
 from core.models import AuditEntry, Channel
 from runs.models import Run

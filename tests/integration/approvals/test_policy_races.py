@@ -16,7 +16,7 @@ from django.contrib.auth.models import Group, User
 from django.db import connection, transaction
 from django.test import Client
 
-from approvals import policy as sla
+from approvals import sla
 from approvals.models import Approval, Decision
 from core.models import AuditEntry
 from runs.models import Run

@@ -13,8 +13,9 @@ from django.db import connection
 from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from approvals import policy
-from approvals.models import AlreadyDecided, Approval, Decision, Notification
+from approvals import sla
+from approvals.errors import AlreadyDecided
+from approvals.models import Approval, Decision, Notification
 from approvals.tasks import card_due, send_notification, sla_sweep
 from core.models import AuditEntry, Channel
 from demo import sandbox
@@ -98,7 +99,7 @@ def test_a_card_parked_again_on_the_same_question_keeps_one_timer(demo):
 
 def test_the_timer_before_the_deadline_does_nothing(demo):
     card = parked_card()
-    assert policy.apply_sla(card.pk, card.due_at - SECOND) is None
+    assert sla.apply_sla(card.pk, card.due_at - SECOND) is None
     card.refresh_from_db()
     assert card.status == "pending" and not AuditEntry.objects.filter(action__startswith="sla.").exists()
 
@@ -109,8 +110,8 @@ def test_escalate_reassigns_notifies_and_sets_a_new_deadline_once(demo, leads, s
     card = parked_card()
     missed = card.due_at
 
-    assert policy.apply_sla(card.pk, missed + SECOND) == "escalate"
-    assert policy.apply_sla(card.pk, missed + SECOND) is None  # the sweep, a moment later
+    assert sla.apply_sla(card.pk, missed + SECOND) == "escalate"
+    assert sla.apply_sla(card.pk, missed + SECOND) is None  # the sweep, a moment later
 
     card.refresh_from_db()
     assert card.status == "escalated" and card.assigned_group == leads
@@ -142,7 +143,7 @@ def test_the_timer_escalates_then_rearms_for_the_new_deadline(demo, leads, setti
 def test_an_escalated_card_is_still_decided_once(demo, leads, bob):
     payments(escalation_policy="escalate", escalation_group=leads)
     card = parked_card()
-    policy.apply_sla(card.pk, card.due_at + SECOND)
+    sla.apply_sla(card.pk, card.due_at + SECOND)
 
     card.decide(bob, "approve", version=1)
     with pytest.raises(AlreadyDecided):
@@ -151,15 +152,15 @@ def test_an_escalated_card_is_still_decided_once(demo, leads, bob):
     assert card.status == "approved"
     run = drive(card.run)
     assert run.status == Run.Status.SUCCEEDED and sandbox.stats()["channels"]["payments"] == 1
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(days=1)) is None  # its later timer: a no-op
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(days=1)) is None  # its later timer: a no-op
 
 
 def test_safe_default_rejects_as_system_and_pays_nothing_once(demo):
     payments(escalation_policy="safe_default")
     card = parked_card()
 
-    assert policy.apply_sla(card.pk, card.due_at + SECOND) == "safe_default"
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(hours=5)) is None
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) == "safe_default"
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(hours=5)) is None
 
     card.refresh_from_db()
     assert card.status == "rejected" and card.decided_at is not None and card.version == 2
@@ -183,7 +184,7 @@ def test_a_reviewer_who_decided_first_wins_over_the_timer(demo, bob):
     payments(escalation_policy="safe_default")
     card = parked_card()
     card.decide(bob, "approve")
-    assert policy.apply_sla(card.pk, card.due_at + SECOND) is None
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) is None
     card.refresh_from_db()
     assert card.status == "approved" and Decision.objects.count() == 1
     assert not AuditEntry.objects.filter(action__startswith="sla.").exists()
@@ -192,7 +193,7 @@ def test_a_reviewer_who_decided_first_wins_over_the_timer(demo, bob):
 def test_a_reviewer_after_the_safe_default_is_told_who_decided(demo, bob):
     payments(escalation_policy="safe_default")
     card = parked_card()
-    policy.apply_sla(card.pk, card.due_at + SECOND)
+    sla.apply_sla(card.pk, card.due_at + SECOND)
     with pytest.raises(AlreadyDecided, match="already rejected by system"):
         card.decide(bob, "approve", version=1)
     assert Decision.objects.count() == 1
@@ -232,8 +233,8 @@ def test_a_timer_that_finds_the_deadline_moved_waits_for_the_new_one(demo, leads
     assert timer_jobs(card).get().scheduled_at == card.due_at
     assert AuditEntry.objects.filter(action="sla.escalate").count() == 1
 
-    assert policy.apply_sla(card.pk, card.due_at + SECOND) == "escalate"  # the next deadline passes too
-    assert policy.apply_sla(card.pk, card.due_at + SECOND) is None
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) == "escalate"  # the next deadline passes too
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) is None
     assert AuditEntry.objects.filter(action="sla.escalate").count() == 2
     assert Notification.objects.count() == 2
 
@@ -268,7 +269,7 @@ def test_the_timer_and_the_sweep_racing_act_once(transactional_db, policy_name, 
     for _ in range(5):
         card = parked_card()
         now = card.due_at + SECOND
-        results = race(3, lambda i, card=card, now=now: policy.apply_sla(card.pk, now))
+        results = race(3, lambda i, card=card, now=now: sla.apply_sla(card.pk, now))
         assert sorted(map(str, results)) == sorted([policy_name, "None", "None"])
         assert AuditEntry.objects.filter(action=f"sla.{policy_name}", approval_id=card.pk).count() == 1
     if policy_name == "escalate":
@@ -288,7 +289,7 @@ def test_a_reviewer_and_the_safe_default_racing_decide_once(transactional_db):
 
         def work(i, card=card, now=now):
             if i == 0:
-                return policy.apply_sla(card.pk, now)
+                return sla.apply_sla(card.pk, now)
             return Approval.objects.get(pk=card.pk).decide(reviewer, "approve", version=1).status
 
         timer, click = race(2, work)
@@ -320,7 +321,7 @@ def test_a_reviewer_and_the_escalation_racing_both_hold(transactional_db, settin
 
         def work(i, card=card, now=now):
             if i == 0:
-                return policy.apply_sla(card.pk, now)
+                return sla.apply_sla(card.pk, now)
             return Approval.objects.get(pk=card.pk).decide(reviewer, "approve", version=1).status
 
         timer, click = race(2, work)
@@ -335,7 +336,7 @@ def test_the_escalation_email_goes_to_the_group(demo, leads, settings):
     settings.NOTIFY_BACKENDS = ["email"]
     payments(escalation_policy="escalate", escalation_group=leads)
     card = parked_card()
-    policy.apply_sla(card.pk, card.due_at + SECOND)
+    sla.apply_sla(card.pk, card.due_at + SECOND)
 
     assert send_notification(notification_id=Notification.objects.get().pk) == "sent"
     assert len(mail.outbox) == 1

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from approvals.models import Approval, Decision, NotAllowed, SecondApproverNeeded
+from approvals.errors import NotAllowed, SecondApproverNeeded
+from approvals.models import Approval, Decision
 from core.models import ApiToken, AuditEntry, Channel
 from demo import sandbox
 from demo.models import SandboxCall

@@ -14,7 +14,7 @@ from django.utils import timezone
 from guardian.shortcuts import assign_perm, remove_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval, Notification
 from core.models import ApiToken, AuditEntry, Channel
 from external.models import ActionRequest
@@ -267,14 +267,14 @@ def test_expiry_is_fail_closed_and_escalation_expires_at_the_next_deadline(agent
     expiring = ask(agent, expires_in=60)[1]
     escalating = ask(agent, key="esc", expires_in=60, on_expiry="escalate")[1]
     later = timezone.now() + timedelta(seconds=61)
-    assert policy.apply_sla(expiring["card_id"], later) == "expire"
+    assert sla.apply_sla(expiring["card_id"], later) == "expire"
     assert agent.get(f"/api/approval-requests/{expiring['id']}")[1]["status"] == "expired"
-    assert policy.apply_sla(escalating["card_id"], later) == "escalate"
+    assert sla.apply_sla(escalating["card_id"], later) == "escalate"
     card = Approval.objects.get(pk=escalating["card_id"])
     assert (
         card.status == "escalated" and agent.get(f"/api/approval-requests/{escalating['id']}")[1]["status"] == "pending"
     )
-    assert policy.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "expire"
+    assert sla.apply_sla(card.pk, card.due_at + timedelta(seconds=1)) == "expire"
     assert agent.get(f"/api/approval-requests/{escalating['id']}")[1]["status"] == "expired"
     code, _ = agent.post(f"/api/approval-requests/{expiring['id']}/consume", {"arguments_digest": digest(REFUND)})
     assert code == 409 and nothing_written(expiring["id"])

@@ -7,7 +7,8 @@ import json
 import pytest
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
-from approvals.models import Approval, InvalidDecision
+from approvals.errors import InvalidDecision
+from approvals.models import Approval
 from core.models import Channel
 from demo.models import SandboxCall
 from demo.workflows import OrderRefund, _needs_a_person

@@ -10,8 +10,9 @@ from decimal import Decimal
 import pytest
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
+from approvals.errors import InvalidDecision
 from approvals.inbox import decide_cards
-from approvals.models import Approval, InvalidDecision
+from approvals.models import Approval
 from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs import submission

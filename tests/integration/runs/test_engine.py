@@ -9,7 +9,8 @@ from django.utils import timezone
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
-from approvals.models import AlreadyDecided, Approval, Decision, InvalidDecision, StaleVersion
+from approvals.errors import AlreadyDecided, InvalidDecision, StaleVersion
+from approvals.models import Approval, Decision
 from core.models import Channel
 from demo import sandbox
 from demo.models import SandboxCall

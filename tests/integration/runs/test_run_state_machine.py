@@ -21,8 +21,9 @@ from procrastinate.contrib.django import app
 from procrastinate.contrib.django.models import ProcrastinateJob
 
 import tests.workflows  # noqa: F401 - registers the test workflows
-from approvals import policy
-from approvals.models import Approval, SecondApproverNeeded
+from approvals import sla
+from approvals.errors import SecondApproverNeeded
+from approvals.models import Approval
 from core.models import AuditEntry, Channel
 from demo import sandbox
 from demo.models import SandboxCall
@@ -353,7 +354,7 @@ def test_the_sla_safe_default_escalates_a_reconcile_card_instead_of_rejecting_it
     Channel.objects.filter(name="email").update(escalation_policy=Channel.EscalationPolicy.SAFE_DEFAULT)
     run, card = _reconcile_card()
     Approval.objects.filter(pk=card.pk).update(due_at=timezone.now() - timedelta(minutes=1))
-    assert policy.apply_sla(card.pk) == "escalate"
+    assert sla.apply_sla(card.pk) == "escalate"
     card.refresh_from_db()
     assert card.status == Approval.Status.ESCALATED and not card.decisions.exists()
     assert Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN

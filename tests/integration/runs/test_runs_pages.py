@@ -14,7 +14,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from guardian.shortcuts import assign_perm
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval, Notification
 from core.models import AuditEntry, Channel
 from runs import submission
@@ -217,7 +217,7 @@ def test_the_run_page_shows_an_escalation_and_a_failed_notification(world, setti
     leads = Group.objects.create(name="payments-leads")
     Channel.objects.filter(name="payments").update(escalation_policy="escalate", escalation_group=leads)
     card = Approval.objects.get(run=world["parked"])
-    policy.apply_sla(card.pk, card.due_at + card.channel.sla)
+    sla.apply_sla(card.pk, card.due_at + card.channel.sla)
     Notification.objects.update(status="failed", attempts=6, last_error="SMTPConnectError: <refused>")
     html = as_user(world["users"]["carol"]).get(f"/runs/{world['parked'].pk}/").content.decode()
     assert "escalated to payments-leads" in html

@@ -14,7 +14,8 @@ from django.db.models import F
 from django.utils import timezone
 
 import tests.agent_workflows  # noqa: F401 - registers test_agent
-from approvals.models import Approval, Decision, DecisionError
+from approvals.errors import DecisionError
+from approvals.models import Approval, Decision
 from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from jobs.models import DeadLetter

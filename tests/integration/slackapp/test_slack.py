@@ -17,7 +17,7 @@ from django.test import Client
 from guardian.shortcuts import assign_perm
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from approvals import policy
+from approvals import sla
 from approvals.models import Approval, Decision, Notification
 from approvals.tasks import send_notification
 from core.models import AuditEntry, Channel
@@ -202,7 +202,7 @@ def test_a_decision_in_the_console_updates_the_message_too(slack, posted, linked
 
 def test_a_safe_default_at_the_deadline_updates_the_message(slack, posted):
     Channel.objects.filter(name="payments").update(escalation_policy="safe_default")
-    assert policy.apply_sla(posted.pk, posted.due_at + timedelta(seconds=1)) == "safe_default"
+    assert sla.apply_sla(posted.pk, posted.due_at + timedelta(seconds=1)) == "safe_default"
     assert send_slack_notifications() == ["sent"]
     blocks = str(slack.calls("chat.update")[0]["blocks"])
     assert "Rejected by the system at" in blocks and "hitl_approve" not in blocks

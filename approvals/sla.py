@@ -1,4 +1,4 @@
-"""The SLA policy: what happens to a card nobody decided by its `due_at`.
+"""A card's deadline (its SLA): what happens to a card nobody decided by its `due_at`.
 
 `apply_sla(card_id, now)` is called by the card's own timer job (approvals.tasks.card_due, scheduled at
 `due_at`) and by the periodic sweep behind it. Both may fire for the same deadline, and a reviewer may click at
@@ -39,7 +39,7 @@ from core.models import AuditEntry, Channel, Role
 from runs.gates import Kind
 from runs.models import Run
 
-log = structlog.get_logger("approvals.policy")
+log = structlog.get_logger("approvals.sla")
 
 SAFE_DEFAULT_COMMENT = "SLA expired: safe default"
 SAFE_DEFAULT_REASON = "policy"

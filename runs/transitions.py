@@ -1,9 +1,9 @@
 """A run's states and the one table of the transitions between them, like viewflow's
 `@status.transition(source=..., target=...)`. The compare-and-swap methods of runs.models.Run take a transition
 by name and read its states here (Run._swap); the SQL statements that move a run (runs/sql/queries.sql) have
-their status conditions and targets written from it (runs.sql), and
-tests/integration/runs/test_run_transitions.py checks the statements and the methods against it. A leaf: any
-layer may import it."""
+their status conditions and targets written from it (runs.sql), and tests/unit/test_run_transitions.py checks
+the statements and the methods against it (tests/integration/runs/test_run_transitions.py, the methods run against
+the database). A leaf: any layer may import it."""
 
 from __future__ import annotations
 

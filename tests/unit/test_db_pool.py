@@ -4,74 +4,61 @@ production server really keeps its connections in it: tests/system/test_db_pool_
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
-from console import webserver
+from console import db_pool, webserver
+from tests.settings_of import settings_of
 
-SHOW = (
-    "import json, django; django.setup(); from django.conf import settings as s; "
-    "d = s.DATABASES['default']; f = lambda v: f'{v.__module__}.{v.__qualname__}'; "
-    "print(json.dumps([d.get('OPTIONS', {}).get('pool'), d['CONN_MAX_AGE']], default=f))"
-)
+# Variables of the machine's environment that would change what these tests read.
+OURS = ("DATABASE_POOL", "DATABASE_CONN_MAX_AGE")
 
 
-def _settings(env: dict, *argv: str, show: str = SHOW) -> subprocess.CompletedProcess:
-    """The settings of a `manage.py <argv>` process with `env`: `show` prints what a test reads of them."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN_MAX_AGE"))}
-    code = f"import sys; sys.argv = ['manage.py', *{list(argv)!r}]; {show}"
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=settings.BASE_DIR,
-        env={**clean, "DJANGO_SETTINGS_MODULE": "console.settings", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _pool(monkeypatch, env: dict, *argv: str, without: tuple[str, ...] = OURS) -> list:
+    """The pool's options and CONN_MAX_AGE of a `manage.py <argv>` process started with `env`."""
+    database = settings_of(monkeypatch, env, *argv, without=without)["DATABASES"]["default"]
+    return [database.get("OPTIONS", {}).get("pool"), database["CONN_MAX_AGE"]]
 
 
-def _pool(env: dict, *argv: str):
-    done = _settings(env, *argv)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def unset(monkeypatch) -> None:
+    """Neither variable set, and whatever use_pool_by_default() sets undone after the test."""
+    for name in OURS:
+        monkeypatch.setenv(name, "")  # recorded, so that the variable is restored (or removed) after the test
+        monkeypatch.delenv(name)
 
 
-def test_off_unless_asked():
-    assert _pool({}, "shell") == [None, 0]
+def test_off_unless_asked(monkeypatch):
+    assert _pool(monkeypatch, {}, "shell") == [None, 0]
 
 
-def test_on_with_sane_defaults():
-    pool, max_age = _pool({"DATABASE_POOL": "1"}, "shell")
+def test_on_with_sane_defaults(monkeypatch):
+    pool, max_age = _pool(monkeypatch, {"DATABASE_POOL": "1"}, "shell")
     assert max_age == 0
     # One connection per thread of the server's WSGI side (WEB_THREADS, default 8); checked without a round trip.
-    check = "console.db_pool.check_connection"
-    assert pool == {"min_size": 2, "max_size": 8, "timeout": 2.0, "check": check}
-    assert _pool({"DATABASE_POOL": "1", "DATABASE_POOL_MAX_SIZE": "3"}, "shell")[0]["max_size"] == 3
+    assert pool == {"min_size": 2, "max_size": 8, "timeout": 2.0, "check": db_pool.check_connection}
+    assert _pool(monkeypatch, {"DATABASE_POOL": "1", "DATABASE_POOL_MAX_SIZE": "3"}, "shell")[0]["max_size"] == 3
 
 
 @pytest.mark.parametrize("argv", [("worker",), ("procrastinate", "worker")])
-def test_a_worker_never_takes_it(argv):
+def test_a_worker_never_takes_it(monkeypatch, argv):
     # A job's thread holds a session-level advisory lock on its connection (runs.ownership): a pool would keep
     # a lock that a failed unlock left behind alive in a connection handed to the next request.
-    assert _pool({"DATABASE_POOL": "1"}, *argv) == [None, 300]
+    assert _pool(monkeypatch, {"DATABASE_POOL": "1"}, *argv) == [None, 300]
 
 
 @pytest.mark.parametrize("argv", [("worker",), ("procrastinate", "worker")])
-def test_a_worker_keeps_its_connections_by_default(argv):
+def test_a_worker_keeps_its_connections_by_default(monkeypatch, argv):
     # A resumed run should not wait for a new PostgreSQL backend (bench/resume_latency.py).
-    assert _pool({}, *argv) == [None, 300]
-    assert _pool({"DATABASE_CONN_MAX_AGE": "0"}, *argv) == [None, 0]
+    assert _pool(monkeypatch, {}, *argv) == [None, 300]
+    assert _pool(monkeypatch, {"DATABASE_CONN_MAX_AGE": "0"}, *argv) == [None, 0]
 
 
-def test_refused_together_with_kept_connections():
-    done = _settings({"DATABASE_POOL": "1", "DATABASE_CONN_MAX_AGE": "300"}, "shell")
-    assert done.returncode != 0
-    assert "DATABASE_POOL=1 needs DATABASE_CONN_MAX_AGE=0" in done.stderr
+def test_refused_together_with_kept_connections(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="DATABASE_POOL=1 needs DATABASE_CONN_MAX_AGE=0"):
+        _pool(monkeypatch, {"DATABASE_POOL": "1", "DATABASE_CONN_MAX_AGE": "300"}, "shell")
 
 
 @pytest.mark.parametrize(
@@ -83,10 +70,15 @@ def test_refused_together_with_kept_connections():
         ({"DATABASE_CONN_MAX_AGE": "300"}, None),  # kept connections asked for: no pool
     ],
 )
-def test_the_web_server_turns_it_on_by_default(monkeypatch, env, expected):
-    monkeypatch.delenv("DATABASE_POOL", raising=False)
-    monkeypatch.delenv("DATABASE_CONN_MAX_AGE", raising=False)
+def test_the_web_server_turns_it_on_by_default(monkeypatch, unset, env, expected):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     webserver.use_pool_by_default()
     assert os.environ.get("DATABASE_POOL") == expected
+
+
+def test_the_web_servers_default_is_what_its_settings_then_take(monkeypatch, unset):
+    """`python -m console.webserver` sets DATABASE_POOL before Django reads its settings, which then have the pool."""
+    webserver.use_pool_by_default()
+    pool, max_age = _pool(monkeypatch, {}, without=())
+    assert pool is not None and max_age == 0

@@ -1,14 +1,10 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from console.env import database_from_url, env_bool, env_int, env_secret
+from tests.settings_of import settings_of
 
 
 def test_it_parses_a_tcp_url():
@@ -43,15 +39,6 @@ def test_it_hides_the_password_in_the_error():
     assert "hunter2" not in str(info.value)
 
 
-def test_settings_fail_clearly_on_a_bad_database_url():
-    env = {**os.environ, "DATABASE_URL": "mysql://root@localhost/app"}
-    proc = subprocess.run(
-        [sys.executable, "manage.py", "check"], cwd=settings.BASE_DIR, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode != 0
-    assert "ImproperlyConfigured: DATABASE_URL must start with postgres:// or postgresql://" in proc.stderr
-
-
 def test_env_helpers_reject_bad_values(monkeypatch):
     monkeypatch.setenv("X_BOOL", "maybe")
     monkeypatch.setenv("X_INT", "ten")
@@ -72,16 +59,33 @@ def test_a_secret_is_required_outside_development(monkeypatch):
         env_secret("X_SECRET", development_default="dev", development=False)
 
 
-def test_a_slack_bot_token_without_its_signing_secret_stops_the_start():
+def test_a_slack_bot_token_without_its_signing_secret_stops_the_start(monkeypatch):
     # Posted buttons whose clicks could not be verified would only ever be refused: say so at start.
-    env = {
-        **os.environ,
-        "DATABASE_URL": "postgres://nobody@127.0.0.1:1/none",  # parsed, never reached: settings fail first
-        "SLACK_BOT_TOKEN": "xoxb-test",
-        "SLACK_SIGNING_SECRET": "",
-    }
-    proc = subprocess.run(
-        [sys.executable, "manage.py", "check"], cwd=settings.BASE_DIR, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode != 0
-    assert "ImproperlyConfigured: SLACK_BOT_TOKEN is set without SLACK_SIGNING_SECRET" in proc.stderr
+    with pytest.raises(ImproperlyConfigured, match="SLACK_BOT_TOKEN is set without SLACK_SIGNING_SECRET"):
+        settings_of(monkeypatch, {"SLACK_BOT_TOKEN": "xoxb-test", "SLACK_SIGNING_SECRET": ""})
+
+
+def test_a_bad_database_url_stops_the_settings(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="DATABASE_URL must start with postgres:// or postgresql://"):
+        settings_of(monkeypatch, {"DATABASE_URL": "mysql://root@localhost/app"})
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        # Over TCP the server probes an idle client, so that a worker machine that vanished loses its sessions,
+        # and the advisory locks on its runs, within about 25 s (tests/integration/console/test_db_keepalives.py
+        # reads them at the server).
+        (
+            "postgres://app@db.internal:5432/console",
+            "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
+        ),
+        # A URL that sets its own options keeps them.
+        ("postgres://app@db.internal:5432/console?options=-c%20tcp_keepalives_idle%3D42", "-c tcp_keepalives_idle=42"),
+        # A unix socket needs no probes: the kernel closes it with the process.
+        ("postgresql://postgres:@/console?host=/tmp/pg", None),
+    ],
+    ids=["tcp", "the url's own", "unix socket"],
+)
+def test_the_keepalive_probes_of_a_database_session(monkeypatch, url, options):
+    assert settings_of(monkeypatch, {"DATABASE_URL": url})["DATABASES"]["default"]["OPTIONS"].get("options") == options

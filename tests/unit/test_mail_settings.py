@@ -4,13 +4,11 @@ check framework), instead of starting and then failing every send."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from django.conf import settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
+from tests.settings_of import settings_of
 
 FILE_BACKEND = "django.core.mail.backends.filebased.EmailBackend"
 
@@ -42,27 +40,14 @@ def test_the_check_takes_a_writable_directory_even_one_still_to_create(settings,
     assert mail_errors() == []
 
 
-def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "DATABASE_URL": "postgres://nobody@127.0.0.1:1/none", **env}  # never reached
-    environ.pop("EMAIL_FILE_PATH", None) if "EMAIL_FILE_PATH" not in env else None
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=settings.BASE_DIR, env=environ, capture_output=True, text=True
-    )
+def test_the_file_backend_without_email_file_path_stops_the_start(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="EMAIL_BACKEND is the file backend.*EMAIL_FILE_PATH"):
+        settings_of(monkeypatch, {"EMAIL_BACKEND": FILE_BACKEND}, "check", without=("EMAIL_FILE_PATH",))
 
 
-def test_the_file_backend_without_email_file_path_stops_the_start():
-    proc = manage("check", EMAIL_BACKEND=FILE_BACKEND)
-    assert proc.returncode != 0
-    assert "ImproperlyConfigured: EMAIL_BACKEND is the file backend" in proc.stderr
-    assert "EMAIL_FILE_PATH" in proc.stderr
-
-
-def test_the_file_backend_writes_each_email_into_email_file_path(tmp_path):
-    outbox = tmp_path / "outbox"
-    send = "from django.core.mail import send_mail; send_mail('Card 7 escalated', 'body', None, ['lena@example.com'])"
-
-    proc = manage("shell", "-c", send, EMAIL_BACKEND=FILE_BACKEND, EMAIL_FILE_PATH=str(outbox))
-
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (written,) = outbox.iterdir()
-    assert "Subject: Card 7 escalated" in written.read_text()
+def test_the_file_backend_writes_into_email_file_path(monkeypatch, tmp_path):
+    """What the settings make of the two variables; a real process sending through them:
+    tests/integration/console/test_start_up.py."""
+    outbox = str(tmp_path / "outbox")
+    chosen = settings_of(monkeypatch, {"EMAIL_BACKEND": FILE_BACKEND, "EMAIL_FILE_PATH": outbox}, "shell")
+    assert chosen["MAILERS"] == {"default": {"BACKEND": FILE_BACKEND, "OPTIONS": {"file_path": outbox}}}

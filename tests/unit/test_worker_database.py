@@ -4,73 +4,74 @@ count measured at the server: tests/system/test_pgbouncer.py."""
 
 from __future__ import annotations
 
-import json
+import os
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
 from jobs.sessions import application_name, connections_per_worker
-from tests.unit.test_db_pool import _settings
+from tests.settings_of import settings_of
 
-SHOW = (
-    "import json, django; django.setup(); from django.conf import settings as s; d = s.DATABASES['default']; "
-    "print(json.dumps([d['HOST'], d['PORT'], d['NAME'], d['OPTIONS'].get('application_name'), "
-    "d['DISABLE_SERVER_SIDE_CURSORS'], s.WORKER_POOL_SIZE, s.WORKER_APPLICATION_NAMES]))"
-)
 DIRECT = "postgres://postgres@db.internal:5432/console"
 POOLED = "postgres://postgres@pgbouncer.internal:6432/console"
+OURS = ("WORKER_DATABASE_URL", "WORKER_POOL_SIZE", "DATABASE_TRANSACTION_POOL", "DATABASE_POOL", "DATABASE_CONN")
 
 
-def _show(env: dict, *argv: str) -> list:
-    done = _settings({"DATABASE_URL": DIRECT, **env}, *argv, show=SHOW)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _settings(monkeypatch, env: dict, *argv: str) -> dict:
+    return settings_of(monkeypatch, {"DATABASE_URL": DIRECT, **env}, *argv, without=OURS)
+
+
+def _where(monkeypatch, env: dict, *argv: str) -> tuple:
+    database = _settings(monkeypatch, env, *argv)["DATABASES"]["default"]
+    return database["HOST"], database["PORT"], database["NAME"]
 
 
 @pytest.mark.parametrize("argv", [("worker",), ("procrastinate", "worker")])
-def test_a_worker_uses_worker_database_url(argv):
-    host, port, name, *_ = _show({"WORKER_DATABASE_URL": POOLED}, *argv)
-    assert (host, port, name) == ("pgbouncer.internal", "6432", "console")
+def test_a_worker_uses_worker_database_url(monkeypatch, argv):
+    assert _where(monkeypatch, {"WORKER_DATABASE_URL": POOLED}, *argv) == ("pgbouncer.internal", "6432", "console")
 
 
-def test_a_worker_falls_back_to_database_url():
-    assert _show({}, "worker")[:3] == ["db.internal", "5432", "console"]
+def test_a_worker_falls_back_to_database_url(monkeypatch):
+    assert _where(monkeypatch, {}, "worker") == ("db.internal", "5432", "console")
 
 
 @pytest.mark.parametrize("argv", [("shell",), ("migrate",)])
-def test_everything_else_uses_database_url(argv):
-    assert _show({"WORKER_DATABASE_URL": POOLED}, *argv)[:3] == ["db.internal", "5432", "console"]
+def test_everything_else_uses_database_url(monkeypatch, argv):
+    assert _where(monkeypatch, {"WORKER_DATABASE_URL": POOLED}, *argv) == ("db.internal", "5432", "console")
 
 
-def test_a_bad_worker_database_url_is_named():
-    done = _settings({"DATABASE_URL": DIRECT, "WORKER_DATABASE_URL": "mysql://x@y/z"}, "worker", show=SHOW)
-    assert done.returncode != 0
-    assert "WORKER_DATABASE_URL must start with postgres:// or postgresql://" in done.stderr
+def test_a_bad_worker_database_url_is_named(monkeypatch):
+    with pytest.raises(ImproperlyConfigured, match="WORKER_DATABASE_URL must start with postgres:// or postgresql://"):
+        _settings(monkeypatch, {"WORKER_DATABASE_URL": "mysql://x@y/z"}, "worker")
 
 
-def test_a_transaction_pool_turns_server_side_cursors_off():
-    assert _show({}, "shell")[4] is False
-    assert _show({"DATABASE_TRANSACTION_POOL": "1"}, "shell")[4] is True
+def test_a_transaction_pool_turns_server_side_cursors_off(monkeypatch):
+    assert _settings(monkeypatch, {}, "shell")["DATABASES"]["default"]["DISABLE_SERVER_SIDE_CURSORS"] is False
+    pooled = _settings(monkeypatch, {"DATABASE_TRANSACTION_POOL": "1"}, "shell")
+    assert pooled["DATABASES"]["default"]["DISABLE_SERVER_SIDE_CURSORS"] is True
 
 
-def test_the_pool_size_is_two_at_least():
-    assert _show({}, "worker")[5] == 4
-    assert _show({"WORKER_POOL_SIZE": "2"}, "worker")[5] == 2
-    done = _settings({"DATABASE_URL": DIRECT, "WORKER_POOL_SIZE": "1"}, "worker", show=SHOW)
-    assert done.returncode != 0
-    assert "WORKER_POOL_SIZE must be 2 or more, got 1" in done.stderr
+def test_the_pool_size_is_two_at_least(monkeypatch):
+    assert _settings(monkeypatch, {}, "worker")["WORKER_POOL_SIZE"] == 4
+    assert _settings(monkeypatch, {"WORKER_POOL_SIZE": "2"}, "worker")["WORKER_POOL_SIZE"] == 2
+    with pytest.raises(ImproperlyConfigured, match="WORKER_POOL_SIZE must be 2 or more, got 1"):
+        _settings(monkeypatch, {"WORKER_POOL_SIZE": "1"}, "worker")
 
 
-def test_a_workers_connections_are_named_by_pid_and_role():
-    *_, job_name, _, _, names = _show({}, "worker")
-    pid = names["job"].split(":")[1]
+def test_a_workers_connections_are_named_by_pid_and_role(monkeypatch):
+    worker = _settings(monkeypatch, {}, "worker")
+    names, pid = worker["WORKER_APPLICATION_NAMES"], os.getpid()
     assert names == {"pool": f"worker:{pid}:pool", "listen": f"worker:{pid}:listen", "job": f"worker:{pid}:job"}
-    assert job_name == names["job"]  # Django's connection, which each job thread opens
+    # Django's connection, which each job thread opens
+    assert worker["DATABASES"]["default"]["OPTIONS"]["application_name"] == names["job"]
     # A URL that names its connections gives the base name.
-    *_, job_name, _, _, names = _show({"DATABASE_URL": DIRECT + "?application_name=billing"}, "worker")
-    assert job_name == names["job"] == f"billing:{names['job'].split(':')[1]}:job"
+    billing = _settings(monkeypatch, {"DATABASE_URL": DIRECT + "?application_name=billing"}, "worker")
+    assert billing["DATABASES"]["default"]["OPTIONS"]["application_name"] == f"billing:{pid}:job"
+    assert billing["WORKER_APPLICATION_NAMES"]["job"] == f"billing:{pid}:job"
     # Nothing but a worker is renamed.
-    assert _show({}, "shell")[3] is None
-    assert _show({}, "shell")[6] == {}
+    shell = _settings(monkeypatch, {}, "shell")
+    assert "application_name" not in shell["DATABASES"]["default"]["OPTIONS"]
+    assert shell["WORKER_APPLICATION_NAMES"] == {}
 
 
 def test_the_formula():

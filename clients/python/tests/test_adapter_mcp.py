@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import logging
 import re
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -27,8 +26,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.shared.exceptions import MCPError
 
-import hitl_client
 from hitl_client import AsyncClient
+from hitl_client.adapters import mcp_gateway
 from hitl_client.adapters.mcp_gateway import (
     DECISION_META,
     IDEMPOTENCY_KEY_META,
@@ -628,25 +627,21 @@ def test_bad_options_are_refused(console, options, error):
         Gateway(object(), hitl, **arguments)
 
 
-CLIENT_SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(hitl_client.__file__)))
-
-
-def gateway_command(*arguments: str) -> subprocess.CompletedProcess[str]:
-    """The gateway as its users start it, a process (no console is asked before it serves: none runs here)."""
-    env = {
-        **os.environ,
-        "HITL_URL": "http://127.0.0.1:9",
-        "HITL_TOKEN": "tok-alice",
-        "PYTHONPATH": os.pathsep.join(filter(None, [CLIENT_SOURCE, os.environ.get("PYTHONPATH")])),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "hitl_client.adapters.mcp_gateway", "--channel", "payments", *arguments],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def gateway_command(monkeypatch, capsys, *arguments: str) -> tuple[int, str]:
+    """The gateway's command (`main()`, which `python -m hitl_client.adapters.mcp_gateway` runs) in this process, as
+    its users start it (no console is asked before it serves: none runs here): its exit code and its stderr. Logging
+    starts unconfigured, as in a new process, so that anything the command logs on stderr shows. The command as a
+    process of its own: tests/system/test_adapter_mcp.py."""
+    monkeypatch.setenv("HITL_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("HITL_TOKEN", "tok-alice")
+    monkeypatch.setattr(logging.root, "handlers", [])
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    capsys.readouterr()
+    try:
+        code = mcp_gateway.main(["--channel", "payments", *arguments])
+    except SystemExit as exit_:  # argparse's refusals
+        code = exit_.code
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -659,17 +654,17 @@ def gateway_command(*arguments: str) -> subprocess.CompletedProcess[str]:
         ("'unclosed", 2, "is not a command line: No closing quotation."),
     ],
 )
-def test_a_bad_upstream_is_one_error_line_and_a_non_zero_exit(upstream, code, says):
+def test_a_bad_upstream_is_one_error_line_and_a_non_zero_exit(monkeypatch, capsys, upstream, code, says):
     # Issue 24: it was a traceback of nested ExceptionGroups.
-    done = gateway_command("--upstream", upstream, "--approve", "refund_order")
+    returncode, stderr = gateway_command(monkeypatch, capsys, "--upstream", upstream, "--approve", "refund_order")
 
-    assert done.returncode == code, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("python -m hitl_client.adapters.mcp_gateway: error: ") and says in done.stderr
+    assert returncode == code, stderr
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.startswith("python -m hitl_client.adapters.mcp_gateway: error: ") and says in stderr
 
 
-def test_the_command_refuses_to_guard_nothing_unless_told_to():
-    done = gateway_command("--upstream", "whatever")
+def test_the_command_refuses_to_guard_nothing_unless_told_to(monkeypatch, capsys):
+    returncode, stderr = gateway_command(monkeypatch, capsys, "--upstream", "whatever")
 
-    assert done.returncode == 2
-    assert "a gateway that guards nothing starts only with --allow-unguarded" in done.stderr
+    assert returncode == 2
+    assert "a gateway that guards nothing starts only with --allow-unguarded" in stderr

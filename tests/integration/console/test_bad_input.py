@@ -8,13 +8,9 @@ import json
 
 import pytest
 from django.db import DataError
-from django.http import HttpResponse
-from django.test import RequestFactory
 from guardian.shortcuts import assign_perm
 
 from approvals.models import Approval, Decision
-from console.middleware import SafeInputMiddleware
-from core import safe_input
 from core.models import ApiToken, AuditEntry, Channel
 from runs import submission
 from runs.models import Run
@@ -57,26 +53,18 @@ def runs_body(input_json: str) -> str:
 
 
 # Each body as a client sends it (raw text: json.dumps would refuse or escape some of these), and the path
-# to the field the 422 must name.
+# to the field the 422 must name: one of each kind the parser refuses. Every case of the parser (core.safe_input):
+# tests/unit/test_safe_input.py.
 REFUSED_RUN_BODIES = {
     "NaN": (runs_body('{"customer_id": "c", "amount_cents": NaN}'), ["body", "input", "amount_cents"]),
-    "Infinity": (runs_body('{"amount_cents": Infinity}'), ["body", "input", "amount_cents"]),
-    "-Infinity": (runs_body('{"amount_cents": -Infinity}'), ["body", "input", "amount_cents"]),
-    "a float too large (inf)": (runs_body('{"amount_cents": 1e400}'), ["body", "input", "amount_cents"]),
-    "NUL in a value": (runs_body('{"reason": "a\\u0000b"}'), ["body", "input", "reason"]),
     "NUL in a key": (runs_body('{"rea\\u0000son": "x"}'), ["body", "input"]),
     "NUL in a top-level value": ('{"workflow": "ref\\u0000und", "input": {}}', ["body", "workflow"]),
-    "lone high surrogate": (runs_body('{"reason": "\\ud800"}'), ["body", "input", "reason"]),
-    "lone low surrogate in a key": (runs_body('{"\\udfff": 1}'), ["body", "input"]),
     "lone surrogate deep in a list": (runs_body('{"tags": ["ok", ["\\ud83d"]]}'), ["body", "input", "tags", 1, 0]),
     "integer beyond 2**53": (runs_body(f'{{"amount_cents": {2**53 + 1}}}'), ["body", "input", "amount_cents"]),
     "a float beyond 2**53 (an integer, to JSON)": (
         runs_body('{"amount_cents": 1e300}'),
         ["body", "input", "amount_cents"],
     ),
-    "a float just beyond 2**53": (runs_body('{"n": 9007199254740994.0}'), ["body", "input", "n"]),
-    "integer below -2**53": (runs_body(f'{{"amount_cents": {-(2**53) - 1}}}'), ["body", "input", "amount_cents"]),
-    "integer of 30 digits": (runs_body('{"amount_cents": 1000000000000000000000000000000}'), ["body", "input"]),
     "integer of 5000 digits": (runs_body('{"amount_cents": ' + "9" * 5000 + "}"), ["body", "input"]),
     "33 levels deep": (runs_body(nested(32)), ["body", "input"]),
     "far too deep for the parser": (runs_body("[" * 20_000 + "]" * 20_000), ["body"]),
@@ -117,32 +105,6 @@ def test_text_that_is_not_json_stays_a_400(client, agent):
     assert response.status_code == 400
     assert response.json()["error"] == "bad_request"
     assert not Run.objects.exists()
-
-
-ACCEPTED_BODIES = {
-    "32 levels deep": nested(32),
-    "2**53": str(2**53),
-    "-2**53": str(-(2**53)),
-    "a float within 2**53": "-9007199254740992.0",
-    "a tiny float": "1e-300",
-    "a surrogate pair (one astral character)": '"\\ud83d\\ude00"',
-    "unicode text": '"Grüße, 東京 \U0001f600"',
-    "booleans and null": "[true, false, null]",
-}
-
-
-@pytest.mark.parametrize("text", ACCEPTED_BODIES.values(), ids=ACCEPTED_BODIES.keys())
-def test_the_parser_accepts_what_can_be_stored(text):
-    assert safe_input.loads(text) == json.loads(text)
-
-
-def test_the_parser_reads_an_integral_number_within_2_53_as_an_integer():
-    """JSON (and JSON Schema, which the OpenAPI document is written in) has one kind of number: 65.0 is the
-    integer 65, which a strict integer field (a workflow's amount in cents) takes."""
-    parsed = safe_input.loads("[65.0, 1e2, -0.0, 9007199254740992.0, 0.5]")
-
-    assert parsed == [65, 100, 0, 2**53, 0.5]
-    assert [type(number) for number in parsed] == [int, int, int, int, float]
 
 
 def test_the_decision_api_refuses_a_nul_in_the_comment_and_the_card_stays_pending(client, demo, card):
@@ -300,21 +262,6 @@ def test_a_data_error_in_the_api_is_400_json(client, agent, monkeypatch):
     answer = response.json()
     assert answer["error"] == "bad_request"
     assert "value too long" in answer["detail"]
-
-
-def test_a_data_error_on_a_console_page_is_a_400_page():
-    middleware = SafeInputMiddleware(lambda request: HttpResponse())
-    request = RequestFactory().get("/runs/")
-
-    response = middleware.process_exception(request, DataError("integer out of range"))
-
-    assert response.status_code == 400
-    assert middleware.process_exception(request, ValueError("not ours")) is None
-
-
-def test_the_parser_names_the_path_in_its_message_for_form_fields():
-    with pytest.raises(ValueError, match=r"^payload\.refund\.note: contains a NUL character$"):
-        safe_input.loads('{"refund": {"note": "\\u0000"}}', root="payload")
 
 
 # --- integers out of range in paths -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Signed webhooks: POST /api/webhooks/{source} (runs.webhooks). On the production server:
-tests/system/test_webhooks_server.py."""
+tests/system/test_webhooks_server.py. The signatures themselves (core.webhook_signing):
+tests/unit/test_webhook_signing.py."""
 
 from __future__ import annotations
 
@@ -7,22 +8,15 @@ import base64
 import hashlib
 import hmac
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from datetime import UTC, datetime
 
 import pytest
-import standardwebhooks
-from django.conf import settings as django_settings
 from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from procrastinate.contrib.django.models import ProcrastinateJob
 
-from core import webhook_signing
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import submission
@@ -239,75 +233,6 @@ def test_a_rotated_secret_accepts_the_old_and_the_new_one(client, demo, settings
     assert Run.objects.count() == 2
 
 
-def test_a_header_with_several_signatures_is_accepted_when_one_of_them_matches(client, demo):
-    """A sender rotating its secret signs with the new and the old one; signatures of another version (v1a:
-    asymmetric) are skipped, as the specification says."""
-    others = {
-        "a signature by another secret": signed(_BODY, secret="another-secret")["webhook-signature"],
-        "a signature of other bytes": "v1," + base64.b64encode(b"x" * 32).decode(),
-        "a signature of another version": "v1a," + base64.b64encode(b"y" * 64).decode(),
-    }
-    for n, other in enumerate(others.values()):
-        headers = signed(_BODY, delivery_id=f"dlv-several-{n}")
-        valid = headers["webhook-signature"]
-        answers = [
-            deliver(client, _BODY, {**headers, "webhook-signature": f"{first} {second}"}).status_code
-            for first, second in ((other, valid), (valid, other))
-        ]
-        assert answers == [202, 200], (other, answers)  # the second is the same delivery id: a duplicate
-    assert Run.objects.count() == 3
-
-
-def test_several_signatures_none_of_which_matches_are_refused(client, demo):
-    headers = signed(_BODY, secret="another-secret")
-    headers["webhook-signature"] += " " + signed(_BODY, secret="a-third-secret")["webhook-signature"]
-
-    response = deliver(client, _BODY, headers)
-
-    assert response.status_code == 401
-    assert response.json() == {"error": "unauthorized", "detail": "The signature does not match."}
-    assert_nothing_created()
-
-
-def test_a_whsec_secret_is_the_key_its_base64_decodes_to(client, demo, settings):
-    settings.WEBHOOK_SECRETS = {"demo": [WHSEC]}
-    timestamp = int(time.time())
-    # Signed by the standardwebhooks library itself, as a provider using it would.
-    library_signature = standardwebhooks.Webhook(WHSEC).sign(
-        "dlv-lib", datetime.fromtimestamp(timestamp, UTC), _BODY.decode()
-    )
-    headers = {"webhook-id": "dlv-lib", "webhook-timestamp": str(timestamp), "webhook-signature": library_signature}
-
-    assert deliver(client, _BODY, headers).status_code == 202
-    assert deliver(client, _BODY, delivery_id="dlv-mine", secret=WHSEC).status_code == 202
-    # The secret's text is not the key: a signature made with its UTF-8 bytes is refused.
-    as_text = hmac.new(WHSEC.encode(), f"dlv-text.{timestamp}.".encode() + _BODY, hashlib.sha256).digest()
-    headers = {
-        "webhook-id": "dlv-text",
-        "webhook-timestamp": str(timestamp),
-        "webhook-signature": "v1," + base64.b64encode(as_text).decode(),
-    }
-    assert deliver(client, _BODY, headers).status_code == 401
-    assert Run.objects.count() == 2
-
-
-def test_a_plain_secret_is_the_key_its_utf8_bytes_are(client, demo, settings):
-    settings.WEBHOOK_SECRETS = {"demo": ["démo-secret"]}
-    timestamp = int(time.time())
-    library_signature = standardwebhooks.Webhook("démo-secret".encode()).sign(
-        "dlv-plain", datetime.fromtimestamp(timestamp, UTC), _BODY.decode()
-    )
-    headers = {"webhook-id": "dlv-plain", "webhook-timestamp": str(timestamp), "webhook-signature": library_signature}
-
-    assert deliver(client, _BODY, headers).status_code == 202
-    # The library would base64-decode a plain string handed to it as one (into other bytes): not our key.
-    lenient = standardwebhooks.Webhook("demo-secret").sign("dlv-b64", datetime.fromtimestamp(timestamp, UTC), "{}")
-    settings.WEBHOOK_SECRETS = {"demo": ["demo-secret"]}
-    headers = {"webhook-id": "dlv-b64", "webhook-timestamp": str(timestamp), "webhook-signature": lenient}
-    assert deliver(client, b"{}", headers).status_code == 401
-    assert Run.objects.count() == 1
-
-
 def test_the_tolerance_is_ours_not_the_librarys_five_minutes(client, demo, settings):
     now = int(time.time())
     settings.WEBHOOK_TOLERANCE_SECONDS = 600
@@ -320,12 +245,6 @@ def test_the_tolerance_is_ours_not_the_librarys_five_minutes(client, demo, setti
     assert response.json()["detail"] == "The webhook-timestamp is more than 60 s away from the server's clock."
     assert deliver(client, SMALL_REFUND, delivery_id="ahead", timestamp=now + 90).status_code == 401
     assert Run.objects.count() == WebhookDelivery.objects.count() == 2
-
-
-def test_a_timestamp_within_the_window_either_way_is_accepted(client, demo):
-    now = int(time.time())
-    assert deliver(client, SMALL_REFUND, delivery_id="past", timestamp=now - 290).status_code == 202
-    assert deliver(client, SMALL_REFUND, delivery_id="future", timestamp=now + 290).status_code == 202
 
 
 def _tampered(headers: dict) -> dict:
@@ -351,49 +270,16 @@ def _DIGEST() -> str:
 
 _MALFORMED = "The webhook-signature header must be 'v1,<base64 HMAC-SHA256>' signatures, separated by spaces."
 _MISMATCH = "The signature does not match."
+# One refusal of each kind (each message of verify()), and a signature of an id sent without it (401, not the
+# 400 of a delivery without an id). Every way a signature is refused: tests/unit/test_webhook_signing.py.
 UNAUTHORIZED = {
     "a tampered signature": (lambda: _tampered(signed(_BODY)), _MISMATCH),
-    "another secret's signature": (lambda: signed(_BODY, secret="not-the-secret"), _MISMATCH),
-    "a signature of another body": (lambda: signed(b'{"amount_cents": 1}'), _MISMATCH),
-    "a signature of another timestamp": (
-        lambda: {**signed(_BODY, timestamp=_NOW() - 1), "webhook-timestamp": str(_NOW())},
-        _MISMATCH,
-    ),
-    "a signature of another id": (lambda: {**signed(_BODY, delivery_id="dlv-0"), "webhook-id": "dlv-1"}, _MISMATCH),
     "a signature of an id, sent without it": (
         lambda: _without(signed(_BODY, delivery_id="dlv-1"), "webhook-id"),
         _MISMATCH,
     ),
-    "a signature of the timestamp and body alone": (
-        lambda: {
-            **signed(_BODY),
-            "webhook-signature": "v1,"
-            + base64.b64encode(
-                hmac.new(SECRET.encode(), f"{_NOW()}.".encode() + _BODY, hashlib.sha256).digest()
-            ).decode(),
-        },
-        _MISMATCH,
-    ),
-    "a signature in hex": (  # hex digits are base64 too: it decodes, to other bytes
-        lambda: {**signed(_BODY), "webhook-signature": "v1," + base64.b64decode(_DIGEST()).hex()},
-        _MISMATCH,
-    ),
     "no signature": (lambda: _without(signed(_BODY), "webhook-signature"), "The webhook-signature header is missing."),
-    "an empty signature": (
-        lambda: {**signed(_BODY), "webhook-signature": " "},
-        "The webhook-signature header is missing.",
-    ),
     "a signature without its version": (lambda: {**signed(_BODY), "webhook-signature": _DIGEST()}, _MALFORMED),
-    "a version without its signature": (lambda: {**signed(_BODY), "webhook-signature": "v1,"}, _MALFORMED),
-    "a signature that is not base64": (lambda: {**signed(_BODY), "webhook-signature": "v1,not*base64!"}, _MALFORMED),
-    "a malformed entry beside a valid one": (
-        lambda: {**signed(_BODY), "webhook-signature": "garbage " + signed(_BODY)["webhook-signature"]},
-        _MALFORMED,
-    ),
-    "the old sha256=<hex> form": (
-        lambda: {**signed(_BODY), "webhook-signature": "sha256=" + base64.b64decode(_DIGEST()).hex()},
-        _MALFORMED,
-    ),
     "only a signature of another version": (
         lambda: {**signed(_BODY), "webhook-signature": "v2," + _DIGEST()},
         "The webhook-signature header holds no v1 signature.",
@@ -406,20 +292,8 @@ UNAUTHORIZED = {
         lambda: signed(_BODY, timestamp=_NOW() - 360),
         "The webhook-timestamp is more than 300 s away from the server's clock.",
     ),
-    "a timestamp 6 minutes ahead": (
-        lambda: signed(_BODY, timestamp=_NOW() + 360),
-        "The webhook-timestamp is more than 300 s away from the server's clock.",
-    ),
     "a timestamp that is not unix seconds": (
         lambda: signed(_BODY, timestamp="2026-12-01T10:00:00Z"),
-        "The webhook-timestamp header must be unix seconds.",
-    ),
-    "a timestamp with a fraction": (
-        lambda: signed(_BODY, timestamp=f"{_NOW()}.5"),
-        "The webhook-timestamp header must be unix seconds.",
-    ),
-    "a timestamp in milliseconds": (
-        lambda: signed(_BODY, timestamp=_NOW() * 1000),
         "The webhook-timestamp header must be unix seconds.",
     ),
 }
@@ -572,88 +446,6 @@ def test_the_route_is_in_the_openapi_schema_without_a_bearer_token(client, demo)
 
     operation = schema["paths"]["/api/webhooks/{source}"]["post"]
     assert "security" not in operation or operation["security"] in ([], [{}])
-
-
-def test_secrets_come_from_the_environment_one_or_more_per_source():
-    code = (
-        "import django, json; django.setup(); from django.conf import settings; "
-        "print(json.dumps(settings.WEBHOOK_SECRETS, sort_keys=True))"
-    )
-    env = {
-        **{name: value for name, value in os.environ.items() if not name.startswith("WEBHOOK_SECRET_")},
-        "DJANGO_SETTINGS_MODULE": "console.settings",
-        "DATABASE_URL": "postgres://nobody@127.0.0.1:1/unused",
-        "CONSOLE_ENV": "production",
-        "SECRET_KEY": "test-only-" + "k" * 50,
-        "WEBHOOK_SECRET_DEMO": "new-one, old-one",
-        "WEBHOOK_SECRET_CRM_EVENTS": "crm",
-    }
-
-    def secrets(env: dict) -> dict:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], cwd=django_settings.BASE_DIR, env=env, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    assert secrets(env) == {"crm_events": ["crm"], "demo": ["new-one", "old-one"]}
-    # Outside development the demo source has no default secret: it is not served until one is set.
-    production = {k: v for k, v in env.items() if k not in ("WEBHOOK_SECRET_DEMO", "WEBHOOK_SECRET_CRM_EVENTS")}
-    assert secrets(production) == {}
-    assert secrets({**production, "CONSOLE_ENV": "development"}) == {"demo": ["demo-secret"]}
-    assert secrets({**production, "WEBHOOK_SECRET_DEMO": f"{WHSEC},old-one"}) == {"demo": [WHSEC, "old-one"]}
-
-    # A whsec_ secret that is no key stops the start, naming the variable, rather than failing each delivery.
-    for name, value in [("WEBHOOK_SECRET_DEMO", "whsec_not*base64"), ("NOTIFY_WEBHOOK_SECRET", "new-one,whsec_")]:
-        proc = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=django_settings.BASE_DIR,
-            env={**production, "NOTIFY_WEBHOOK_SECRET": "notify", name: value},
-            capture_output=True,
-            text=True,
-        )
-        assert proc.returncode != 0
-        assert f"ImproperlyConfigured: {name}: a whsec_ secret must" in proc.stderr, proc.stderr
-
-
-def test_a_signature_covers_the_id_the_timestamp_and_the_body():
-    body = b'{"a": 1}'
-    expected = hmac.new(b"demo-secret", b"dlv-7.1700000000." + body, hashlib.sha256).digest()
-    assert (
-        webhook_signing.sign(["demo-secret"], "dlv-7", 1700000000, body) == "v1," + base64.b64encode(expected).decode()
-    )
-    # Two secrets (a rotation): one signature each, space-separated, in the order given.
-    both = webhook_signing.sign(["demo-secret", WHSEC], "dlv-7", 1700000000, body)
-    assert both == " ".join(signature(s, "dlv-7", "1700000000", body) for s in ("demo-secret", WHSEC))
-
-
-def test_it_reproduces_and_accepts_the_standard_webhooks_test_vector():
-    """The specification's published example: secret, id, timestamp, body and the signature they make."""
-    secret, msg_id, timestamp, body = (
-        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
-        "msg_p5jXN8AQM9LWM0D4loKWxJek",
-        1614265330,
-        b'{"test": 2432232314}',
-    )
-    expected = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
-
-    assert webhook_signing.sign([secret], msg_id, timestamp, body) == expected
-    headers = {"webhook-id": msg_id, "webhook-timestamp": str(timestamp), "webhook-signature": expected}
-    webhook_signing.verify([secret], headers, body, tolerance=300, now=timestamp + 299)
-    with pytest.raises(webhook_signing.BadSignature, match="300 s away"):
-        webhook_signing.verify([secret], headers, body, tolerance=300, now=timestamp + 301)
-    with pytest.raises(webhook_signing.BadSignature, match="does not match"):
-        webhook_signing.verify([secret], {**headers, "webhook-id": "msg_other"}, body, tolerance=300, now=timestamp)
-
-
-@pytest.mark.parametrize(
-    "secret",
-    ["whsec_", "whsec_not*base64", ""],
-    ids=["whsec_ and nothing", "whsec_ and not base64", "empty"],
-)
-def test_a_secret_that_is_no_key_is_refused(secret):
-    with pytest.raises(ValueError):
-        webhook_signing.key(secret)
 
 
 def test_a_delivery_id_is_unique_per_source(demo):

@@ -12,7 +12,7 @@ from django.core.management import call_command
 from demo import sandbox
 from runs.models import Run, WebhookDelivery
 from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
-from tests.integration.runs.test_webhooks import signed
+from tests.unit.test_webhook_signing import signed
 
 
 def _post_raw(port: int, data: bytes, headers: dict, path: str = "/api/webhooks/demo") -> tuple[int, dict]:

@@ -15,6 +15,7 @@ from core.models import ApiToken, AuditEntry, Channel
 from runs import submission
 from runs.models import Run
 from tests.engine_helpers import REFUND, drive
+from tests.unit.test_safe_input import nested, runs_body
 
 REFUND_JSON = json.dumps(REFUND)
 
@@ -38,18 +39,6 @@ def card(demo) -> Approval:
 
 def post_json(client, path: str, body: str | bytes, headers: dict):
     return client.post(path, data=body, content_type="application/json", headers=headers)
-
-
-def nested(depth: int) -> str:
-    """A JSON value of `depth` nested containers (objects and arrays alternating)."""
-    text = "1"
-    for level in range(depth):
-        text = f'{{"k": {text}}}' if level % 2 else f"[{text}]"
-    return text
-
-
-def runs_body(input_json: str) -> str:
-    return f'{{"workflow": "refund", "input": {input_json}}}'
 
 
 # Each body as a client sends it (raw text: json.dumps would refuse or escape some of these), and the path

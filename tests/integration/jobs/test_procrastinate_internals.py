@@ -5,20 +5,10 @@ worker refusing to start: tests/system/test_procrastinate_internals_worker.py.""
 
 from __future__ import annotations
 
-import pytest
 from django.db import connection
 
 from jobs import internals
-from jobs.internals import InternalsMismatch
-
-
-def _mismatch(call) -> str:
-    with pytest.raises(InternalsMismatch) as raised:
-        call()
-    message = str(raised.value)
-    assert f"procrastinate {internals.installed_version()} is installed" in message
-    assert f"pinned to procrastinate=={internals.PINNED_VERSION}" in message
-    return message
+from tests.unit.test_procrastinate_internals import _mismatch
 
 
 def test_the_database_has_every_sql_internal_we_rely_on(db):

@@ -5,8 +5,6 @@ tests/unit/test_webhook_signing.py."""
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -22,37 +20,14 @@ from demo.models import SandboxCall
 from runs import submission
 from runs.models import Run, WebhookDelivery
 from tests.engine_helpers import SMALL_REFUND, drive, queued_jobs
+from tests.unit.test_webhook_signing import SECRET, signed  # what a provider sends, worked out apart from our code
 
-SECRET = "demo-secret"
 WHSEC = "whsec_" + base64.b64encode(b"the 32-byte key of a whsec secret").decode()
 
 
 @pytest.fixture(autouse=True)
 def _demo_secret(settings):
     settings.WEBHOOK_SECRETS = {"demo": [SECRET]}
-
-
-def signature(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
-    """What a provider computes (Standard Webhooks), worked out here apart from the code under test: `v1,` and
-    the base64 HMAC-SHA256 of "<id>.<timestamp>.<body>" under the key (a `whsec_` secret's decoded bytes, else
-    the string's UTF-8 bytes)."""
-    key = base64.b64decode(secret.removeprefix("whsec_")) if secret.startswith("whsec_") else secret.encode()
-    digest = hmac.new(key, f"{delivery_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
-    return "v1," + base64.b64encode(digest).decode()
-
-
-def signed(
-    body: bytes, *, delivery_id: str | None = "dlv-1", secret: str = SECRET, timestamp: int | str | None = None
-) -> dict:
-    """The headers of a delivery: without an id (None), signed over an empty one."""
-    timestamp = str(int(time.time()) if timestamp is None else timestamp)
-    headers = {
-        "webhook-timestamp": timestamp,
-        "webhook-signature": signature(secret, delivery_id or "", timestamp, body),
-    }
-    if delivery_id is not None:
-        headers["webhook-id"] = delivery_id
-    return headers
 
 
 def deliver(client, body, headers: dict | None = None, source: str = "demo", **sign):

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import run_coroutine
 from fake_console import FakeConsole
 
 pytest.importorskip("langgraph")
@@ -238,6 +239,25 @@ def test_it_runs_on_asyncio_with_an_async_client(console: FakeConsole):
 
     asyncio.run(run())
     assert shop.refunds == [edited] and console.only().execution == "succeeded"
+
+
+def test_a_blocking_client_serves_an_async_graph_in_a_thread(client, console: FakeConsole):
+    # The node's flows run in a worker thread with the blocking client; the tool, a coroutine of the graph's loop,
+    # is run back on that loop.
+    shop = Shop()
+    edited = {**REFUND, "amount_cents": 100}
+    console.approves_while_waiting(edit=edited)
+
+    async def run() -> None:
+        transport = httpx.MockTransport(console.handler)
+        async with AsyncClient("http://console.test", "tok-alice", transport=transport, backoff=0) as waiter:
+            graph = shop.graph(client, [("refund_order", REFUND), ("lookup_order", {"order_id": "o-1"})])
+            await ainvoke_with_approvals(graph, ask(), THREAD, client=waiter)
+
+    run_coroutine(run())
+    assert shop.refunds == [edited] and shop.lookups == ["o-1"] and console.only().execution == "succeeded"
+    ((told, looked_up),) = shop.model_saw
+    assert "A reviewer edited the arguments" in told and "paid_cents" in looked_up
 
 
 def test_needs_approval_naming_a_tool_the_node_does_not_have_is_refused(client):

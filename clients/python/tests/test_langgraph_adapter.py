@@ -1,10 +1,9 @@
 """The LangGraph adapter (`hitl_client.adapters.langgraph`) on real LangGraph graphs against the in-memory console:
 what runs, what the model is told, and what is refused before anything is asked. The console's side and the
-process crashes are in the system test (tests/system/test_adapter_langgraph.py)."""
+process crashes are in the system test (tests/system/test_adapters.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,23 +225,9 @@ def test_a_kill_switch_stops_the_graph_with_nothing_run_until_it_is_released(cli
     assert shop.refunds == [REFUND]
 
 
-def test_it_runs_on_asyncio_with_an_async_client(console: FakeConsole):
-    shop = Shop()
-    edited = {**REFUND, "amount_cents": 100}
-    console.approves_while_waiting(edit=edited)
-
-    async def run() -> None:
-        transport = httpx.MockTransport(console.handler)
-        async with AsyncClient("http://console.test", "tok-alice", transport=transport, backoff=0) as client:
-            graph = shop.graph(client, [("refund_order", REFUND)])
-            await ainvoke_with_approvals(graph, ask(), THREAD, client=client)
-
-    asyncio.run(run())
-    assert shop.refunds == [edited] and console.only().execution == "succeeded"
-
-
-def test_a_blocking_client_serves_an_async_graph_in_a_thread(client, console: FakeConsole):
-    # The node's flows run in a worker thread with the blocking client; the tool, a coroutine of the graph's loop,
+@pytest.mark.parametrize("node_client", ["async", "blocking"])
+def test_it_runs_on_asyncio(client, console: FakeConsole, node_client: str):
+    # With a blocking client, the node's flows run in a worker thread; the tool, a coroutine of the graph's loop,
     # is run back on that loop.
     shop = Shop()
     edited = {**REFUND, "amount_cents": 100}
@@ -251,7 +236,8 @@ def test_a_blocking_client_serves_an_async_graph_in_a_thread(client, console: Fa
     async def run() -> None:
         transport = httpx.MockTransport(console.handler)
         async with AsyncClient("http://console.test", "tok-alice", transport=transport, backoff=0) as waiter:
-            graph = shop.graph(client, [("refund_order", REFUND), ("lookup_order", {"order_id": "o-1"})])
+            node = waiter if node_client == "async" else client
+            graph = shop.graph(node, [("refund_order", REFUND), ("lookup_order", {"order_id": "o-1"})])
             await ainvoke_with_approvals(graph, ask(), THREAD, client=waiter)
 
     run_coroutine(run())

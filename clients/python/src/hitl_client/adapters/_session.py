@@ -10,6 +10,10 @@ tool call is, how a decision is handed back, what the model reads. No framework 
 - `ToolSession`: a `Session` with a state file, for the runs that stop for approvals (the OpenAI Agents SDK's and
   Pydantic AI's `run_with_approvals`): decide every pending call, then execute the approved ones.
 - `ApprovalTool`: what an approval tool asks the console, from `approval_tool`'s options.
+
+LangGraph's `ApprovalToolNode` keeps its requests in the graph's checkpoint under keys of its own, with a blocking
+or an async client: it runs the same exactly-once tail as `require_approval` (`hitl_client.decorator.run_approved`)
+on the client's own driver, and no session.
 """
 
 from __future__ import annotations
@@ -312,12 +316,8 @@ class ToolSession(Session):
         jsonable: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__(client, name, timeout=timeout, poll=poll)
-        self.path, self.file, self.on_wait, self.jsonable = (
-            Path(path) if path is not None else None,
-            file,
-            on_wait,
-            jsonable,
-        )
+        self.path = Path(path) if path is not None else None
+        self.file, self.on_wait, self.jsonable = file, on_wait, jsonable
         self._content: dict[str, Any] = {}
         # The calls this session asked the console about, by call id: the model's arguments (a tool asks them
         # again under the same key: other arguments under that key would be another action), and the decisions

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast test-unit browser pgbouncer wrk lint format install clean bench bench-smoke
+.PHONY: run test test-fast test-unit test-client-matrix browser pgbouncer wrk lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -70,20 +70,40 @@ test-fast: install
 test-unit: install
 	DATABASE_URL=postgres://no-database-in-the-unit-tier@127.0.0.1:1/none $(PY) -m pytest tests/unit clients/python/tests $(PYTEST_ARGS)
 
+# The Python client's own tests (clients/python/tests: a fake console, no server) against both ends of its
+# frameworks' ranges (its extras): each in a throwaway venv built from a constraints file, the frameworks at their
+# oldest (clients/python/constraints-oldest.txt) and at their newest (-newest.txt). `make test` runs the same tests
+# against the dev venv's pins (the `test` extra).
+CLIENT_MATRIX := oldest newest
+
+test-client-matrix: $(CLIENT_MATRIX:%=.venv-client-%/.installed)
+	@for end in $(CLIENT_MATRIX); do \
+		echo "The Python client's tests, its frameworks at their $$end:"; \
+		(cd clients/python && ../../.venv-client-$$end/bin/python -m pytest -q -p no:cacheprovider) || exit 1; \
+	done
+
+.venv-client-%/.installed: clients/python/constraints-%.txt clients/python/pyproject.toml
+	rm -rf .venv-client-$*
+	$(PYTHON) -m venv .venv-client-$*
+	.venv-client-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-client-$*/bin/python -m pip install --quiet -c $< 'clients/python[openai-agents,langgraph,pydantic-ai,mcp]' pytest
+	@touch $@
+
 # ruff (style, and imports at the top: PLC0415), then import-linter: the floors of pyproject.toml's
 # [tool.importlinter] (console on top, core at the bottom, the engine's floors inside runs, no circle in an app,
-# nothing below the views importing django.http or ninja).
+# nothing below the views importing django.http or ninja); then mypy --strict on the Python client's source.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	cd clients/python && ../../$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) node_modules staticfiles
+	rm -rf $(VENV) .venv-client-oldest .venv-client-newest node_modules staticfiles
 
 # Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
 # the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes

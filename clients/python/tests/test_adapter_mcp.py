@@ -1,7 +1,7 @@
 """The MCP gateway against the in-memory console (through httpx.MockTransport) and an in-memory upstream MCP server
 (the SDK's MCPServer, connected in-process): a real MCP client calls the gateway's tools, the calls the policy
 names become requests, and only approved ones reach the upstream, once. The same with processes, stdio and the
-live console: tests/system/test_adapter_mcp.py."""
+live console: tests/system/test_adapters.py (with the other adapters) and tests/system/test_adapter_mcp.py."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The LangGraph adapter (`hitl_client.adapters.langgraph`) on real LangGraph graphs against the in-memory console:
 what runs, what the model is told, and what is refused before anything is asked. The console's side and the
-process crashes are in the system test (tests/system/test_adapter_langgraph.py)."""
+process crashes are in the system test (tests/system/test_adapters.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
+from conftest import run_coroutine
 from fake_console import FakeConsole
 
 pytest.importorskip("langgraph")
@@ -225,19 +225,25 @@ def test_a_kill_switch_stops_the_graph_with_nothing_run_until_it_is_released(cli
     assert shop.refunds == [REFUND]
 
 
-def test_it_runs_on_asyncio_with_an_async_client(console: FakeConsole):
+@pytest.mark.parametrize("node_client", ["async", "blocking"])
+def test_it_runs_on_asyncio(client, console: FakeConsole, node_client: str):
+    # With a blocking client, the node's flows run in a worker thread; the tool, a coroutine of the graph's loop,
+    # is run back on that loop.
     shop = Shop()
     edited = {**REFUND, "amount_cents": 100}
     console.approves_while_waiting(edit=edited)
 
     async def run() -> None:
         transport = httpx.MockTransport(console.handler)
-        async with AsyncClient("http://console.test", "tok-alice", transport=transport, backoff=0) as client:
-            graph = shop.graph(client, [("refund_order", REFUND)])
-            await ainvoke_with_approvals(graph, ask(), THREAD, client=client)
+        async with AsyncClient("http://console.test", "tok-alice", transport=transport, backoff=0) as waiter:
+            node = waiter if node_client == "async" else client
+            graph = shop.graph(node, [("refund_order", REFUND), ("lookup_order", {"order_id": "o-1"})])
+            await ainvoke_with_approvals(graph, ask(), THREAD, client=waiter)
 
-    asyncio.run(run())
-    assert shop.refunds == [edited] and console.only().execution == "succeeded"
+    run_coroutine(run())
+    assert shop.refunds == [edited] and shop.lookups == ["o-1"] and console.only().execution == "succeeded"
+    ((told, looked_up),) = shop.model_saw
+    assert "A reviewer edited the arguments" in told and "paid_cents" in looked_up
 
 
 def test_needs_approval_naming_a_tool_the_node_does_not_have_is_refused(client):

@@ -126,7 +126,7 @@ class Client(_Base):
         max_backoff: float = 10.0,
     ) -> None:
         super().__init__(timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff)
-        self._http = httpx.Client(base_url=base_url, headers=self._headers(token), transport=transport)
+        self._http: httpx.Client = httpx.Client(base_url=base_url, headers=self._headers(token), transport=transport)
 
     def request_approval(
         self,
@@ -235,7 +235,9 @@ class AsyncClient(_Base):
         max_backoff: float = 10.0,
     ) -> None:
         super().__init__(timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff)
-        self._http = httpx.AsyncClient(base_url=base_url, headers=self._headers(token), transport=transport)
+        self._http: httpx.AsyncClient = httpx.AsyncClient(
+            base_url=base_url, headers=self._headers(token), transport=transport
+        )
 
     async def request_approval(
         self,

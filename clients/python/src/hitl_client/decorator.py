@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 from hitl_client import _protocol
 from hitl_client._protocol import Call, Flow, RetryPolicy
@@ -188,14 +188,57 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
         return _recorded_outcome(request)
     if not request.decided:
         request = yield from _protocol.wait(request.id, spec.timeout, spec.poll, policy)
+
+    def fits(arguments: dict[str, Any]) -> None:
+        try:
+            spec.signature.bind(**arguments)
+        except TypeError as exc:
+            raise TypeError(
+                f"The approved arguments do not fit {spec.action}(): {exc} (nothing was consumed)."
+            ) from exc
+
+    outcome = yield from run_approved(request, spec.function, policy, check=fits)
+    return outcome.value
+
+
+class Outcome(NamedTuple):
+    """What `run_approved` came to: `value` is the function's result when it `ran` now; the result recorded
+    before when an earlier run took the go (`recorded`); the shadow answer (`_shadow_result`) on a shadow card,
+    where nothing runs (`shadow`)."""
+
+    value: Any
+    source: Literal["ran", "recorded", "shadow"]
+
+
+def _success(result: Any) -> dict[str, Any]:
+    return result_body(True, _as_json(result))
+
+
+def run_approved(
+    request: ApprovalRequest,
+    function: Callable[..., Any],
+    policy: RetryPolicy,
+    *,
+    check: Callable[[dict[str, Any]], None] | None = None,
+    report_of: Callable[[Any], dict[str, Any]] = _success,
+    unreported: tuple[type[BaseException], ...] = (),
+) -> Flow[Outcome]:
+    """A decided request's action, at most once: the one go (consume) for the approved arguments, `function`
+    called with them (as keyword arguments), its outcome reported (`report_of(result)`: the report's body; by
+    default success with the result as JSON). The rules of exactly once, for `require_approval` and the adapters
+    whose frameworks run the tool themselves.
+
+    Raises `Rejected`, `Expired` or `Cancelled` when it was not approved (nothing runs); `ActionFailed` or
+    `OutcomeUnknown` when an earlier run took the go and failed, or never reported (it is not run again); what
+    `function` raised, once its failure is reported (but `unreported` exceptions, after which the action may have
+    half happened, go through unreported: the receipt stays "outcome unknown"); `ReportFailed` when the result
+    could not be reported. `check(arguments)` may refuse the approved arguments before the go is taken."""
     if request.execution.status is not ExecutionStatus.NOT_STARTED:
-        return _recorded_outcome(request)
+        return Outcome(_recorded_outcome(request), "recorded")
     arguments = _approved_arguments(request)
-    try:
+    if check is not None:
         # Checked before consuming: arguments the function cannot take must not use up the go.
-        spec.signature.bind(**arguments)
-    except TypeError as exc:
-        raise TypeError(f"The approved arguments do not fit {spec.action}(): {exc} (nothing was consumed).") from exc
+        check(arguments)
     digest = arguments_digest(arguments)
 
     try:
@@ -204,14 +247,14 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
         go = yield from _protocol.consume(request.id, digest, policy)
     except AlreadyConsumed as exc:
         execution = exc.execution or (yield from _protocol.get(request.id, 0, policy)).execution
-        return _recorded_outcome(dataclasses.replace(request, execution=execution))
+        return Outcome(_recorded_outcome(dataclasses.replace(request, execution=execution)), "recorded")
     except NotApproved:
         # Decided otherwise since we read it (expired, cancelled): say how, rather than "not approved".
         _raise_unless_approved((yield from _protocol.get(request.id, 0, policy)))
         raise
     if go.shadow:
         # A shadow card: the console recorded the effect as shadow and a person does it by hand. Never run here.
-        return _shadow_result(request)
+        return Outcome(_shadow_result(request), "shadow")
     if go.arguments is None or arguments_digest(go.arguments) != digest:
         # The go is ours but for other arguments than the approved ones we hashed: refuse to run them, and say
         # so on the receipt (the action did not happen).
@@ -220,22 +263,24 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
         raise UnexpectedResponse(error, go.arguments)
 
     try:
-        result = yield Call(spec.function, go.arguments)
+        result = yield Call(function, go.arguments)
+    except unreported:
+        raise
     except Exception as exc:
         # It ran and failed: that is its outcome, recorded so that a re-run does not try again.
         try:
             error = repr(exc)[:_MAX_ERROR]
             yield from _protocol.report(request.id, result_body(False, error=error), policy)
         except HitlError:
-            logger.exception("The failure of %s (request %s) could not be reported.", spec.action, request.id)
+            logger.exception("The failure of %s (request %s) could not be reported.", request.action, request.id)
         raise
     # Anything else (KeyboardInterrupt, SystemExit, a cancelled task) went through unreported on purpose: the
     # action may have half-happened, so the receipt stays "consumed, outcome unknown" for a person to check.
     try:
-        yield from _protocol.report(request.id, result_body(True, _as_json(result)), policy)
+        yield from _protocol.report(request.id, report_of(result), policy)
     except HitlError as exc:
         raise ReportFailed(request, result) from exc
-    return result
+    return Outcome(result, "ran")
 
 
 def _recorded_outcome(request: ApprovalRequest) -> Any:

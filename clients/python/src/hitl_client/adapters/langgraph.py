@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from langchain_core.messages import ToolCall, ToolMessage
 from langchain_core.runnables import RunnableConfig
@@ -43,9 +43,12 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
 from pydantic import BaseModel
 
-from hitl_client.client import AsyncClient, Client, OnExpiry, Risk
-from hitl_client.digest import arguments_digest
-from hitl_client.errors import AlreadyConsumed, HitlError, NotApproved, UnexpectedResponse
+from hitl_client import _protocol
+from hitl_client._protocol import Call, Flow
+from hitl_client.adapters._session import is_shadow
+from hitl_client.client import AsyncClient, Client, OnExpiry, Risk, approval_request_body
+from hitl_client.decorator import run_approved
+from hitl_client.errors import ActionFailed, Declined, HitlError, OutcomeUnknown, ReportFailed
 from hitl_client.models import ApprovalRequest, ExecutionStatus, RequestStatus
 
 __all__ = [
@@ -65,27 +68,8 @@ INTERRUPT_KEY = "hitl_approvals"
 _MAX_KEY = 200  # the contract's longest idempotency key
 _MAX_ERROR = 4000  # an error's text on the receipt: its start
 
-ToolMessageOrCommand = ToolMessage | Command
+ToolMessageOrCommand = ToolMessage | Command[Any]
 Execute = Callable[[ToolCallRequest], Any]
-
-
-@dataclass(frozen=True)
-class _Ask:
-    """A call of the console's client: its method and arguments (awaited with an AsyncClient)."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Execute:
-    """Run the tool as ToolNode runs it (argument validation, injected arguments, handle_tool_errors)."""
-
-    request: ToolCallRequest
-
-
-_Flow = Generator[_Ask | _Execute, Any, T]
 
 
 @dataclass
@@ -173,7 +157,7 @@ class ApprovalToolNode(ToolNode):
     def _func(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:
         if isinstance(self._client, AsyncClient):
             raise TypeError("This ApprovalToolNode has an AsyncClient: run the graph with ainvoke or astream.")
-        run = _NodeRun(self._drive(self._ask_and_wait(input, config)))
+        run = _NodeRun(self._client._run(self._ask_and_wait(input, config)))
         token = _current_run.set(run)
         try:
             output = super()._func(input, config, runtime)
@@ -182,7 +166,7 @@ class ApprovalToolNode(ToolNode):
         return _unless_failed(run, output)
 
     async def _afunc(self, input: Any, config: RunnableConfig, runtime: Runtime) -> Any:
-        run = _NodeRun(await self._adrive(self._ask_and_wait(input, config)))
+        run = _NodeRun(await self._arun(self._ask_and_wait(input, config)))
         token = _current_run.set(run)
         try:
             output = await super()._afunc(input, config, runtime)
@@ -190,7 +174,7 @@ class ApprovalToolNode(ToolNode):
             _current_run.reset(token)
         return _unless_failed(run, output)
 
-    def _ask_and_wait(self, input: Any, config: RunnableConfig) -> _Flow[dict[str, ApprovalRequest]]:
+    def _ask_and_wait(self, input: Any, config: RunnableConfig) -> Flow[dict[str, ApprovalRequest]]:
         """The console's request for each call that needs approval, once every one of them is decided."""
         calls, _ = self._parse_input(input)
         thread_id = (config.get("configurable") or {}).get("thread_id")
@@ -199,27 +183,28 @@ class ApprovalToolNode(ToolNode):
                 "ApprovalToolNode needs a checkpointer and a thread_id in the config: the approval waits in the "
                 "thread's checkpoint, and the thread names the request."
             )
+        policy = self._client._policy
         requests: dict[str, ApprovalRequest] = {}
         urls: dict[str, str | None] = {}
         for call in calls:
             # A call of a tool this node does not have is answered by ToolNode (the model is told): nothing to ask.
             if call["name"] not in self.tools_by_name or not self._needs_approval(call):
                 continue
-            if not call.get("id"):
+            call_id = call.get("id")
+            if not call_id:
                 raise ValueError(f"The model's call of {call['name']} has no id: its approval could not be named.")
-            request = yield _Ask(
-                "request_approval",
-                (self._channel, call["name"], call["args"]),
-                self._request_fields(call, input, str(thread_id)),
+            body = approval_request_body(
+                self._channel, call["name"], call["args"], **self._request_fields(call, input, str(thread_id))
             )
-            requests[call["id"]], urls[call["id"]] = request, request.url
+            request = yield from _protocol.request_approval(body, policy)
+            requests[call_id], urls[call_id] = request, request.url
         while undecided := {call_id: r for call_id, r in requests.items() if not r.decided}:
             # The first time, this stops the graph (the checkpoint keeps the value: the requests' ids). Resumed,
             # the node runs again from its start, asks again (the same requests) and gets here with the resume
             # value, which only wakes it: the console says whether everything is decided now.
             interrupt({INTERRUPT_KEY: [_describe(call_id, r, urls[call_id]) for call_id, r in undecided.items()]})
             for call_id, request in undecided.items():
-                requests[call_id] = yield _Ask("get", (request.id,))
+                requests[call_id] = yield from _protocol.get(request.id, 0, policy)
         return requests
 
     def _request_fields(self, call: ToolCall, state: Any, thread_id: str) -> dict[str, Any]:
@@ -248,9 +233,10 @@ class ApprovalToolNode(ToolNode):
         run = _current_run.get()
         approval = run.decided.get(request.tool_call["id"] or "") if run else None
         if run is None or approval is None:  # needs no approval
-            return execute(request)
+            return cast(ToolMessageOrCommand, execute(request))
+        assert isinstance(self._client, Client)  # _func refused an AsyncClient
         try:
-            return self._drive(self._run_approved(approval, request), execute)
+            return self._client._run(self._run_approved(approval, request, execute))
         except HitlError as exc:
             return _failed(run, exc, request.tool_call)
 
@@ -260,99 +246,69 @@ class ApprovalToolNode(ToolNode):
         run = _current_run.get()
         approval = run.decided.get(request.tool_call["id"] or "") if run else None
         if run is None or approval is None:
-            return await execute(request)
+            return cast(ToolMessageOrCommand, await execute(request))
+        if not isinstance(self._client, AsyncClient):
+            # The flow runs in a thread (_arun): the tool, a coroutine of this loop, is run back on it.
+            loop = asyncio.get_running_loop()
+            run_async = execute
+
+            async def awaited(request: ToolCallRequest) -> Any:
+                return await run_async(request)
+
+            def execute(request: ToolCallRequest) -> Any:
+                return asyncio.run_coroutine_threadsafe(awaited(request), loop).result()
+
         try:
-            return await self._adrive(self._run_approved(approval, request), execute)
+            return await self._arun(self._run_approved(approval, request, execute))
         except HitlError as exc:
             return _failed(run, exc, request.tool_call)
 
-    def _run_approved(self, approval: ApprovalRequest, request: ToolCallRequest) -> _Flow[ToolMessageOrCommand]:
+    def _run_approved(
+        self, approval: ApprovalRequest, request: ToolCallRequest, execute: Execute
+    ) -> Flow[ToolMessageOrCommand]:
+        """The decided call, as the client's `run_approved` runs an action (once, with the approved arguments,
+        its outcome reported), told to the model as ToolNode tells it: the tool's message, or what the console
+        decided or recorded."""
         call = request.tool_call
-        if approval.execution.status is not ExecutionStatus.NOT_STARTED:
-            return _recorded(approval, call)
-        if approval.status is not RequestStatus.APPROVED:
-            return _declined(approval, call)
-        if approval.arguments is None:
-            raise UnexpectedResponse(f"Request {approval.id} is approved but has no arguments to execute.")
-        digest = arguments_digest(approval.arguments)
+
+        def run_tool(**approved: Any) -> Any:
+            # As ToolNode runs it (argument validation, injected arguments, handle_tool_errors), with what ran.
+            return execute(request.override(tool_call={**call, "args": approved}))
+
         try:
-            go = yield _Ask("consume", (approval.id, digest))
-        except AlreadyConsumed as exc:
+            outcome = yield from run_approved(
+                approval,
+                run_tool,
+                self._client._policy,
+                report_of=_outcome,
+                # An interrupt inside the tool: it may have half happened, so the receipt stays "outcome unknown"
+                # (a tool behind approval must not interrupt itself).
+                unreported=(GraphBubbleUp,),
+            )
+        except Declined as declined:
+            return _declined(declined.request, call)
+        except (ActionFailed, OutcomeUnknown) as before:
             # The go was given before (this thread's earlier process, or its own answer lost): never a second run.
-            execution = exc.execution or (yield _Ask("get", (approval.id,))).execution
-            return _recorded(dataclasses.replace(approval, execution=execution), call)
-        except NotApproved:
-            # Expired or cancelled since it was read: say which.
-            return _declined((yield _Ask("get", (approval.id,))), call)
-        if getattr(go, "shadow", False):
-            # A shadow card: the reviewer does the action by hand; the agent must not.
-            return _message(call, f"{call['name']} is in shadow mode: a person does it by hand; it did not run here.")
-        if arguments_digest(go.arguments) != digest:
-            error = f"The client did not run it: the go's arguments are not the approved ones ({digest})."
-            yield _Ask("report", (approval.id,), {"ok": False, "error": error})
-            raise UnexpectedResponse(error, go.arguments)
-
-        approved = request.override(tool_call={**call, "args": go.arguments})
-        try:
-            output = yield _Execute(approved)
-        except GraphBubbleUp:
-            # An interrupt inside the tool: it may have half happened, so the receipt stays "outcome unknown"
-            # (a tool behind approval must not interrupt itself).
-            raise
-        except Exception as exc:
-            # It ran and raised (handle_tool_errors let it through): its outcome, so that nothing runs it again.
-            yield from self._report(approval, {"ok": False, "error": repr(exc)[:_MAX_ERROR]})
-            raise
-        yield from self._report(approval, _outcome(output))
-        return _with_edit_noted(output, approval)
-
-    def _report(self, approval: ApprovalRequest, outcome: dict[str, Any]) -> _Flow[None]:
-        try:
-            yield _Ask("report", (approval.id,), outcome)
-        except HitlError:
+            return _recorded(before.request, call)
+        except ReportFailed as unreported:
             # The action ran: the model must hear its result all the same. The receipt stays "outcome unknown"
             # for a person (the card shows it), and this thread never runs the call again.
             logger.exception("The outcome of %s (request %s) could not be reported.", approval.action, approval.id)
+            return cast(ToolMessageOrCommand, _with_edit_noted(unreported.result, approval))
+        if outcome.source == "ran":
+            return cast(ToolMessageOrCommand, _with_edit_noted(outcome.value, approval))
+        if outcome.source == "shadow" or is_shadow(outcome.value):
+            # A shadow card: the reviewer does the action by hand; the agent must not.
+            return _message(call, f"{call['name']} is in shadow mode: a person does it by hand; it did not run here.")
+        # The result the console recorded when the call ran before: it is not run again.
+        result = outcome.value
+        return _message(call, result if isinstance(result, str) else _json(result), error=False)
 
-    # Running a flow: with the client's blocking calls, or awaited.
-
-    def _drive(self, flow: _Flow[T], execute: Execute | None = None) -> T:
-        sent: Any = None
-        raised: BaseException | None = None
-        while True:
-            try:
-                op = flow.send(sent) if raised is None else flow.throw(raised)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            sent, raised = None, None
-            try:
-                if isinstance(op, _Execute):
-                    assert execute is not None
-                    sent = execute(op.request)
-                else:
-                    sent = getattr(self._client, op.method)(*op.args, **op.kwargs)
-            except Exception as exc:  # the flow decides; what it does not handle comes back out
-                raised = exc
-
-    async def _adrive(self, flow: _Flow[T], execute: Callable[[ToolCallRequest], Awaitable[Any]] | None = None) -> T:
-        sent: Any = None
-        raised: BaseException | None = None
-        while True:
-            try:
-                op = flow.send(sent) if raised is None else flow.throw(raised)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            sent, raised = None, None
-            try:
-                if isinstance(op, _Execute):
-                    assert execute is not None
-                    sent = await execute(op.request)
-                elif isinstance(self._client, AsyncClient):
-                    sent = await getattr(self._client, op.method)(*op.args, **op.kwargs)
-                else:
-                    sent = await asyncio.to_thread(getattr(self._client, op.method), *op.args, **op.kwargs)
-            except Exception as exc:
-                raised = exc
+    async def _arun(self, flow: Flow[T]) -> T:
+        """A flow of the client's calls, awaited (a blocking `Client` runs it in a thread)."""
+        if isinstance(self._client, AsyncClient):
+            return await self._client._run(flow)
+        return await asyncio.to_thread(functools.partial(self._client._run, flow))
 
 
 def _failed(run: _NodeRun, error: HitlError, call: ToolCall) -> ToolMessage:
@@ -391,19 +347,7 @@ def invoke_with_approvals(
     `tool_call_id`). An interrupt of another kind is returned as `graph.invoke` returns it (`__interrupt__`), for
     the caller to answer. Each request `on_wait` is told of has `card_url` too: the card's address in the console,
     where a person decides it (`url` is the request's API address, which only the agent's token may read)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    snapshot = graph.get_state(config)
-    payload: Any = None if snapshot.next else input
-    while True:
-        if payload is None and (waiting := approval_interrupts(snapshot)):
-            if on_wait:
-                on_wait([_for_person(client, request) for i in waiting for request in i.value[INTERRUPT_KEY]])
-            payload = Command(resume={i.id: _wait(client, i.value, deadline, poll) for i in waiting})
-        result = graph.invoke(payload, config, durability="sync")
-        snapshot = graph.get_state(config)
-        if not approval_interrupts(snapshot):
-            return result
-        payload = None
+    return client._run(_invoking(graph, input, config, client, timeout, poll, on_wait, asynchronous=False))
 
 
 async def ainvoke_with_approvals(
@@ -417,19 +361,39 @@ async def ainvoke_with_approvals(
     on_wait: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> Any:
     """`invoke_with_approvals` for asyncio: `graph.ainvoke`, an `AsyncClient`."""
+    return await client._run(_invoking(graph, input, config, client, timeout, poll, on_wait, asynchronous=True))
+
+
+def _invoking(
+    graph: Any,
+    input: Any,
+    config: RunnableConfig,
+    client: Client | AsyncClient,
+    timeout: float | None,
+    poll: int,
+    on_wait: Callable[[list[dict[str, Any]]], None] | None,
+    *,
+    asynchronous: bool,
+) -> Flow[Any]:
+    """invoke_with_approvals as a flow of the client's (the graph's own calls are its `Call`s), which the client
+    runs: blocking, or awaited (`asynchronous`: the graph's async methods)."""
+    get_state, invoke = (graph.aget_state, graph.ainvoke) if asynchronous else (graph.get_state, graph.invoke)
     deadline = None if timeout is None else time.monotonic() + timeout
-    snapshot = await graph.aget_state(config)
+    snapshot = yield Call(functools.partial(get_state, config), {})
     payload: Any = None if snapshot.next else input
     while True:
         if payload is None and (waiting := approval_interrupts(snapshot)):
             if on_wait:
                 on_wait([_for_person(client, request) for i in waiting for request in i.value[INTERRUPT_KEY]])
-            decided = {}
+            decided: dict[str, dict[str, str]] = {}
             for pending in waiting:
-                decided[pending.id] = await _await(client, pending.value, deadline, poll)
+                decided[pending.id] = {}
+                for asked in pending.value[INTERRUPT_KEY]:
+                    request = yield from _protocol.wait(asked["request_id"], _left(deadline), poll, client._policy)
+                    decided[pending.id][request.id] = request.status.value
             payload = Command(resume=decided)
-        result = await graph.ainvoke(payload, config, durability="sync")
-        snapshot = await graph.aget_state(config)
+        result = yield Call(functools.partial(invoke, payload, config, durability="sync"), {})
+        snapshot = yield Call(functools.partial(get_state, config), {})
         if not approval_interrupts(snapshot):
             return result
         payload = None
@@ -438,22 +402,6 @@ async def ainvoke_with_approvals(
 def approval_interrupts(snapshot: StateSnapshot) -> list[Interrupt]:
     """The thread's interrupts that wait for the console's decisions (an ApprovalToolNode's)."""
     return [i for i in snapshot.interrupts if isinstance(i.value, Mapping) and INTERRUPT_KEY in i.value]
-
-
-def _wait(client: Client, value: Mapping[str, Any], deadline: float | None, poll: int) -> dict[str, str]:
-    decided = {}
-    for pending in value[INTERRUPT_KEY]:
-        request = client.wait(pending["request_id"], timeout=_left(deadline), poll=poll)
-        decided[request.id] = request.status.value
-    return decided
-
-
-async def _await(client: AsyncClient, value: Mapping[str, Any], deadline: float | None, poll: int) -> dict[str, str]:
-    decided = {}
-    for pending in value[INTERRUPT_KEY]:
-        request = await client.wait(pending["request_id"], timeout=_left(deadline), poll=poll)
-        decided[request.id] = request.status.value
-    return decided
 
 
 def _for_person(client: Client | AsyncClient, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -505,12 +453,9 @@ def _declined(request: ApprovalRequest, call: ToolCall) -> ToolMessage:
 
 
 def _recorded(request: ApprovalRequest, call: ToolCall) -> ToolMessage:
-    """What the console recorded of a call that was given its go before: never run a second time."""
+    """What the console recorded of a call that was given its go before and did not succeed: never run again."""
     execution = request.execution
     name = call["name"]
-    if execution.status is ExecutionStatus.SUCCEEDED:
-        result = execution.result
-        return _message(call, result if isinstance(result, str) else _json(result), error=False)
     if execution.status is ExecutionStatus.FAILED:
         return _message(call, f"{name} ran before and failed: {execution.error}. It was not run again.")
     started = execution.consumed_at.isoformat(timespec="seconds") if execution.consumed_at else "some time"

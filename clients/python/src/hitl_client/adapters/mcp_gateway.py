@@ -56,8 +56,8 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
+from hitl_client.adapters._session import Session
 from hitl_client.client import AsyncClient, OnExpiry, Risk
-from hitl_client.decorator import require_approval
 from hitl_client.digest import arguments_digest
 from hitl_client.errors import (
     ActionFailed,
@@ -223,8 +223,8 @@ class Gateway:
             raise TypeError("The gateway needs an AsyncClient (it serves MCP on asyncio).")
         if session is None:
             session = f"gw-{uuid.uuid4().hex}"  # this gateway's own: no other process makes its keys
-        if not session or len(session) > _MAX_SESSION:
-            raise ValueError(f"session must be 1 to {_MAX_SESSION} characters.")
+        # Its requests on the console: their run (one timeline of the session's cards), asking, the guarded forward.
+        self._session = Session(console, session, timeout=timeout, poll=poll, max_name=_MAX_SESSION)
         if isinstance(needs_approval, str):
             raise TypeError("needs_approval is a collection of tool names (or a predicate), not one string.")
         if not callable(needs_approval):
@@ -239,8 +239,6 @@ class Gateway:
         self.rationale, self.current, self.risk, self.display = rationale, current, risk, display
         self.edits, self.expires_in, self.on_expiry = edits, expires_in, on_expiry
         self.timeout, self.poll = timeout, poll
-        # The session's external run on the console (its first request opens it): one timeline of its cards.
-        self.run_id: str | None = None
         self._tools: dict[str, types.Tool] = {}
         self._counters = _Counters()
         # Whether the policy's names were checked against the upstream's tools (None: not yet), and why not.
@@ -249,6 +247,11 @@ class Gateway:
         self.server: Server[Any] = Server(
             name, instructions=instructions, on_list_tools=self._list_tools, on_call_tool=self._call_tool
         )
+
+    @property
+    def run_id(self) -> str | None:
+        """The session's external run on the console (its first request opens it), once known."""
+        return self._session.run_id
 
     async def verify(self) -> list[types.Tool]:
         """Lists every upstream tool, and checks that each name the policy gives is one of them (`UnknownTools`
@@ -392,27 +395,11 @@ class Gateway:
                 raise _UpstreamToolError(result)
             return _recordable(result)
 
-        guarded = require_approval(
-            self.console,
-            channel=self.channel,
-            action=name,
-            key=lambda **_: key,
-            run=self.run_id,
-            timeout=self.timeout,
-            poll=self.poll,
-            **described,
-        )(forward)
+        guarded = self._session.guard(self.channel, name, key, described, forward)
         try:
-            request = await self.console.request_approval(
-                self.channel,
-                name,
-                arguments,
-                idempotency_key=key,
-                run=self.run_id,
-                **{**described, "schema": described["schema"] or None},
+            request = await self._session.ask(
+                self.channel, name, arguments, key, {**described, "schema": described["schema"] or None}
             )
-            if self.run_id is None and request.run_id is not None:
-                self.run_id = request.run_id  # the session's later calls join this request's run
             decided = request if request.decided else await self._wait(ctx, request)
             value = await guarded(**arguments)
         except Declined as exc:

@@ -43,9 +43,7 @@ def assert_nothing_created() -> None:
 
 
 def test_it_accepts_a_signed_delivery_with_202_and_does_no_agent_work(client, demo):
-    started = time.perf_counter()
     response = deliver(client, SMALL_REFUND)
-    elapsed = time.perf_counter() - started
 
     assert response.status_code == 202, response.content
     run = Run.objects.get()
@@ -60,7 +58,6 @@ def test_it_accepts_a_signed_delivery_with_202_and_does_no_agent_work(client, de
     assert not SandboxCall.objects.exists()  # no model call, no side effect
     delivery = WebhookDelivery.objects.get()
     assert (delivery.source, delivery.delivery_id, delivery.status, delivery.run) == ("demo", "dlv-1", "accepted", run)
-    assert elapsed < 1  # generous: the figure under load is in docs/BENCHMARKS.md
 
 
 def test_it_needs_no_bearer_token_and_runs_without_a_creator_when_there_is_no_agent(client, db):

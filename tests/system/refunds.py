@@ -1,6 +1,7 @@
-"""What the adapters' system tests (test_adapters.py, test_adapter_mcp.py) share: the payment system the example
-agents refund through, the reviewer's side of a card (through the console's API), and the clean-up of processes
-a killed agent leaves behind."""
+"""What the client's and the adapters' system tests (test_client_live.py, test_adapters.py, test_adapter_mcp.py)
+share: the payment system the example agents refund through (test_client_live.py keeps its own, which answers a
+refund as the decorated functions' results there expect), the reviewer's side of a card (through the console's
+API), and the clean-up of processes a killed agent leaves behind."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def pending_card(system, alive: Callable[[], str | None]) -> dict:
 def decide(system, card: dict, decision: str, **fields) -> None:
     body = {"decision": decision, "version": card["version"], **fields}
     response = system.reviewer.post(f"/api/approvals/{card['id']}/decision", body)
-    assert response.status == 200, response
+    assert response.status == 200, f"{response}\n{system.server.errors()}"
 
 
 def request_of(system, card: dict) -> dict:

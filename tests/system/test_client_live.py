@@ -35,9 +35,9 @@ from django.db import connection
 from hitl_client import AsyncClient, Client, Expired, Locked, Rejected, require_approval
 
 from core.models import Channel
-from external.models import ActionRequest
 from tests.conftest import set_production_password
 from tests.serving import serve_in_thread
+from tests.system.refunds import decide, request_of
 from tests.worker import wait_with_logs
 
 pytestmark = pytest.mark.slow
@@ -139,21 +139,6 @@ def pending_card(system, future: Future | None = None) -> dict:
     wait_with_logs(opened, "the agent's card", system.workers.all, timeout=30)
     (card,) = found
     return card
-
-
-def decide(system, card: dict, decision: str, **body) -> None:
-    response = system.reviewer.post(
-        f"/api/approvals/{card['id']}/decision", {"decision": decision, "version": card["version"], **body}
-    )
-    assert response.status == 200, f"{response}\n{system.server.errors()}"
-
-
-def request_of(system, card: dict) -> dict:
-    """The request behind a card, as the agent's token reads it."""
-    request_id = ActionRequest.objects.values_list("id", flat=True).get(card_id=card["id"])
-    response = system.agent.get(f"/api/approval-requests/{request_id}")
-    assert response.status == 200, response
-    return response.body
 
 
 def kill_switch(system, engaged: bool) -> None:

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -26,9 +28,13 @@ os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "1")
 
 
 def pytest_configure(config):
-    # WhiteNoise warns (an error under filterwarnings) when STATIC_ROOT does not exist, as on a fresh clone
-    # before any collectstatic. Tests that need the collected files run collectstatic themselves.
-    django_settings.STATIC_ROOT.mkdir(exist_ok=True)
+    # In process, WhiteNoise scans a STATIC_ROOT of this session's own, empty (the pages name static files as they
+    # are: `_fast_tests`). The checkout's staticfiles/ is rewritten by any collectstatic that runs beside the tests
+    # (for the servers system tests start, or `make bench-smoke` in CI): WhiteNoise scanning it while a file was
+    # replaced failed a test (FileNotFoundError). It must exist: WhiteNoise warns, an error here, when it does not.
+    static_root = Path(tempfile.mkdtemp(prefix="console-tests-static-"))
+    django_settings.STATIC_ROOT = static_root
+    config.add_cleanup(lambda: shutil.rmtree(static_root, ignore_errors=True))
     _allow_audit_truncate_in_flush()
 
 

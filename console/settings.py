@@ -448,12 +448,13 @@ AXES_HTTP_RESPONSE_CODE = 429
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 AXES_DISABLE_ACCESS_LOG = True  # successful logins are not axes' business; its table would grow for ever
 AXES_VERBOSE = False
-# The demo's fault injection (`faults` in a refund's input: 429s, timeouts, a worker made to hang for days) is
-# honoured in development only (demo.sandbox).
-DEMO_FAULTS_ENABLED = DEVELOPMENT
+# The demo's fault injection (`faults` in a refund's input: 429s, timeouts, slow steps, a worker made to hang for
+# days) is honoured in development only (demo.sandbox), or where DEMO_FAULTS_ENABLED=1 says so: a test stack of
+# the production shape (tests/deploy), never a deployment that serves anyone.
+DEMO_FAULTS_ENABLED = env_bool("DEMO_FAULTS_ENABLED", DEVELOPMENT)
 # --- end of security headers, HTTPS and login throttling ----------------------------------------------------
 
-# Demo logins (development only: demo_setup refuses to run outside development).
+# Demo logins: demo_setup gives the demo users this password; outside development it refuses the default.
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo")
 
 LOG_LEVEL = env_str("LOG_LEVEL", "INFO")

@@ -1,5 +1,6 @@
-"""`manage.py demo_setup`: the demo channels and users, with their roles and channel permissions (development
-only: the users have a known password)."""
+"""`manage.py demo_setup`: the demo channels and users, with their roles and channel permissions. The users share
+DEMO_PASSWORD: outside development it must be one of the operator's own (a stack's demo, compose.yaml), never
+the default everyone knows."""
 
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ DEMO_USERS = {
 
 
 class Command(BaseCommand):
-    help = "Create the demo channels and users (idempotent; development only)."
+    help = "Create the demo channels and users (idempotent; outside development only with a DEMO_PASSWORD of your own)."
 
     def handle(self, *args, **options):
-        if not settings.DEVELOPMENT:
-            raise CommandError("demo_setup creates users with a known password: it runs only in development.")
+        if not settings.DEVELOPMENT and settings.DEMO_PASSWORD == "demo":
+            raise CommandError(
+                "demo_setup creates users with the password DEMO_PASSWORD: outside development, set DEMO_PASSWORD "
+                "to a password of your own (the default, 'demo', is everyone's)."
+            )
         with transaction.atomic():
             # The role groups (migration console.0002 makes them; a flushed database has lost them) and the
             # channels, each made once: a few statements in all, as every test that takes the demo runs this.

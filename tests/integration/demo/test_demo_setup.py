@@ -52,11 +52,20 @@ def test_it_restores_a_changed_demo_password(db, settings):
     assert User.objects.get(username="reviewer").check_password("another")
 
 
-def test_it_refuses_to_run_outside_development(db, settings):
+def test_outside_development_it_refuses_the_default_password(db, settings):
     settings.DEVELOPMENT = False
-    with pytest.raises(CommandError, match="only in development"):
+    with pytest.raises(CommandError, match="set DEMO_PASSWORD to a password of your own"):
         call_command("demo_setup", verbosity=0)
     assert not User.objects.filter(username="reviewer").exists()
+
+
+def test_outside_development_it_runs_with_a_password_of_the_operators(db, settings):
+    """A stack's demo (compose.yaml with DEMO_ENABLED=1): the users get the operator's password, not 'demo'."""
+    settings.DEVELOPMENT = False
+    settings.DEMO_PASSWORD = "the operator's own"
+    call_command("demo_setup", verbosity=0)
+    reviewer = User.objects.get(username="reviewer")
+    assert reviewer.check_password("the operator's own") and not reviewer.check_password("demo")
 
 
 def test_ops_can_reach_the_dead_letter_queue_in_admin(client, db):

@@ -112,7 +112,7 @@ def _breaks_previous_release(operation: Operation, app_label: str, state: Projec
         case migrations.RenameModel():
             return "renames a table the previous release reads by its old name"
         case migrations.AlterModelTable():
-            return "renames a table the previous release reads by its old name"
+            return _renames_the_table(operation, app_label, state)
         case migrations.AddField():
             return _adds_a_column_old_inserts_fail(operation.field)
         case migrations.AlterField():
@@ -142,6 +142,15 @@ def _alters_a_column_old_code_breaks_on(operation: migrations.AlterField, app_la
     # value as NULL. NOT NULL is a contract step, once the release that always writes it runs everywhere.
     if old.null and not new.null and not new.many_to_many:
         return "makes a column NOT NULL that the previous release may write NULL to"
+    return None
+
+
+def _renames_the_table(operation: migrations.AlterModelTable, app_label: str, state: ProjectState) -> str | None:
+    model = state.models.get((app_label, operation.name_lower))
+    default = f"{app_label}_{operation.name_lower}"
+    old = (model.options.get("db_table") if model else None) or default
+    if (operation.table or default) != old:
+        return "renames a table the previous release reads by its old name"
     return None
 
 

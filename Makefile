@@ -91,12 +91,16 @@ test-client-matrix: $(CLIENT_MATRIX:%=.venv-client-%/.installed)
 
 # ruff (style, and imports at the top: PLC0415), then import-linter: the floors of pyproject.toml's
 # [tool.importlinter] (console on top, core at the bottom, the engine's floors inside runs, no circle in an app,
-# nothing below the views importing django.http or ninja); then mypy --strict on the Python client's source.
+# nothing below the views importing django.http or ninja); then mypy --strict on the Python client's source; then
+# the migrations newer than its baseline against the expand/contract rule of a rolling deploy (docs/deploy.md).
+# lint_migrations reads the migration files, no database: the URL names none (port 1), as the unit tier's does, so
+# the settings start no embedded one; LOG_LEVEL hides the workers' periodic tasks registering at start-up.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	cd clients/python && ../../$(VENV)/bin/mypy
+	DATABASE_URL=postgres://no-database-in-lint@127.0.0.1:1/none LOG_LEVEL=WARNING $(PY) manage.py lint_migrations
 
 format: install
 	$(VENV)/bin/ruff check --fix .

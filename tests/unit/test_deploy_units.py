@@ -15,6 +15,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"
 MARGIN_SECONDS = 10  # the process's exit and its connections' closing, after the last step ends
@@ -182,3 +184,48 @@ def test_the_parser_reads_what_systemd_reads(tmp_path):
     assert environment(parsed) == {"A": "1", "B": "two words", "C": "3"}
     assert command(parsed) == ["/bin/x", "-y"]
     assert seconds("1min 10s") == 70 and seconds("30") == 30
+
+
+# --- docs/deploy.md, "On Kubernetes (on paper)": its manifests parse, and give the same times -----------------------
+
+
+def manifests() -> list[dict]:
+    yaml = pytest.importorskip("yaml")
+    text = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+    assert blocks, "docs/deploy.md has no ```yaml block"
+    documents = [doc for block in blocks for doc in yaml.safe_load_all(block)]
+    for doc in documents:
+        assert isinstance(doc, dict) and doc.get("apiVersion") and doc.get("kind"), doc
+    return documents
+
+
+def pod_spec(name: str) -> dict:
+    (deployment,) = [d for d in manifests() if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
+    return deployment["spec"]["template"]["spec"]
+
+
+def test_the_kubernetes_manifests_give_a_stopping_pod_the_time_it_needs():
+    worker_grace = settings_default("WORKER_SHUTDOWN_GRACEFUL_TIMEOUT")
+    assert pod_spec("hitl-console-worker")["terminationGracePeriodSeconds"] >= worker_grace + MARGIN_SECONDS
+    web = pod_spec("hitl-console-web")
+    (container,) = web["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    longest = module_constant("external/api.py", "MAX_WAIT")
+    assert web["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + longest + MARGIN_SECONDS
+
+
+def test_the_kubernetes_manifests_probe_and_run_what_the_image_runs():
+    (web,) = pod_spec("hitl-console-web")["containers"]
+    assert "command" not in web  # the image's CMD, python -m console.webserver
+    assert web["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert web["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    (worker,) = pod_spec("hitl-console-worker")["containers"]
+    assert worker["command"] == ["python", "manage.py", "worker"]
+    assert worker["livenessProbe"]["exec"]["command"] == ["python", "-m", "jobs.healthcheck"]
+    (job,) = [d for d in manifests() if d["kind"] == "Job"]
+    (migrate_container,) = job["spec"]["template"]["spec"]["containers"]
+    assert migrate_container["command"] == ["python", "manage.py", "migrate", "--noinput"]
+    budgets = {d["metadata"]["name"]: d["spec"] for d in manifests() if d["kind"] == "PodDisruptionBudget"}
+    assert budgets.keys() == {"hitl-console-web", "hitl-console-worker"}

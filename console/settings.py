@@ -326,6 +326,9 @@ TOKEN_RATE_LIMIT_PER_MINUTE = env_int("TOKEN_RATE_LIMIT_PER_MINUTE", 0)
 
 # /readyz reports not ready when no worker heartbeat is newer than this many seconds.
 READY_HEARTBEAT_MAX_AGE = env_int("READY_HEARTBEAT_MAX_AGE", 60)
+# A worker also writes its heartbeat to this file, database or not, for a container's health command
+# (`python -m jobs.healthcheck`, which reads the same variable); empty: no file.
+WORKER_HEARTBEAT_FILE = env_str("WORKER_HEARTBEAT_FILE")
 
 # /metrics: a scraper sends "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback clients may scrape.
 METRICS_TOKEN = env_str("METRICS_TOKEN")

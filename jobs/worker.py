@@ -23,6 +23,9 @@
   it sometimes runs the next job on a new thread, which opens one more Django connection than docs/deploy.md's
   formula. Ours gives jobs exactly WORKER_CONCURRENCY threads of their own (`JobThreads`).
 
+With WORKER_HEARTBEAT_FILE set, the worker also writes its heartbeat to that file, database or not, for a container's
+health command (`python -m jobs.healthcheck`, jobs/healthcheck.py).
+
 Every worker of this app is a `Worker` from here: `on_app_ready` (PROCRASTINATE_ON_APP_READY) makes
 `app._worker` build one, and `manage.py worker` builds one directly.
 """
@@ -43,6 +46,7 @@ from typing import Any
 import psycopg
 import psycopg_pool
 import structlog
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from procrastinate import App, exceptions, jobs, manager, signals, sql, utils
 from procrastinate import worker as procrastinate_worker
@@ -52,6 +56,7 @@ from procrastinate.psycopg_connector import PsycopgConnector
 from psycopg_pool.base import AttemptWithBackoff
 
 from jobs import internals, session_life, sessions
+from jobs.healthcheck import HeartbeatFile
 
 log = structlog.get_logger("jobs.worker")
 
@@ -249,8 +254,14 @@ class JobThreads(ThreadPoolExecutor):
 
 
 class Worker(procrastinate_worker.Worker):
-    def __init__(self, *args: Any, keep_notifications: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, keep_notifications: bool = True, heartbeat_file: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        # The heartbeat file for the container's health command (jobs.healthcheck): WORKER_HEARTBEAT_FILE unless
+        # given; empty, none.
+        path = settings.WORKER_HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
+        self._heartbeat_file = HeartbeatFile(path, log) if path else None
         if keep_notifications:
             self._new_job_event = NotificationLatch()  # procrastinate 3.10 has no hook for this event
         self._outage = Outage(on_end=self._after_outage)
@@ -335,9 +346,12 @@ class Worker(procrastinate_worker.Worker):
         self._loop = asyncio.get_running_loop()
         self._loop.set_default_executor(JobThreads(self.concurrency))
         try:
+            # A file left by a worker that was killed is not ours: until we have registered, say nothing.
+            self._remove_heartbeat_file()
             registered = await self._retrying("register worker", self._register, until_stop=True)
             if registered is None:
                 return  # stopped before the database came back
+            self._write_heartbeat_file(database_ok=True)  # registering was a heartbeat the database took
             self.run_task = asyncio.current_task()
             loop_task = asyncio.create_task(self._run_loop(), name="worker loop")
             try:
@@ -347,6 +361,8 @@ class Worker(procrastinate_worker.Worker):
                 await loop_task
                 raise
         finally:
+            # Stopped (or failed): the health command must not take the last beats for a live worker.
+            self._remove_heartbeat_file()
             self._loop = None
 
     async def _register(self) -> int:
@@ -473,6 +489,9 @@ class Worker(procrastinate_worker.Worker):
     async def _update_heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.update_heartbeat_interval)
+            # The loop turned: the file says so before the database call, which may hang until a pool or TCP
+            # timeout during an outage, and a worker waiting out an outage is alive.
+            self._write_heartbeat_file(database_ok=False)
             try:
                 assert self.worker_id is not None
                 await self.app.job_manager.update_heartbeat(self.worker_id)
@@ -482,6 +501,16 @@ class Worker(procrastinate_worker.Worker):
                 self._db_failed("heartbeat", exc)
             else:
                 self._db_ok("heartbeat")
+                self._write_heartbeat_file(database_ok=True)
+
+    def _write_heartbeat_file(self, *, database_ok: bool) -> None:
+        # A small write to a local file, on the event loop: microseconds, not worth a thread.
+        if self._heartbeat_file is not None:
+            self._heartbeat_file.beat(self.worker_id, database_ok=database_ok)
+
+    def _remove_heartbeat_file(self) -> None:
+        if self._heartbeat_file is not None:
+            self._heartbeat_file.remove()
 
     async def _periodic_deferrer(self) -> None:
         await self._retrying("periodic deferrer", super()._periodic_deferrer, until_stop=False)

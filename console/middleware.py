@@ -1,6 +1,6 @@
 """The console's middleware: request ids and the request log, the API's body limit, input PostgreSQL cannot store,
-database outages, access refusals as 404 and 403 pages, and the middleware a token (API) request skips
-(`browser_only`)."""
+database outages, access refusals as 404 and 403 pages, the probes' exemption from Host checks, and the
+middleware a token (API) request skips (`browser_only`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from django.core.signals import got_request_exception
 from django.db import DataError, InterfaceError, OperationalError, connection
 from django.http import Http404, HttpResponse, JsonResponse
 from django.middleware.clickjacking import XFrameOptionsMiddleware
+from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
 from django.middleware.csp import ContentSecurityPolicyMiddleware
 from django.middleware.csrf import CsrfViewMiddleware
 from django.utils.html import escape
@@ -307,3 +308,19 @@ BrowserOnlyLoginRequiredMiddleware = browser_only(LoginRequiredMiddleware)
 BrowserOnlyMessageMiddleware = browser_only(MessageMiddleware)
 BrowserOnlyXFrameOptionsMiddleware = browser_only(XFrameOptionsMiddleware)
 BrowserOnlyHtmxMiddleware = browser_only(HtmxMiddleware)
+
+
+# The orchestrator's probes: answered whatever Host they name.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class CommonMiddleware(DjangoCommonMiddleware):
+    """Django's, except that a probe (/healthz, /readyz) is not checked against ALLOWED_HOSTS: a container's
+    health check, a load balancer's and Kubernetes' probes name the replica's own address (`10.89.0.15:8000`),
+    which ALLOWED_HOSTS need not list, and would mark every replica down with 400. The probes build nothing from
+    the Host header; every other request is checked as before."""
+
+    def process_request(self, request):
+        if request.path_info in PROBE_PATHS:
+            return None
+        return super().process_request(request)

@@ -145,7 +145,8 @@ MIDDLEWARE = [
     "console.middleware.BrowserOnlyCspMiddleware",
     "console.middleware.BrowserOnlyWhiteNoiseMiddleware",
     "console.middleware.BrowserOnlySessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    # Django's CommonMiddleware, with the probes answered whatever Host they name.
+    "console.middleware.CommonMiddleware",
     "console.middleware.BrowserOnlyCsrfViewMiddleware",
     "console.middleware.BrowserOnlyAuthenticationMiddleware",
     "console.middleware.BrowserOnlyLoginRequiredMiddleware",

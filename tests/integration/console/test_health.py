@@ -75,3 +75,13 @@ def test_readyz_reports_an_unreachable_database():
 @pytest.mark.parametrize("url", ["/healthz", "/readyz"])
 def test_health_endpoints_refuse_post(client, db, url):
     assert client.post(url).status_code == 405
+
+
+@pytest.mark.parametrize("url", ["/healthz", "/readyz"])
+def test_probes_answer_whatever_host_they_name(client, db, settings, url):
+    """A container's health check and a load balancer's probe name the replica's own address, which ALLOWED_HOSTS
+    does not list (compose.yaml's HAProxy, Kubernetes): they are answered; any other page is refused as before."""
+    settings.ALLOWED_HOSTS = ["console.example.com"]
+    assert client.get(url, HTTP_HOST="10.89.0.15:8000").status_code != 400
+    assert client.get("/login/", HTTP_HOST="10.89.0.15:8000").status_code == 400
+    assert client.get(url + "/", HTTP_HOST="10.89.0.15:8000").status_code == 400

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed
 ASSETS_STAMP := node_modules/.installed
 
-.PHONY: run test test-fast test-unit test-client-matrix browser pgbouncer wrk lint format install clean bench bench-smoke
+.PHONY: run test test-fast test-unit test-client-matrix test-deploy containers browser pgbouncer wrk lint format install clean bench bench-smoke
 
 install: $(VENV_STAMP) $(ASSETS_STAMP)
 
@@ -55,6 +55,24 @@ PGBOUNCER ?= /usr/sbin/pgbouncer
 
 pgbouncer:
 	$(call debian_program,$(PGBOUNCER),pgbouncer,the PgBouncer system tests,$(SLOW_TESTS_AFTER))
+
+# The deploy tests (tests/deploy) run Debian's Podman: runc (crun is refused in this machine kind's sandbox),
+# netavark and aardvark-dns (the compose network and its names), and mmdebstrap (the base images, built from
+# Debian's packages where no image registry is reachable).
+CONTAINER_PACKAGES := podman runc netavark aardvark-dns iptables nftables catatonit uidmap slirp4netns fuse-overlayfs mmdebstrap
+DEPLOY_TESTS_AFTER := run 'make test-deploy' again.
+
+containers:
+	$(call debian_program,/usr/bin/podman,$(CONTAINER_PACKAGES),the deploy tests,$(DEPLOY_TESTS_AFTER))
+	$(call debian_program,/usr/sbin/runc,$(CONTAINER_PACKAGES),the deploy tests,$(DEPLOY_TESTS_AFTER))
+	$(call debian_program,/usr/bin/mmdebstrap,$(CONTAINER_PACKAGES),the deploy tests,$(DEPLOY_TESTS_AFTER))
+
+# compose.yaml's stack, built from the Containerfile and started by podman-compose, under load while a new release
+# rolls out (deploy/rollout.sh), and a worker container SIGKILLed mid-payment (tests/deploy; docs/RELIABILITY.md).
+# No database of the suite's own: the tests talk to the stack's.
+test-deploy: install containers
+	DEPLOY_TESTS=1 DATABASE_URL=postgres://no-database-in-the-deploy-tests@127.0.0.1:1/none \
+		$(PY) -m pytest tests/deploy -p no:cacheprovider -s $(PYTEST_ARGS)
 
 # The whole suite, slow system and browser tests included. `make test-fast` skips those.
 test: install browser pgbouncer

@@ -39,6 +39,8 @@ def pytest_configure(config):
 
 
 TESTS = Path(__file__).resolve().parent
+# tests/deploy builds images and runs compose.yaml's stack for minutes: `make test-deploy` only, which asks for it.
+collect_ignore = [] if os.environ.get("DEPLOY_TESTS") == "1" else ["deploy"]
 # Fixtures that give a test the database; a test under tests/unit takes none of them.
 DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
 

@@ -76,6 +76,5 @@ replace_each() {
 say "migrations of $APP_IMAGE"
 $COMPOSE run --rm --no-deps migrate
 replace_each worker "$WORKER_GRACE" 0 python -m jobs.healthcheck
-replace_each web "$WEB_GRACE" "$PROXY_SETTLE" python -c \
-    "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4).status != 200)"
+replace_each web "$WEB_GRACE" "$PROXY_SETTLE" python -m console.healthcheck
 say "done: every worker and web replica runs $APP_IMAGE"

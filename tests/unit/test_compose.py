@@ -78,6 +78,7 @@ def test_every_process_runs_the_image_with_its_command():
     # The new release's code waits for its own migrations.
     assert all("wait_for_database --migrated" in commands[name] for name in ("web", "worker"))
     assert services["worker"]["healthcheck"]["test"] == ["CMD", "python", "-m", "jobs.healthcheck"]
+    assert services["web"]["healthcheck"]["test"] == ["CMD", "python", "-m", "console.healthcheck"]
     assert services["web"]["deploy"] == {"mode": "replicated", "replicas": 2}
     assert services["worker"]["deploy"] == {"mode": "replicated", "replicas": 2}
 
@@ -97,7 +98,7 @@ def test_the_image_runs_unprivileged_and_holds_no_secret():
     assert re.search(r"^ARG BASE_IMAGE=docker\.io/library/python:3\.12-slim$", containerfile, re.M)
     users = re.findall(r"^USER (\S+)", containerfile, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert re.search(r"^HEALTHCHECK .*/healthz", containerfile, re.M | re.S)
+    assert re.search(r'^HEALTHCHECK .*\n\s+CMD \["python", "-m", "console.healthcheck"\]$', containerfile, re.M)
     # ENV and ARG name no secret; the one secret-like value (collectstatic's) lives in one RUN's environment only.
     declared = " ".join(re.findall(r"^(?:ENV|ARG) .*(?:\n\s+.*)*", containerfile, re.M))
     assert not re.search(r"SECRET|PASSWORD|TOKEN|_KEY\b", declared), declared

@@ -230,6 +230,10 @@ class Outage:
             self._on_end()
 
 
+# Seconds an aborted async job gets to end once the graceful timeout has passed (a cancelled task ends at its next
+# await); what still runs then is a sync job's thread, abandoned (Worker._shutdown).
+ABANDON_AFTER_SECONDS = 1.0
+
 # True inside a job's asyncio task (set by Worker._process_job): what it submits to the default executor is a job.
 _IN_JOB: contextvars.ContextVar[bool] = contextvars.ContextVar("in_job", default=False)
 
@@ -242,11 +246,19 @@ class JobThreads(ThreadPoolExecutor):
     def __init__(self, concurrency: int) -> None:
         super().__init__(thread_name_prefix="worker-loop")
         self.jobs = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="job")
+        self._running: set[Future] = set()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         if _IN_JOB.get():
-            return self.jobs.submit(fn, *args, **kwargs)
+            future = self.jobs.submit(fn, *args, **kwargs)
+            self._running.add(future)
+            future.add_done_callback(self._running.discard)
+            return future
         return super().submit(fn, *args, **kwargs)
+
+    def running(self) -> int:
+        """Jobs still running on a job thread (after the graceful timeout: abandoned to the stalled-job sweep)."""
+        return sum(1 for future in list(self._running) if not future.done())
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.jobs.shutdown(wait=wait, cancel_futures=cancel_futures)
@@ -344,7 +356,8 @@ class Worker(procrastinate_worker.Worker):
         self._stop_event.clear()
         self._stop_requested_at = None
         self._loop = asyncio.get_running_loop()
-        self._loop.set_default_executor(JobThreads(self.concurrency))
+        self.job_threads = JobThreads(self.concurrency)
+        self._loop.set_default_executor(self.job_threads)
         try:
             # A file left by a worker that was killed is not ours: until we have registered, say nothing.
             self._remove_heartbeat_file()
@@ -583,7 +596,19 @@ class Worker(procrastinate_worker.Worker):
             await asyncio.wait(self._running_jobs, timeout=self.shutdown_graceful_timeout)
         if self._running_jobs:
             log.info("jobs still running after the graceful timeout: aborting them", count=len(self._running_jobs))
-            await self._abort_running_jobs()
+            # procrastinate cancels an async job, and waits for a sync one as long as it runs: a step on a job
+            # thread cannot be interrupted (a run stops between steps). Such a job is left `doing`: the worker
+            # unregisters (the job's worker_id becomes NULL: stalled at once for another worker's sweep) and
+            # `manage.py worker` exits at once, as the supervisor's SIGKILL would have ended it, instead of
+            # outliving its own timeout (jobs/management/commands/worker.py).
+            abort = asyncio.ensure_future(self._abort_running_jobs())
+            done, _ = await asyncio.wait([abort], timeout=ABANDON_AFTER_SECONDS)
+            if not done:
+                log.warning(
+                    "jobs left running past the graceful timeout: abandoned to the stalled-job sweep",
+                    count=len(self._running_jobs),
+                    job_ids=sorted(context.job.id for context in self._running_jobs.values()),
+                )
 
         await utils.cancel_and_capture_errors(draining)
 

@@ -148,7 +148,12 @@ def test_a_worker_container_sigkilled_mid_payment_is_recovered_and_pays_once(sta
             answer = stack.call("GET", f"/api/runs/{run_id}", record=False)
             if answer.body["current_step"] != "issue_refund" or answer.body["status"] != "running":
                 return None
-            holders = [c for c in stack.containers("worker") if run_id in stack.logs(c)]
+            # The run's job now: the worker that logged its start is the one paying.
+            job_id = stack.sql(
+                f"SELECT id FROM procrastinate_jobs WHERE status = 'doing' AND args->>'run_id' = '{run_id}'"
+            )
+            started = f"Starting job advance_run[{job_id}]"
+            holders = [c for c in stack.containers("worker") if job_id and started in stack.logs(c)]
             return holders[0] if len(holders) == 1 else None
 
         holder = stack.wait(paying, "the refund's payment in flight on one worker", 120)

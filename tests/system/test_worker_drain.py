@@ -71,3 +71,30 @@ def test_a_draining_worker_keeps_heartbeating_until_its_job_ends(start_worker):
     assert ages and all(age is not None for age in ages)
     assert max(ages) < HEARTBEAT + 1, f"heartbeat ages while draining: {ages}\n{worker_logs([worker])}"
     assert _heartbeat_age() is None
+
+
+def test_a_worker_whose_job_outlives_the_graceful_timeout_exits_at_the_timeout(start_worker):
+    """The step still running when WORKER_SHUTDOWN_GRACEFUL_TIMEOUT ends is left `doing` for the stalled-job
+    sweep; the worker exits then, not when the step's thread ends (Python joins an executor's threads at exit):
+    a supervisor's stop grace period of the timeout plus a margin is enough (compose.yaml, systemd's units)."""
+    graceful = 2.0
+    worker = start_worker(WORKFLOW_MODULES=__name__, WORKER_SHUTDOWN_GRACEFUL_TIMEOUT=graceful)
+    job_id = sleep.defer(seconds=30)
+    try:
+        wait_with_logs(
+            lambda: ProcrastinateJob.objects.filter(pk=job_id, status="doing").exists(), "the job to start", [worker]
+        )
+        worker.kill(signal.SIGTERM)
+        signalled = time.monotonic()
+        while worker.proc.poll() is None and time.monotonic() - signalled < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - signalled
+
+        assert worker.proc.poll() == 0, f"the worker did not exit cleanly\n{worker_logs([worker])}"
+        assert took < graceful + 5, f"exited {took:.1f} s after SIGTERM\n{worker_logs([worker])}"
+        # Left for the sweep, as after a crash, and said so.
+        assert ProcrastinateJob.objects.get(pk=job_id).status == "doing"
+        assert "still running past the graceful timeout" in worker_logs([worker])
+    finally:
+        with connection.cursor() as cursor:  # no later test's worker should take the 30 s job up
+            cursor.execute("DELETE FROM procrastinate_jobs WHERE id = %s", [job_id])

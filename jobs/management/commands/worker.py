@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 from typing import Any
 
 from django.conf import settings
@@ -22,7 +24,7 @@ from jobs import session_life
 from jobs.internals import InternalsMismatch
 from jobs.session_life import IdleTimeoutsOn, LocksOutliveSessions
 from jobs.sessions import SessionPoolingRequired
-from jobs.worker import Worker, WorkerConnector
+from jobs.worker import Worker, WorkerConnector, log
 
 
 class _Into:
@@ -78,3 +80,24 @@ class Command(BaseCommand):
                 # still our worker, with procrastinate's plain new-job event.
                 worker = Worker(app=app, keep_notifications=False, **{**app.worker_defaults, **options})
             await worker.run()
+        _exit_now_if_jobs_outlived_the_timeout(worker)
+
+
+def _exit_now_if_jobs_outlived_the_timeout(worker: Worker) -> None:
+    """A step still running on a job thread when the graceful timeout ended was left `doing`, for another worker's
+    stalled-job sweep (jobs.worker). Python would wait for that thread at exit (asyncio.run, then the interpreter,
+    join an executor's threads), and the worker would outlive its own timeout until its supervisor's SIGKILL (a
+    container's stop grace period, systemd's TimeoutStopSec). So it exits now, as that SIGKILL would end it: the
+    step's transaction rolls back with its connection, its run's lock goes with its session."""
+    job_threads = getattr(worker, "job_threads", None)
+    if job_threads is None or not (running := job_threads.running()):
+        return
+    log.warning(
+        "exiting with jobs still running past the graceful timeout: another worker's stalled-job sweep takes them "
+        "back",
+        jobs=running,
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

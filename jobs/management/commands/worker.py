@@ -93,8 +93,7 @@ def _exit_now_if_jobs_outlived_the_timeout(worker: Worker) -> None:
     if job_threads is None or not (running := job_threads.running()):
         return
     log.warning(
-        "exiting with jobs still running past the graceful timeout: another worker's stalled-job sweep takes them "
-        "back",
+        "exiting with jobs still running past the graceful timeout: another worker's stalled-job sweep takes them back",
         jobs=running,
     )
     logging.shutdown()

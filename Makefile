@@ -67,7 +67,7 @@ containers:
 	$(call debian_program,/usr/sbin/runc,$(CONTAINER_PACKAGES),the deploy tests,$(DEPLOY_TESTS_AFTER))
 	$(call debian_program,/usr/bin/mmdebstrap,$(CONTAINER_PACKAGES),the deploy tests,$(DEPLOY_TESTS_AFTER))
 
-# compose.yaml's stack, built from the Containerfile and started by podman-compose, under load while a new release
+# compose.yaml's stack, built from the Dockerfile and started by podman-compose, under load while a new release
 # rolls out (deploy/rollout.sh), and a worker container SIGKILLed mid-payment (tests/deploy; docs/RELIABILITY.md).
 # No database of the suite's own: the tests talk to the stack's.
 test-deploy: install containers

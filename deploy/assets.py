@@ -1,7 +1,7 @@
 """Installs the front-end packages of package-lock.json into node_modules/ without Node.js: each package's tarball
 from the npm registry, checked against the lockfile's integrity hash before anything of it is written.
 
-The image's build stage runs it (Containerfile): `collectstatic` copies htmx from node_modules/, and the build
+The image's build stage runs it (Dockerfile): `collectstatic` copies htmx from node_modules/, and the build
 image needs no Node.js for one file. On a checkout `npm ci` does the same (make install).
 
     python deploy/assets.py [--registry URL] [--into DIR]

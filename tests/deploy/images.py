@@ -1,6 +1,6 @@
 """The images of tests/deploy's stack, built here where no registry is reachable: base images from Debian's
 packages (mmdebstrap, imported into Podman, cached by their recipe), then the console's image from the
-Containerfile on that base, release 1 and release 2 (release 1 plus a migration that adds a column)."""
+Dockerfile on that base, release 1 and release 2 (release 1 plus a migration that adds a column)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MIRROR = os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # The machine's own certificate authorities (an egress proxy's, here): pip and apt inside a build trust them.
 LOCAL_CAS = Path("/usr/local/share/ca-certificates")
 
-# What the Containerfile's BASE_IMAGE must have (python:3.12-slim's part of it): Python >= 3.12 with venv. Debian
+# What the Dockerfile's BASE_IMAGE must have (python:3.12-slim's part of it): Python >= 3.12 with venv. Debian
 # bookworm has 3.11; trixie has 3.13, which the project runs on (the image's build checks it).
 APP_BASE = ("trixie", ["python3", "python3-venv", "ca-certificates"])
 # The stand-ins for the official postgres:15 and haproxy images, and PgBouncer's base (deploy/pgbouncer).
@@ -63,10 +63,8 @@ def base_image(recipe: tuple[str, list[str]], name: str) -> str:
     return tag
 
 
-def build(tag: str, context: Path, *, containerfile: Path | None = None, **args: str) -> str:
+def build(tag: str, context: Path, **args: str) -> str:
     command = ["build", "--format", "docker", "--tag", tag]  # docker format: OCI images drop HEALTHCHECK
-    if containerfile:
-        command += ["--file", str(containerfile)]
     for name, value in args.items():
         command += ["--build-arg", f"{name}={value}"]
     podman(*command, str(context))
@@ -94,7 +92,7 @@ def release_2(release_1: str, tag: str) -> str:
     )
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "0999_deploy_release.py").write_text(migration)
-        (Path(tmp) / "Containerfile").write_text(
+        (Path(tmp) / "Dockerfile").write_text(
             f"FROM {release_1}\n"
             "COPY 0999_deploy_release.py /app/runs/migrations/\n"
             'LABEL org.opencontainers.image.version="release-2"\n'

@@ -1,4 +1,4 @@
-"""compose.yaml, .env.example, deploy/rollout.sh and the Containerfile agree on what a deployment depends on: the
+"""compose.yaml, .env.example, deploy/rollout.sh and the Dockerfile agree on what a deployment depends on: the
 workers' stop grace period covers their own graceful timeout plus a margin, the image runs as no one privileged
 and holds no secret, every process runs the image's commands."""
 
@@ -94,13 +94,13 @@ def test_the_web_tier_uses_the_transaction_pool_and_workers_the_session_pool():
 
 
 def test_the_image_runs_unprivileged_and_holds_no_secret():
-    containerfile = (ROOT / "Containerfile").read_text()
-    assert re.search(r"^ARG BASE_IMAGE=docker\.io/library/python:3\.12-slim$", containerfile, re.M)
-    users = re.findall(r"^USER (\S+)", containerfile, re.M)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=docker\.io/library/python:3\.12-slim$", dockerfile, re.M)
+    users = re.findall(r"^USER (\S+)", dockerfile, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert re.search(r'^HEALTHCHECK .*\n\s+CMD \["python", "-m", "console.healthcheck"\]$', containerfile, re.M)
+    assert re.search(r'^HEALTHCHECK .*\n\s+CMD \["python", "-m", "console.healthcheck"\]$', dockerfile, re.M)
     # ENV and ARG name no secret; the one secret-like value (collectstatic's) lives in one RUN's environment only.
-    declared = " ".join(re.findall(r"^(?:ENV|ARG) .*(?:\n\s+.*)*", containerfile, re.M))
+    declared = " ".join(re.findall(r"^(?:ENV|ARG) .*(?:\n\s+.*)*", dockerfile, re.M))
     assert not re.search(r"SECRET|PASSWORD|TOKEN|_KEY\b", declared), declared
     ignored = (ROOT / ".dockerignore").read_text().splitlines()
     assert ".env" in ignored and ".git" in ignored

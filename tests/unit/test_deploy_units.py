@@ -4,7 +4,7 @@ A worker on SIGTERM finishes its running steps within WORKER_SHUTDOWN_GRACEFUL_T
 waiting sooner SIGKILLs it mid-drain, and its steps wait STALLED_AFTER_SECONDS for another worker's sweep. So the
 worker unit's TimeoutStopSec is that grace period (console/settings.py's default, or the unit's own Environment=)
 plus a margin. The web server waits out its longest request, an approval-request long-poll (external/api.py,
-MAX_WAIT). The commands are the image's (Containerfile). The values are read from the sources, never copied here.
+MAX_WAIT). The commands are the image's (Dockerfile). The values are read from the sources, never copied here.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def module_constant(path: str, name: str) -> float:
 
 
 def image_command() -> list[str]:
-    cmd = re.search(r"^CMD (\[.*\])$", (ROOT / "Containerfile").read_text(encoding="utf-8"), re.MULTILINE)
-    assert cmd, "Containerfile has no CMD [...]"
+    cmd = re.search(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(encoding="utf-8"), re.MULTILINE)
+    assert cmd, "Dockerfile has no CMD [...]"
     return json.loads(cmd.group(1))
 
 

@@ -139,7 +139,14 @@ CONNECTOR_ATTRIBUTES = {
     "_pool_args": (dict, "jobs/worker.py: WorkerConnector.open_async"),
 }
 # Instance attributes jobs.worker.Worker adds: procrastinate's Worker must not have them (they would clash).
-OUR_WORKER_ATTRIBUTES = ("_outage", "_stop_requested_at", "_reconcile_due", "_database_checked", "_heartbeat_file")
+OUR_WORKER_ATTRIBUTES = (
+    "_outage",
+    "_stop_requested_at",
+    "_reconcile_due",
+    "_database_checked",
+    "_heartbeat_file",
+    "job_threads",
+)
 
 # SQL (checked once when a worker starts): name -> ("(identity arguments) -> result", where).
 SQL_FUNCTIONS = {

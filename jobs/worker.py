@@ -277,6 +277,7 @@ class Worker(procrastinate_worker.Worker):
         if keep_notifications:
             self._new_job_event = NotificationLatch()  # procrastinate 3.10 has no hook for this event
         self._outage = Outage(on_end=self._after_outage)
+        self.job_threads: JobThreads | None = None  # the loop's default executor, once running (Worker._run)
         self._stop_requested_at: float | None = None
         # After an outage: requeue jobs the database says we run but we do not (a fetch whose answer was lost,
         # a status we gave up writing), and check our worker row is still there.

@@ -89,8 +89,7 @@ def _exit_now_if_jobs_outlived_the_timeout(worker: Worker) -> None:
     join an executor's threads), and the worker would outlive its own timeout until its supervisor's SIGKILL (a
     container's stop grace period, systemd's TimeoutStopSec). So it exits now, as that SIGKILL would end it: the
     step's transaction rolls back with its connection, its run's lock goes with its session."""
-    job_threads = getattr(worker, "job_threads", None)
-    if job_threads is None or not (running := job_threads.running()):
+    if worker.job_threads is None or not (running := worker.job_threads.running()):
         return
     log.warning(
         "exiting with jobs still running past the graceful timeout: another worker's stalled-job sweep takes them back",

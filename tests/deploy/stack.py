@@ -138,6 +138,8 @@ class Stack:
 
     def down(self) -> None:
         subprocess.run([*self.compose_command(), "down", "-v", "-t", "0"], cwd=ROOT, env=self.env, capture_output=True)
+        # The layers that each run's build left untagged: the machine keeps the tagged images (the cache), not these.
+        self.podman("image", "prune", "--force", check=False)
 
     def rollout(self, image: str) -> subprocess.CompletedProcess:
         return subprocess.run(

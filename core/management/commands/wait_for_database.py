@@ -33,20 +33,24 @@ class Command(BaseCommand):
 
     def handle(self, *args, timeout: float, migrated: bool, **options):
         deadline = time.monotonic() + timeout
-        said = None
+        said = None  # what the last message was about: the database, or the migrations
         while True:
             try:
-                missing = _unapplied() if migrated else connections[DEFAULT_DB_ALIAS].ensure_connection()
+                connections[DEFAULT_DB_ALIAS].ensure_connection()
+                missing = _unapplied() if migrated else []
             except DatabaseError as exc:
                 connections[DEFAULT_DB_ALIAS].close()
-                waiting = f"the database to answer ({exc.__class__.__name__}: {str(exc).strip()})"
+                about, waiting = "database", f"the database to answer ({type(exc).__name__}: {str(exc).strip()})"
             else:
                 if not missing:
                     return
-                waiting = f"{len(missing)} migrations to be applied ({', '.join(missing[:3])}, ...)"
+                about, waiting = (
+                    "migrations",
+                    f"{len(missing)} migrations to be applied ({', '.join(missing[:3])}, ...)",
+                )
             if time.monotonic() >= deadline:
                 raise CommandError(f"gave up after {timeout:g} s waiting for {waiting}")
-            if waiting.split(" (")[0] != said:
+            if about != said:
                 self.stderr.write(f"waiting for {waiting}")
-                said = waiting.split(" (")[0]
+                said = about
             time.sleep(1)

@@ -118,7 +118,29 @@ class Stack:
     def manage(self, *args: str, service: str = "worker") -> str:
         """`manage.py ARGS` in a running container of `service`: its stdout."""
         container = self.containers(service)[0]
-        return self.podman("exec", container, "python", "manage.py", *args, timeout=120).stdout
+        done = self.podman("exec", container, "python", "manage.py", *args, timeout=120, check=False)
+        assert done.returncode == 0, f"manage.py {' '.join(args)} in {container}: exit {done.returncode}\n{done.stderr}"
+        return done.stdout
+
+    def migrated(self) -> bool:
+        """The one-shot `migrate` container has exited 0: the migrations and the demo's users are there (the web
+        and the workers wait for the migrations only, and may be ready before `demo_setup` has run)."""
+        names = self.podman(
+            "ps",
+            "--all",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            "label=com.docker.compose.service=migrate",
+            "--format",
+            "{{.Names}}",
+        ).stdout.split()
+        if not names:
+            return False
+        state = self.podman("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", names[0]).stdout.split()
+        if state[0] == "exited" and state[1] != "0":
+            raise AssertionError(f"the migrate container failed (exit {state[1]}):\n{self.logs(names[0])[-3000:]}")
+        return state == ["exited", "0"]
 
     def sql(self, query: str) -> str:
         (container,) = self.containers("postgres")
@@ -132,6 +154,7 @@ class Stack:
 
     def up(self) -> None:
         self.compose("up", "-d")
+        self.wait(self.migrated, "the migrations and the demo's setup done", 240)
         self.wait(lambda: self.call("GET", "/readyz", record=False).status == 200, "the console ready", 240)
         for user in ("admin", "reviewer"):
             self.tokens[user] = self.manage("create_api_token", user, service="web").strip()

@@ -112,4 +112,5 @@ def _decision_of(card: Approval) -> Decision:
         reason=last.reason,
         by=", ".join(dict.fromkeys(d.actor.username if d.actor else "system" for d in deciders)),
         proposed=card.proposed,
+        undo=outcome == Outcome.REJECTED and any(d.undo for d in deciders),
     )

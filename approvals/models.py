@@ -21,6 +21,7 @@ from approvals.errors import Expired
 from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
 from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel
+from runs import compensations
 from runs.gates import Kind
 from runs.models import Run
 
@@ -209,6 +210,7 @@ class Approval(models.Model):
         agreement: str = "",
         done_by_hand: str = "",
         via: str = "",
+        undo: bool = False,
     ) -> Approval:
         """Approve, edit (the edited payload is what executes) or reject (a comment is required). Writes the
         decision, updates the card and re-queues the run with its job, all in one transaction.
@@ -222,9 +224,16 @@ class Approval(models.Model):
         (`to_execute`): the card's display columns become the edit's, and the version that a later decision must
         name is the one after it. On a shadow card the decision records what the reviewer did by hand. `via` names
         where it was taken or where the person came from when not the console itself (`slack`; `email`: a
-        DecisionLink), in its audit entry."""
+        DecisionLink), in its audit entry. `undo` (a rejection of an action or budget card only): reject and undo,
+        what the run did is compensated too (runs.compensations; refused when there is nothing it can undo)."""
         asked = rules.Asked.of(
-            decision, comment=comment, reason=reason, payload=payload, agreement=agreement, done_by_hand=done_by_hand
+            decision,
+            comment=comment,
+            reason=reason,
+            payload=payload,
+            agreement=agreement,
+            done_by_hand=done_by_hand,
+            undo=undo,
         )
         with transaction.atomic():
             # One lock order everywhere: the run, then its card (Run.cancel, the engine and approvals.sla do the
@@ -235,6 +244,8 @@ class Approval(models.Model):
             card.run = run
             covering = Delegation.covered_by(actor)
             rules.check(actor, card, asked, version, covering)  # on what the lock lets us read: whoever the caller is
+            if asked.undo:
+                compensations.check_undo_on_rejection(card)  # nothing to undo: refused (UndoRefused), nothing done
             now = timezone.now()
             if actor is not None and card.due_at <= now:
                 # Past its deadline: the card's expiry applies now, in this transaction, and the decision is refused
@@ -270,6 +281,7 @@ class Approval(models.Model):
             payload=asked.payload,
             agreement=asked.agreement,
             done_by_hand=asked.done_by_hand,
+            undo=asked.undo,
             stage=count.stage if on_policy else None,
             stage_name=count.stage_name if on_policy else "",
             on_behalf_of_id=count.on_behalf_of if on_policy else None,
@@ -396,6 +408,7 @@ class Approval(models.Model):
                     else {}
                 ),
                 **({"approvals": count.given, "required": count.required} if count.applies else {}),
+                **({"undo": True} if asked.undo else {}),
                 **policy,
                 **({"via": via} if via else {}),
             },
@@ -416,6 +429,7 @@ class Decision(models.Model):
     # Shadow cards only (Approval.shadow): the reviewer's agreement with the agent and what they did by hand.
     agreement = models.CharField(max_length=8, choices=Agreement.choices, blank=True)
     done_by_hand = models.TextField(blank=True)
+    undo = models.BooleanField(default=False, db_default=False, help_text="Reject and undo: what the run did is undone too.")
     # Under an approval policy (Approval.policy): the row of it the decision was taken at, its name, and the
     # absent person it was taken for (Delegation), when the actor decided as their cover.
     stage = models.PositiveSmallIntegerField(null=True, blank=True)
@@ -435,6 +449,9 @@ class Decision(models.Model):
             models.CheckConstraint(
                 condition=~Q(decision=DecisionKind.REJECT) | ~Q(comment=""),
                 name="approvals_decision_reject_has_comment",
+            ),
+            models.CheckConstraint(
+                condition=Q(undo=False) | Q(decision=DecisionKind.REJECT), name="approvals_decision_undo_rejects"
             ),
         ]
 

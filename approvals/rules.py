@@ -66,6 +66,7 @@ class Asked:
     payload: dict | None = None
     agreement: str = ""
     done_by_hand: str = ""
+    undo: bool = False  # "reject and undo": what the run did is undone too (runs.compensations)
 
     @classmethod
     def of(
@@ -77,6 +78,7 @@ class Asked:
         payload: Any = None,
         agreement: str = "",
         done_by_hand: str = "",
+        undo: bool = False,
     ) -> Asked:
         if decision not in DecisionKind.values:
             raise InvalidDecision(f"decision must be approve, edit or reject, not {decision!r}")
@@ -90,6 +92,8 @@ class Asked:
             raise InvalidDecision(f"agreement must be agree or disagree, not {agreement!r}")
         if len(done_by_hand) > DONE_BY_HAND_MAX:
             raise InvalidDecision(f"what you did is longer than {DONE_BY_HAND_MAX} characters")
+        if undo and decision != DecisionKind.REJECT:
+            raise InvalidDecision("only a rejection can also undo what the run did")
         return cls(
             DecisionKind(decision),
             comment=comment,
@@ -97,6 +101,7 @@ class Asked:
             payload=payload if decision == DecisionKind.EDIT else None,
             agreement=agreement,
             done_by_hand=done_by_hand,
+            undo=bool(undo),
         )
 
 

@@ -21,7 +21,7 @@ from django.conf import settings
 from runs import gates
 from runs.errors import Fatal, Park, Stop
 from runs.gates import ANY_LEAF, ApprovalRequest, GateSpec, Outcome, canonical_hash, schema_errors
-from runs.steps import Context, StepDef
+from runs.steps import Compensation, Context, StepDef
 from runs.tools import NEVER, AgentSpec, history
 
 
@@ -68,6 +68,7 @@ def _call_step(stage: StepDef, turn: int, index: int, call: dict, message: dict,
         channel=known.channel if known else None,
         gate=gate,
         versions=versions,
+        compensation=Compensation.of(known.compensation, f"tool {known.name}") if known else None,
     )
 
 
@@ -122,7 +123,8 @@ def _extend_turns(ctx: Context, stage: StepDef, limit: int, turn: int) -> int:
     if decision is None:
         raise park
     if decision.rejected:
-        raise Stop({"outcome": "stopped at turn limit", "by": decision.by, "comment": decision.comment})
+        undo = {"undo": "budget"} if decision.undo else {}  # stop and undo (runs.compensations)
+        raise Stop({"outcome": "stopped at turn limit", "by": decision.by, "comment": decision.comment, **undo})
     extended = min(int((decision.payload or {})["max_turns"]), ceiling)  # the ceiling may have been lowered
     if extended <= taken:
         raise park  # no room: ask again rather than take another turn
@@ -213,6 +215,9 @@ def _call_fn(stage: StepDef, turn: int, index: int, call: dict, message: dict) -
             )
             if decision["decision"] == Outcome.REJECTED:
                 rejected = {k: decision[k] for k in ("comment", "reason", "by")}
+                if decision.get("undo"):
+                    # Reject and undo: the run stops here and what it did is undone (runs.compensations).
+                    raise Stop({"outcome": "rejected", "step": ctx.step.name, **rejected, "undo": "rejected"})
                 return {**base, "arguments": proposed, "rejected": rejected}
             if decision["payload"] != proposed:
                 # Validated as the card was decided, and again by ctx.gate; if it still fails, it is not retried.

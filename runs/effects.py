@@ -42,14 +42,17 @@ class ChannelStopped(EffectRefused):
         self.channel, self.killed = channel, killed
 
 
-def open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
+def open_receipt(
+    run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None, undo: bool = False
+):
     """Insert the effect's receipt (or find the one an earlier attempt wrote) under the rules above. Returns the
     receipt with `fresh` (written now) and `shadow` (recorded, not sent; a ShadowEffect is written with a new
     shadow receipt; an earlier attempt's pending receipt keeps its mode). An external agent's caller holds its run's
-    row (external.executions._locked) in the transaction this joins."""
+    row (external.executions._locked) in the transaction this joins. `undo`: a compensation (runs.compensations),
+    which a cancel does not stop: the run is being undone (by its owner, or by an external run's agent)."""
     breakers.check(channel)  # an open breaker: held back before any receipt is written (BreakerOpen)
     with transaction.atomic():
-        _check_live(run)
+        _check_live(run, undo)
         if (killed := Channel.killed_for_effects(channel)) is not None:
             raise ChannelStopped(channel, killed)
         receipt, created = Receipt.objects.get_or_create(
@@ -70,12 +73,15 @@ def open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", 
     return receipt
 
 
-def _check_live(run: Run) -> None:
+def _check_live(run: Run, undo: bool = False) -> None:
     if run.workflow == EXTERNAL_WORKFLOW:
         # No job owns an external run: the agent's caller locked its row, so a cancel is before or after this.
-        if run.status != Run.Status.EXTERNAL or run.cancel_requested:
+        if undo:
+            if run.status != Run.Status.COMPENSATING:
+                raise RunEnded(run.status)
+        elif run.status != Run.Status.EXTERNAL or run.cancel_requested:
             raise RunEnded(Run.Status.CANCELLED if run.cancel_requested else run.status)
-    elif run.owned():
+    elif run.owned() and not undo:
         # A cancel committed while the step ran (the row lock orders it before this receipt, or after it).
         raise RunEnded(Run.Status.CANCELLED)
 

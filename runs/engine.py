@@ -30,7 +30,7 @@ from django.utils.module_loading import import_string
 from core.models import AuditEntry, Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
-from runs import gates, ownership, ratelimit
+from runs import compensations, gates, ownership, ratelimit
 from runs import workflow as workflows
 from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
 from runs.gates import ApprovalRequest, Outcome, canonical_hash
@@ -78,26 +78,88 @@ def advance(run_id, job: JobInfo | None = None) -> None:
 
 
 def _advance(run: Run, job: JobInfo) -> None:
+    workflow = None
     try:
-        _drive(run, workflows.get(run.workflow, run.workflow_version), job)
+        workflow = workflows.get(run.workflow, run.workflow_version)
+        if not run.undo_reason:
+            _drive(run, workflow, job)
     except (Fatal, UnknownWorkflow) as exc:
-        _fail(run, exc, job)
+        _fail(run, exc, job, workflow=workflow)
     except OwnershipLost:
         raise
     except Exception as exc:
-        if _out_of_attempts(run, exc, job):
-            _fail(run, exc, job)
-            return
-        _wait_for_retry(run, exc, job)
-        record_retry(run, exc=exc)
-        raise  # the job's retry strategy schedules the next attempt
+        if not _out_of_attempts(run, exc, job):
+            _wait_for_retry(run, exc, job)
+            record_retry(run, exc=exc)
+            raise  # the job's retry strategy schedules the next attempt
+        _fail(run, exc, job, workflow=workflow)
+    if workflow is not None and run.undo_reason and run.status in Run.OWNED:
+        _undo(run, workflow, job)  # its undo began in this job, or an earlier job's goes on
+
+
+def _undo(run: Run, workflow: Workflow, job: JobInfo) -> None:
+    """Undo the run (runs.compensations): its compensations in reverse order, each through its own receipt. Parks
+    and waits as a step does; a compensation's failure is retried with backoff as a step's is, and one that fails
+    for good parks the run `compensation_failed` with a card."""
+
+    def context_for(step_def: StepDef, seq: int) -> Context:
+        # The tools of the effect's step, named for its undo (a demo fault list can target it).
+        tools = _factory(settings.AGENT_TOOLS)(run, f"undo:{step_def.name}") if settings.AGENT_TOOLS else None
+        return Context(run, step_def, seq, {}, model=None, tools=tools)
+
+    try:
+        outcome = compensations.drive(run, workflow, context_for)
+    except Park as park:
+        _park(run, run.cursor if park.seq is None else park.seq, park)
+        log.info("undo parked", reason=park.reason)
+        return
+    except Wait as wait:
+        with transaction.atomic():
+            run.release(delay=wait.delay)
+        log.info("undo waits", reason=wait.reason, delay_s=round(wait.delay, 2))
+        return
+    except OwnershipLost:
+        raise
+    except Fatal as exc:
+        _fail(run, exc, job)
+        return
+    except Exception as exc:
+        if not _out_of_attempts(run, exc, job):
+            _wait_for_retry(run, exc, job)
+            record_retry(run, exc=exc)
+            raise
+        _fail(run, exc, job)
+        return
+    if outcome == "declined":  # a person said a run that failed for good is not to be undone
+        letter = (run.result or {}).get("cause") or {}
+        with transaction.atomic():
+            run.fail(letter.get("error", "failed"))
+            _dead_letter(run, letter)
+        log.error("run failed", error=letter.get("error"), undo="declined")
+        return
+    entries = compensations.registry(run, workflow)
+    reason, letter = run.undo_reason, (run.result or {}).get("cause") or {}
+    with transaction.atomic():
+        run.end_undo(compensations.result_of(run, entries))
+        AuditEntry.record(
+            "run.compensated",
+            actor="engine",
+            target=f"run:{run.id}",
+            run_id=run.id,
+            trace_id=run.trace_id,
+            data={"reason": reason, "effects": {e.key: e.outcome or e.why_not() for e in entries}},
+        )
+        if reason == "failed":  # dead-lettered too, with what its undo did
+            undone = "\n".join(f"  {e.step or e.key} on {e.channel}: {e.outcome or e.why_not()}" for e in entries)
+            _dead_letter(run, {**letter, "traceback": f"{letter.get('traceback', '')}\nUndone:\n{undone}\n"})
+    log.info("run finished", status=run.status, undo=reason)
 
 
 def _try_again_later(run_id, job: JobInfo) -> None:
     delay = settings.OWNER_WAIT_SECONDS
     with transaction.atomic():
         run = Run.objects.filter(pk=run_id).first()
-        if run is None or run.status not in (Run.Status.QUEUED, Run.Status.RUNNING):
+        if run is None or run.status not in (Run.Status.QUEUED, *Run.OWNED):
             return  # parked or finished: a decision, a release or nothing will give it its next job
         run.enqueue(delay=delay)
     log.info(
@@ -130,9 +192,7 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
         return
     while True:
         if run.cancel_requested:  # as read by the claim, then by each checkpoint
-            with transaction.atomic():
-                run.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
-            log.info("run finished", status=Run.Status.CANCELLED)
+            _stop(run, workflow, {"outcome": "cancelled"})
             return
         if job.should_stop():
             with transaction.atomic():
@@ -246,9 +306,13 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
     except OwnershipLost:
         raise
     except Stop as stop:
-        # A person stopped the run from a budget card (an agent's turn limit).
-        with transaction.atomic():
-            run.finish(Run.Status.CANCELLED, stop.result)
+        # A person stopped the run from a budget card (an agent's turn limit), or rejected an agent's call with
+        # "reject and undo", or a cancel came while the step ran.
+        result = dict(stop.result)
+        undo = result.pop("undo", "")
+        if not undo and result.get("outcome") == "stopped at turn limit" and workflow.undo == "always":
+            undo = "budget"
+        _stop(run, workflow, result, undo)
         _log_step(step_def, seq, "stopped", started, ctx)
         return False
     except Wait as wait:
@@ -271,7 +335,10 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
     # gate is the last step too: the run ends in the transaction that records the rejection, so that no crash or
     # failed write between the two can let a retried job go on into the action the person refused.
     rejection = _rejection(step_def, output)
-    if rejection is not None:
+    undo = rejection is not None and rejection.pop("undo", False)  # reject and undo: the run is undone
+    if undo:
+        last, result = False, None
+    elif rejection is not None:
         last, result = workflow.on_reject == "succeed", rejection
     else:
         after = {**outputs, step_def.name: json.loads(json.dumps(output, cls=DjangoJSONEncoder))}
@@ -299,7 +366,9 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             finish=last,
             result=result,
         )
-        if rejection is not None and not last:  # on_reject == "fail": to the dead-letter queue, in the same transaction
+        if undo:
+            run.start_undo("rejected", cause=rejection)
+        elif rejection is not None and not last:  # on_reject "fail": to the dead-letter queue, in the same transaction
             _fail(run, _rejected_error(rejection), JobInfo(), step=step_def.name)
     _log_step(step_def, seq, "done", started, ctx)
     if last or rejection is not None:
@@ -318,6 +387,7 @@ def _rejection(step_def: StepDef, output) -> dict | None:
         "comment": output.get("comment", ""),
         "reason": output.get("reason", ""),
         "by": output.get("by", ""),
+        **({"undo": True} if output.get("undo") else {}),
     }
 
 
@@ -332,7 +402,10 @@ def _end_at_rejection(run: Run, workflow: Workflow, outputs: dict) -> bool:
         rejection = _rejection(step_def, outputs.get(step_def.name))
         if rejection is None:
             continue
-        if workflow.on_reject == "fail":
+        if rejection.pop("undo", False):
+            with transaction.atomic():
+                run.start_undo("rejected", cause=rejection)
+        elif workflow.on_reject == "fail":
             _fail(run, _rejected_error(rejection), JobInfo(), step=step_def.name)
         else:
             _finish(run, rejection)
@@ -369,11 +442,8 @@ def _within_budget(run: Run, workflow: Workflow) -> bool:
         _park(run, run.cursor, park)
         return False
     if decision.rejected:
-        with transaction.atomic():
-            run.finish(
-                Run.Status.CANCELLED,
-                {"outcome": "stopped at cost limit", "by": decision.by, "comment": decision.comment},
-            )
+        undo = "budget" if compensations.wants_undo_on_stop(run, workflow, asked=decision.undo) else ""
+        _stop(run, workflow, {"outcome": "stopped at cost limit", "by": decision.by, "comment": decision.comment}, undo)
         return False
     limit = min(Decimal(str((decision.payload or {})["cost_limit"])), ceiling)  # the ceiling may have been lowered
     if limit <= run.cost:
@@ -416,42 +486,81 @@ def _park(run: Run, seq: int, park: Park, record: Callable[..., None] | None = N
             gates.backend().open(run, seq, park.request)
 
 
+def _stop(run: Run, workflow: Workflow, result: dict, undo: str = "") -> None:
+    """The run stops (a cancel, a person's stop): cancelled, or undone (`undo`, or a cancel and undo requested,
+    as the run's row last said) when it has something to undo."""
+    reason = undo or run.undo_reason
+    with transaction.atomic():
+        if reason and (run.undo_reason or compensations.to_undo(compensations.registry(run, workflow))):
+            run.start_undo(reason, cause=result)
+            log.info("run stops: undoing it", reason=reason)
+        else:
+            run.finish(Run.Status.CANCELLED, result)
+            log.info("run finished", status=Run.Status.CANCELLED)
+
+
 def _finish(run: Run, result) -> None:
     with transaction.atomic():
         run.finish(Run.Status.SUCCEEDED, result)
     log.info("run finished", status=Run.Status.SUCCEEDED)
 
 
-def _fail(run: Run, exc: BaseException, job: JobInfo, step: str | None = None) -> None:
+def _fail(
+    run: Run, exc: BaseException, job: JobInfo, step: str | None = None, workflow: Workflow | None = None
+) -> None:
     """The run failed for good: it goes to the dead-letter queue with what an on-call person needs. `step`: the
-    step it failed at, when not the one at its cursor."""
+    step it failed at, when not the one at its cursor. With `workflow`, a run with effects to undo is undone first
+    (or a person is asked: runs.compensations), then dead-lettered. A compensation that failed for good parks the
+    run `compensation_failed` instead."""
+    error = f"{exc.__class__.__name__}: {exc}"
+    if run.status == Run.Status.COMPENSATING:
+        compensations.failed(run, error)
+        log.error("compensation failed for good", error=error)
+        return
     if step is None:
         step = Step.objects.filter(run=run, seq=run.cursor).values_list("name", flat=True).first() or ""
-    error = f"{exc.__class__.__name__}: {exc}"
     attempts = _step_attempts(run, job)
+    letter = {
+        "error": error,
+        "error_class": exc.__class__.__name__,
+        "traceback": "".join(traceback.format_exception(exc))[-20_000:],
+        "attempts": attempts,
+        "step": step,
+        "job_id": job.job_id,
+    }
+    if workflow is not None and compensations.wants_undo_on_failure(run, workflow):
+        with transaction.atomic():
+            run.start_undo("failed", cause=letter)
+        log.warning("run failed for good: undoing what it did", error=error, step=step or None, policy=workflow.undo)
+        return
     with transaction.atomic():
         run.fail(error)
-        DeadLetter.objects.create(
-            run_id=run.id,
-            workflow=run.workflow,
-            input=run.input,
-            error=error,
-            error_class=exc.__class__.__name__,
-            traceback="".join(traceback.format_exception(exc)),
-            attempts=attempts,
-            step=step,
-            trace_id=run.trace_id,
-            job_id=job.job_id,
-        )
-        AuditEntry.record(
-            "run.dead_letter",
-            actor="engine",
-            target=f"run:{run.id}",
-            run_id=run.id,
-            trace_id=run.trace_id,
-            data={"error": error, "step": step},
-        )
+        _dead_letter(run, letter)
     log.error("run failed", error=error, step=step or None, attempts=attempts)
+
+
+def _dead_letter(run: Run, letter: dict) -> None:
+    """The run's dead letter and its audit entry, in the caller's transaction (the run's failure, or its undo's end)."""
+    DeadLetter.objects.create(
+        run_id=run.id,
+        workflow=run.workflow,
+        input=run.input,
+        error=letter.get("error", ""),
+        error_class=letter.get("error_class", ""),
+        traceback=letter.get("traceback", ""),
+        attempts=letter.get("attempts", 0),
+        step=letter.get("step", ""),
+        trace_id=run.trace_id,
+        job_id=letter.get("job_id"),
+    )
+    AuditEntry.record(
+        "run.dead_letter",
+        actor="engine",
+        target=f"run:{run.id}",
+        run_id=run.id,
+        trace_id=run.trace_id,
+        data={"error": letter.get("error", ""), "step": letter.get("step", "")},
+    )
 
 
 def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:

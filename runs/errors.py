@@ -56,12 +56,19 @@ class Park(Exception):
         request: ApprovalRequest | None = None,
         paused: bool = False,
         kill_switch_channel: str | None = None,
+        seq: int | None = None,
     ):
         super().__init__(reason)
         self.reason = reason
         self.request = request
         self.paused = paused
         self.kill_switch_channel = kill_switch_channel
+        self.seq = seq  # the card's step, when not the one at the run's cursor (a compensation's: its effect's)
+
+
+class UndoRefused(Exception):
+    """An undo that cannot be done as asked (nothing to undo, a compensation past its deadline, a run that is not
+    in a state to be undone): nothing was done; the message says why (runs.compensations)."""
 
 
 # Errors of submitting a run.

@@ -25,6 +25,8 @@ class Kind(models.TextChoices):
     ACTION = "action"  # approve what the agent wants to do
     RECONCILE = "reconcile"  # did an ambiguous write happen?
     BUDGET = "budget"  # the run crossed its cost limit: extend or stop
+    UNDO = "undo"  # undo what the run did (runs.compensations): the run's undo, or one gated compensation
+    UNDO_FAILED = "undo_failed"  # a compensation failed for good: try it again, or a person does it by hand
 
 
 class Outcome(models.TextChoices):
@@ -74,6 +76,8 @@ class Decision:
     # What the card proposed: the engine checks an edit against it again before the step acts on it
     # (runs.steps.check_decided_edit). Not part of the step's output.
     proposed: dict | None = None
+    # A rejection that also asks for what the run did to be undone ("reject and undo": runs.compensations).
+    undo: bool = False
 
     @property
     def rejected(self) -> bool:
@@ -82,6 +86,8 @@ class Decision:
     def as_output(self) -> dict[str, Any]:
         output = asdict(self)
         del output["proposed"]
+        if not self.undo:
+            del output["undo"]  # a gate's output is as it always was unless an undo was asked for
         return {**output, "decision": str(self.decision)}  # a plain string in the step's JSON
 
 

@@ -22,7 +22,7 @@ from core.models import AuditEntry
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
 from runs.sql import prepared_cursor, queries
-from runs.transitions import FINISHED, PARKED, TRANSITIONS, RunStatus
+from runs.transitions import FINISHED, OWNED, PARKED, TRANSITIONS, RunStatus
 
 
 def new_trace_id() -> str:
@@ -55,7 +55,7 @@ class Run(models.Model):
     workflow_version = models.PositiveIntegerField()
     tenant = models.CharField(max_length=100, default="default")
     input = models.JSONField(encoder=DjangoJSONEncoder)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
     attempt = models.PositiveIntegerField(
         default=0, help_text="Finished attempts of the step at the cursor: failures, and executions cut off by a crash."
     )
@@ -71,6 +71,14 @@ class Run(models.Model):
         "releasing it resumes the run.",
     )
     cancel_requested = models.BooleanField(default=False)
+    undo_reason = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        db_default="",
+        choices=[(r, r) for r in ("failed", "rejected", "cancelled", "budget")],
+        help_text="Why the run's effects are being undone (runs.compensations); blank: they are not.",
+    )
     owner = models.CharField(
         max_length=200,
         blank=True,
@@ -123,8 +131,14 @@ class Run(models.Model):
                 name="runs_run_finished_iff_finished_at",
             ),
             models.CheckConstraint(
-                condition=(Q(status=RunStatus.RUNNING) & ~Q(owner="")) | (~Q(status=RunStatus.RUNNING) & Q(owner="")),
-                name="runs_run_running_iff_owner",
+                condition=(Q(status=RunStatus.RUNNING) & ~Q(owner=""))
+                | (Q(status=RunStatus.COMPENSATING) & (~Q(owner="") | Q(workflow=EXTERNAL_WORKFLOW)))
+                | (~Q(status__in=list(OWNED)) & Q(owner="")),
+                name="runs_run_owned_iff_owner",
+            ),
+            models.CheckConstraint(
+                condition=Q(undo_reason="") | ~Q(status__in=[RunStatus.SUCCEEDED, RunStatus.FAILED]),
+                name="runs_run_undone_never_succeeded",
             ),
             models.CheckConstraint(
                 condition=Q(waiting_for_slot_since__isnull=True) | Q(status=RunStatus.QUEUED),
@@ -227,18 +241,20 @@ class Run(models.Model):
             run, started = cls._row_for_update(run_id, owner)
             if started:  # it was queued, and is now running under `owner`
                 return run, False
-            if run is None or run.status not in (cls.Status.QUEUED, cls.Status.RUNNING):
+            if run is None or run.status not in (cls.Status.QUEUED, *OWNED):
                 return None, False
             if run.status == cls.Status.QUEUED:
-                if run.cancel_requested:
+                if run.cancel_requested and not run.undo_reason:  # a cancel and undo starts: its undo runs
                     run._swap("cancel_queued", **run._finished({"outcome": "cancelled"}))
                     run._close_cards("cancelled")
                     return None, False
                 # No free slot of its tenant, or an older run of it waits for one.
                 run._swap("wait_for_slot", waiting_for_slot_since=run.waiting_for_slot_since or timezone.now())
                 return None, False
-            # The execution its previous owner was in when its session ended counts as an attempt of the step.
-            run._swap("take_over", locked=True, owner=owner, attempt=run.attempt + 1)
+            # The execution its previous owner was in when its session ended counts as an attempt of the step (or
+            # of the compensation it was running).
+            undoing = run.status == cls.Status.COMPENSATING
+            run._swap("take_over_undo" if undoing else "take_over", locked=True, owner=owner, attempt=run.attempt + 1)
             return run, True
 
     def owned(self) -> bool:
@@ -253,7 +269,7 @@ class Run(models.Model):
             row = cursor.fetchone()
         if row is None:
             raise OwnershipLost(f"run {self.pk} is no longer owned by {self.owner} in this database session")
-        self.cancel_requested = row[0]
+        self.cancel_requested, self.undo_reason = row
         return self.cancel_requested
 
     def checkpoint(
@@ -339,9 +355,11 @@ class Run(models.Model):
                 waiting = cursor.fetchall()
         if row is None:
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
-        self.cancel_requested, stored = row[:2]
+        self.cancel_requested, stored, self.undo_reason = row[:3]
         self.cursor, self.attempt, self.error, self.updated_at = seq + 1, 0, "", now
-        if finish:
+        if finish and self.cancel_requested and self.undo_reason:
+            pass  # a cancel and undo came while the last step ran: the run stays its owner's, to be undone
+        elif finish:
             status = TRANSITIONS["stop" if self.cancel_requested else "succeed"].target
             result = dict(_CANCELLED) if self.cancel_requested else result
             self.status, self.owner, self.result, self.finished_at = status, "", result, now
@@ -356,8 +374,13 @@ class Run(models.Model):
         returned (open no card)."""
         assert connection.in_atomic_block
         if self.owned():  # locks the row: a cancel committed before this is seen, a later one sees the park
-            self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
-            return False
+            if not self.undo_reason:
+                self.finish(Run.Status.CANCELLED, {"outcome": "cancelled"})
+                return False
+            if self.status == Run.Status.RUNNING:  # a cancel and undo: the owner undoes the run instead
+                self.start_undo()
+                return False
+            # An undo under way is not stopped by a cancel: it parks like any other.
         self._swap(
             "pause" if paused else "park",
             by_owner=self.owner,
@@ -397,8 +420,48 @@ class Run(models.Model):
 
     def fail(self, error: str) -> None:
         """Failed for good (the caller writes its dead letter in the same transaction)."""
-        self._swap("fail", by_owner=self.owner, **self._finished(None), error=error)
+        self._swap("fail", by_owner=self.owner, **self._finished(None), error=error, undo_reason="")
         self._close_cards("cancelled")
+
+    # Undo (runs.compensations decides when, and runs the compensations).
+
+    def start_undo(self, reason: str = "", cause: dict | None = None) -> None:
+        """The owner begins (or, a new owner, goes on with) undoing the run: `reason` why (Run.undo_reason, kept
+        when blank), `cause` what ended its way forward (an error, a rejection, a cancel), kept in its result until
+        the undo ends. Its pending cards close: nothing of its way forward runs any more."""
+        reason = reason or self.undo_reason
+        assert reason, "an undo has a reason"
+        changes = {"undo_reason": reason}
+        if cause is not None:
+            changes["result"] = {"outcome": "undoing", "reason": reason, "cause": cause}
+        self._swap("start_undo", by_owner=self.owner, **changes)
+        self._close_cards("cancelled")
+
+    def end_undo(self, result: dict) -> None:
+        """Every compensation ran (or a person took it over): the run is compensated."""
+        self._swap("compensated", by_owner=self.owner, **self._finished(result))
+        self._close_cards("cancelled")
+
+    def undo_failed(self, error: str) -> None:
+        """A compensation failed for good: the run parks for a person (the caller opens the card)."""
+        self._swap("compensation_failed", by_owner=self.owner, owner="", error=error)
+
+    def begin_external_undo(self, result: dict) -> None:
+        """An external run's cancel and undo (external.undo): its agent runs the approved compensations, in the
+        caller's transaction (the run's row locked). No job owns it; its pending cards close."""
+        self._swap("undo_external", undo_reason="cancelled", cancel_requested=True, result=result)
+        self._close_cards("cancelled")
+
+    def end_external_undo(self, result: dict) -> None:
+        """An external run's agent reported its last compensation (external.undo): compensated."""
+        self._swap("external_compensated", where={"workflow": EXTERNAL_WORKFLOW}, **self._finished(result))
+
+    def request_undo(self, reason: str = "cancelled") -> None:
+        """A person's cancel and undo of a run no job drives (queued or parked): back to the queue, to be undone
+        by its next job, in the caller's transaction (the run's row locked). Its pending cards close."""
+        self._swap("undo", undo_reason=reason, pause_reason="", paused_switch="", waiting_for_slot_since=None)
+        self._close_cards("cancelled")
+        self.enqueue()
 
     def retry_later(self, error: str, attempt: int) -> None:
         """The step failed and will be retried by the same job (its retry strategy schedules it)."""
@@ -431,12 +494,18 @@ class Run(models.Model):
 
     def cancel(self, by=None) -> Run:
         """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
-        between steps (its owner sees `cancel_requested`). Finished runs are left as they are."""
+        between steps (its owner sees `cancel_requested`). Finished runs are left as they are, and so is a run
+        being undone (TransitionRefused: its compensations are stopped by a channel's kill switch, not a cancel);
+        one whose compensation failed is cancelled (its undo given up). Cancel and undo: runs.compensations."""
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
+            if run.status == self.Status.COMPENSATING:
+                raise TransitionRefused(
+                    "the run is being undone: a cancel does not stop its compensations (a channel's kill switch does)"
+                )
             AuditEntry.record(
                 "run.cancel",
                 actor=by,
@@ -499,7 +568,7 @@ class Run(models.Model):
             ]
             run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
             if not together:
-                startable = run.status in TRANSITIONS["start"].sources and not run.cancel_requested
+                startable = run.status in TRANSITIONS["start"].sources and (not run.cancel_requested or run.undo_reason)
                 started = startable and cursor.execute(queries["start"], params).rowcount == 1
                 cursor.execute(queries["step_rows"], params)
                 steps = cursor.fetchone()[0]

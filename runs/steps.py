@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -22,6 +23,38 @@ StepFn = Callable[["Context"], Any]
 
 
 @dataclass(frozen=True)
+class Compensation:
+    """What undoes an effect (runs.compensations), declared next to it.
+
+    `call(ctx, key, answer)` undoes it and returns the external system's answer: `answer` is what the effect's call
+    answered (its receipt's response), `key` the compensation's own idempotency key (pass it on). `lookup(ctx, key)`
+    says whether a compensation with that key was applied (an ambiguous one is reconciled by it; without it a person
+    is asked, as for any write). `within`: how long after the effect it can still be undone (None: always).
+    `approval`: a person says yes on a card before it runs. `describe(answer)`: what it undoes, for cards."""
+
+    call: Callable[[Context, str, Any], dict]
+    lookup: Callable[[Context, str], dict | None] | None = None
+    within: timedelta | None = None
+    approval: bool = False
+    describe: Callable[[Any], str] | None = None
+
+    @classmethod
+    def of(cls, value: Compensation | Callable | None, where: str) -> Compensation | None:
+        """A declaration's `compensate=`: a Compensation, or its call alone."""
+        if value is None or isinstance(value, Compensation):
+            return value
+        if callable(value):
+            return cls(call=value)
+        raise ValueError(f"{where}: compensate= takes a Compensation or a function (ctx, key, answer)")
+
+
+def no_compensation(kind: str, where: str, compensate) -> None:
+    """A compensation is declared on an effect: a read, a computation or a gate changes nothing to undo."""
+    if compensate is not None:
+        raise ValueError(f"{where}: a {kind} step has no side effect to undo; declare compensate= on an effect")
+
+
+@dataclass(frozen=True)
 class StepDef:
     name: str
     kind: str  # compute | read | effect | gate | agent (a stage of steps: runs.agent)
@@ -30,6 +63,7 @@ class StepDef:
     gate: GateSpec | None = None
     agent: AgentSpec | None = None
     versions: dict | None = None  # recorded on the step (prompt_version, tools_version) and part of its input
+    compensation: Compensation | None = None  # what undoes its effects (an effect step's, an agent tool call's)
 
 
 def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None:
@@ -80,6 +114,9 @@ class Context:
         self.usage.counted_for = (run, step.name)
         self.last_effect_key: str | None = None
         self._effects = 0
+        # The key of the effect this context undoes (runs.compensations): its effects are the compensation's, which
+        # a cancel does not stop (the run is being undone).
+        self.undoing: str | None = None
 
     def effect(
         self,
@@ -111,7 +148,9 @@ class Context:
             f"#{self._effects}" if self._effects > 1 else ""
         )
         self.last_effect_key = key
-        receipt = _open_receipt(self.run, self.seq, channel, key, step=self.step.name, preview=preview)
+        receipt = _open_receipt(
+            self.run, self.seq, channel, key, step=self.step.name, preview=preview, undo=self.undoing is not None
+        )
         if receipt.status == Receipt.Status.DONE:
             return receipt.response
         if receipt.shadow:
@@ -180,16 +219,18 @@ class Context:
         return decision.as_output()
 
 
-def _open_receipt(run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None):
+def _open_receipt(
+    run: Run, seq: int, channel: str, key: str, *, step: str = "", preview: dict | None = None, undo: bool = False
+):
     """The effect's receipt through the one door of effects (runs.effects), from outside any transaction of the
-    step's own: a cancel stops the run, a kill switch parks it."""
+    step's own: a cancel stops the run (not its undo: `undo`), a kill switch parks it."""
     if _inside_a_transaction():
         raise Fatal(
             f"ctx.effect() on {channel} was called inside transaction.atomic(): its receipt must commit before "
             "the call, so call it outside any transaction"
         )
     try:
-        return effects.open_receipt(run, seq, channel, key, step=step, preview=preview)
+        return effects.open_receipt(run, seq, channel, key, step=step, preview=preview, undo=undo)
     except effects.RunEnded:
         raise Stop({"outcome": "cancelled"}) from None
     except effects.ChannelStopped as exc:

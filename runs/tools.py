@@ -41,6 +41,7 @@ class Tool:
     display: Display = field(default_factory=Display)
     risk: str = "medium"
     takes_model: bool = False
+    compensation: Any = None  # an effect's undo (runs.steps.Compensation: runs.compensations)
 
     def schema(self) -> dict:
         """The OpenAI function-tool declaration."""
@@ -94,13 +95,17 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     risk: str = "medium",
+    compensate: Any = None,
 ):
     """Declare a tool. Its arguments are the function's parameters after `ctx`, with type hints (or a single
-    pydantic model parameter); its description is the docstring."""
+    pydantic model parameter); its description is the docstring. `compensate` (an effect's only): what undoes
+    it, a runs.steps.Compensation or its call `(ctx, key, answer)` (runs.compensations)."""
 
     def decorator(fn: Callable) -> Tool:
         if kind not in ("read", "effect"):
             raise ValueError(f"tool {fn.__name__}: kind must be 'read' or 'effect', not {kind!r}")
+        if compensate is not None and kind != "effect":
+            raise ValueError(f"tool {fn.__name__}: a read tool has no side effect to undo; compensate= is for effects")
         if (kind == "effect" or approval != NEVER) and not channel:
             raise ValueError(f"tool {fn.__name__}: an effect or an approval needs a channel")
         if isinstance(approval, str) and approval not in (ALWAYS, NEVER):
@@ -120,6 +125,7 @@ def tool(
             display=display or Display(),
             risk=risk,
             takes_model=takes_model,
+            compensation=compensate,
         )
 
     return decorator(fn) if fn else decorator

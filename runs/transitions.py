@@ -23,10 +23,16 @@ class RunStatus(models.TextChoices):
     # Driven by an agent outside the console, which asks for approvals over the API (external.models): the
     # engine never takes it (no transition but the cancel leaves it); it ends only when it is cancelled.
     EXTERNAL = "external"
+    # Undo (runs.compensations): what a run did is compensated in reverse order, by a job that owns it (as
+    # `running`), or by an external agent that runs the approved compensations itself (an external run).
+    COMPENSATING = "compensating"
+    COMPENSATED = "compensated"  # every compensation ran, or a person took one over by hand
+    COMPENSATION_FAILED = "compensation_failed"  # parked: a compensation failed for good; a card asks a person
 
 
-FINISHED = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
-PARKED = (RunStatus.WAITING_HUMAN, RunStatus.PAUSED)
+FINISHED = (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.COMPENSATED)
+PARKED = (RunStatus.WAITING_HUMAN, RunStatus.PAUSED, RunStatus.COMPENSATION_FAILED)
+OWNED = (RunStatus.RUNNING, RunStatus.COMPENSATING)  # a job drives it (an external agent, for an external run)
 
 
 class Transition(NamedTuple):
@@ -35,6 +41,7 @@ class Transition(NamedTuple):
 
 
 _QUEUED, _RUNNING, _FAILED = RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.FAILED
+_COMPENSATING = RunStatus.COMPENSATING
 
 TRANSITIONS: dict[str, Transition] = {
     # Run.claim, by the job that holds the run's lock (runs.ownership), the row locked:
@@ -46,15 +53,26 @@ TRANSITIONS: dict[str, Transition] = {
     "checkpoint": Transition((_RUNNING,), _RUNNING),  # a step is done: the cursor moves past it
     "succeed": Transition((_RUNNING,), RunStatus.SUCCEEDED),  # Run.finish, or the last step's checkpoint
     "stop": Transition((_RUNNING,), RunStatus.CANCELLED),  # a cancel seen by the owner, or a person's stop
-    "park": Transition((_RUNNING,), RunStatus.WAITING_HUMAN),  # for a person's decision
-    "pause": Transition((_RUNNING,), RunStatus.PAUSED),  # for a kill switch or a budget card
-    "fail": Transition((_RUNNING,), _FAILED),  # to the dead-letter queue
-    "retry_later": Transition((_RUNNING,), _QUEUED),  # the job retries the step after a backoff
-    "release": Transition((_RUNNING,), _QUEUED),  # back to the queue with a new job (shutdown, a wait)
+    "park": Transition(OWNED, RunStatus.WAITING_HUMAN),  # for a person's decision
+    "pause": Transition(OWNED, RunStatus.PAUSED),  # for a kill switch or a budget card
+    "fail": Transition(OWNED, _FAILED),  # to the dead-letter queue
+    "retry_later": Transition(OWNED, _QUEUED),  # the job retries the step (or compensation) after a backoff
+    "release": Transition(OWNED, _QUEUED),  # back to the queue with a new job (shutdown, a wait)
+    # Undo (runs.compensations), the owner's: the run's undo begins (its `undo_reason` says why), a new owner
+    # takes over an undo whose owner's session ended, the undo ends, or a compensation failed for good.
+    "start_undo": Transition((_RUNNING,), _COMPENSATING),
+    "take_over_undo": Transition((_COMPENSATING,), _COMPENSATING),
+    "compensated": Transition((_COMPENSATING,), RunStatus.COMPENSATED),
+    "compensation_failed": Transition((_COMPENSATING,), RunStatus.COMPENSATION_FAILED),
     # Others':
-    "recover": Transition((_RUNNING,), _QUEUED),  # the recovery sweep: its owner's session ended
+    "recover": Transition(OWNED, _QUEUED),  # the recovery sweep: its owner's session ended
     "resume": Transition(PARKED, _QUEUED),  # a decision, or the release of its kill switch
     "requeue_failed": Transition((_FAILED,), _QUEUED),  # the dead-letter queue's requeue
     # a person (a running run: its owner stops; an external run: its agent's session ends)
     "cancel": Transition((_QUEUED, *PARKED, RunStatus.EXTERNAL), RunStatus.CANCELLED),
+    # a person's cancel and undo of a run no job drives (a running one: its owner undoes it)
+    "undo": Transition((_QUEUED, RunStatus.WAITING_HUMAN, RunStatus.PAUSED), _QUEUED),
+    # an external agent's run: its approved compensations are for its agent to run (external.undo)
+    "undo_external": Transition((RunStatus.EXTERNAL,), _COMPENSATING),
+    "external_compensated": Transition((_COMPENSATING,), RunStatus.COMPENSATED),
 }

@@ -16,13 +16,14 @@ from runs.agent import expand
 from runs.errors import Ambiguous, Fatal, InvalidInput, Park, Retryable, Stop, UnknownWorkflow, Wait
 from runs.gates import ANY_LEAF, ApprovalRequest, Decision, Display, GateSpec, schema_errors
 from runs.models import Run, Step
-from runs.steps import Context, StepDef, StepFn, Usage, check_decided_edit
+from runs.steps import Compensation, Context, StepDef, StepFn, Usage, check_decided_edit, no_compensation
 from runs.tools import AgentSpec, Tool, check_tools, tool
 
 __all__ = [
     "ANY_LEAF",
     "Ambiguous",
     "ApprovalRequest",
+    "Compensation",
     "Context",
     "Decision",
     "Display",
@@ -52,6 +53,8 @@ class Workflow:
 
     `on_reject`: how a rejected gate ends the run, "succeed" (default: the run succeeded, its result says it
     was rejected) or "fail".
+    `undo`: what a failure for good does to a run with effects to undo (runs.compensations): "ask" (default: a
+    person says whether to undo them), "always" (undone at once; a budget card's stop undoes too) or "never".
     """
 
     name: str
@@ -60,33 +63,53 @@ class Workflow:
     description: str = ""
     input_schema: type[BaseModel] | None = None
     steps: list[StepDef] = field(default_factory=list)
+    undo: str = "ask"
+
+    def __post_init__(self) -> None:
+        if self.undo not in ("ask", "always", "never"):
+            raise ValueError(f"{self.name}: undo must be 'ask', 'always' or 'never', not {self.undo!r}")
 
     def validate_input(self, value: Any) -> None:
         """Raises InvalidInput with the field errors when the input does not fit the workflow's schema."""
         if self.input_schema is not None and (errors := schema_errors(self.input_schema, value, "input")):
             raise InvalidInput(errors)
 
-    def _add(self, kind: str, channel: str | None = None, name: str | None = None, gate: GateSpec | None = None):
+    def _add(
+        self,
+        kind: str,
+        channel: str | None = None,
+        name: str | None = None,
+        gate: GateSpec | None = None,
+        compensate: Compensation | Callable | None = None,
+    ):
+        if kind != "effect":
+            no_compensation(kind, f"{self.name}.{name or 'step'}", compensate)
+        compensation = Compensation.of(compensate, f"{self.name}.{name or 'step'}")
+
         def decorator(fn: StepFn) -> StepFn:
             step_name = name or fn.__name__
             if any(s.name == step_name for s in self.steps):
                 raise ValueError(f"{self.name}: two steps are named {step_name!r}")
-            self.steps.append(StepDef(step_name, kind, fn, channel, gate))
+            self.steps.append(StepDef(step_name, kind, fn, channel, gate, compensation=compensation))
             return fn
 
         return decorator
 
-    def compute(self, fn: StepFn | None = None, *, name: str | None = None):
-        """A model call or any computation: its output is recorded and replayed, never recomputed."""
-        return self._add("compute", name=name)(fn) if fn else self._add("compute", name=name)
+    def compute(self, fn: StepFn | None = None, *, name: str | None = None, compensate=None):
+        """A model call or any computation: its output is recorded and replayed, never recomputed. (`compensate`
+        is refused: there is nothing to undo.)"""
+        add = self._add("compute", name=name, compensate=compensate)
+        return add(fn) if fn else add
 
-    def read(self, fn: StepFn | None = None, *, name: str | None = None):
-        """A tool read (no side effect): retried freely."""
-        return self._add("read", name=name)(fn) if fn else self._add("read", name=name)
+    def read(self, fn: StepFn | None = None, *, name: str | None = None, compensate=None):
+        """A tool read (no side effect): retried freely. (`compensate` is refused: there is nothing to undo.)"""
+        add = self._add("read", name=name, compensate=compensate)
+        return add(fn) if fn else add
 
-    def effect(self, channel: str, *, name: str | None = None):
-        """A side effect on `channel`: the step must go through `ctx.effect(...)`."""
-        return self._add("effect", channel=channel, name=name)
+    def effect(self, channel: str, *, name: str | None = None, compensate: Compensation | Callable | None = None):
+        """A side effect on `channel`: the step must go through `ctx.effect(...)`. `compensate`: what undoes each
+        of its effects (a Compensation, or its call `(ctx, key, answer)`): runs.compensations."""
+        return self._add("effect", channel=channel, name=name, compensate=compensate)
 
     def gate(
         self,
@@ -98,6 +121,7 @@ class Workflow:
         check_edit: Callable[[dict, dict], list[dict]] | None = None,
         display: Display | None = None,
         policy: str = "",
+        compensate=None,
     ):
         """A person's sign-off on `channel`: the step returns `ctx.gate(...)` (or decides by itself).
 
@@ -107,7 +131,7 @@ class Workflow:
         `policy` the name of the approval policy its cards follow (approvals.models.ApprovalPolicy), over the
         channel's."""
         spec = GateSpec(proposal, tuple(editable), check_edit, display or Display(), policy)
-        return self._add("gate", channel=channel, name=name, gate=spec)
+        return self._add("gate", channel=channel, name=name, gate=spec, compensate=compensate)
 
     def agent(
         self,

@@ -42,10 +42,10 @@ WITH r AS MATERIALIZED (SELECT {{columns}} FROM runs_run WHERE id = %(id)s FOR U
 -- start --
 -- Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
 -- the tenant has a free slot and no older run of it waits for one (oldest first, as Run.waiting_for_slot orders
--- them). Not when a cancel was requested (the claim ends the run cancelled instead). The tenant, priority and age
+-- them). Not when a cancel was requested (the claim ends the run cancelled instead), unless it is to be undone. The tenant, priority and age
 -- are the row's own, which the claim holds locked.
 UPDATE runs_run r SET status = {start.target}, owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
-WHERE r.id = %(id)s AND r.status {start.leaving} AND NOT r.cancel_requested
+WHERE r.id = %(id)s AND r.status {start.leaving} AND (NOT r.cancel_requested OR r.undo_reason <> '')
     AND (SELECT count(*) FROM runs_run WHERE tenant = r.tenant AND status = 'running') < %(max)s
     AND NOT EXISTS (
         SELECT 1 FROM runs_run w
@@ -67,7 +67,7 @@ SELECT name, seq, status, output, input_hash FROM runs_step WHERE run_id = %s OR
 
 -- owned --
 -- Run.owned: the owner's row lock, from the session that holds the run's lock.
-SELECT cancel_requested FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {held}
+SELECT cancel_requested, undo_reason FROM runs_run WHERE id = %(id)s AND owner = %(owner)s AND {held}
 FOR NO KEY UPDATE
 
 -- finish --
@@ -97,7 +97,7 @@ WITH moved AS (
     UPDATE runs_run
     SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s{finish}
     WHERE id = %(run)s AND status {checkpoint.leaving} AND owner = %(owner)s AND "cursor" = %(seq)s AND {held}
-    RETURNING id, cancel_requested, tenant
+    RETURNING id, cancel_requested, tenant, undo_reason
 ), step AS (
     INSERT INTO runs_step AS s (
         run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
@@ -116,15 +116,16 @@ WITH moved AS (
         tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
     RETURNING s.output
 )
-SELECT moved.cancel_requested, step.output{lock} FROM moved, step
+SELECT moved.cancel_requested, step.output, moved.undo_reason{lock} FROM moved, step
 
 -- checkpoint_ends_run --
 -- The last step's checkpoint also ends the run (Run.checkpoint(finish=True)): succeeded with its result, or
 -- cancelled when a cancel was committed while the step ran (what the engine's next turn would have done), the
--- owner cleared (checkpoint's {finish}).
-status = CASE WHEN cancel_requested THEN {stop.target} ELSE {succeed.target} END, owner = '',
-        result = CASE WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
-        finished_at = %(now)s
+-- owner cleared (checkpoint's {finish}); but a cancel and undo leaves it running, its owner's to undo.
+status = CASE WHEN cancel_requested AND undo_reason <> '' THEN {checkpoint.target} WHEN cancel_requested THEN {stop.target} ELSE {succeed.target} END,
+        owner = CASE WHEN cancel_requested AND undo_reason <> '' THEN owner ELSE '' END,
+        result = CASE WHEN cancel_requested AND undo_reason <> '' THEN result WHEN cancel_requested THEN %(cancelled)s::jsonb ELSE %(result)s::jsonb END,
+        finished_at = CASE WHEN cancel_requested AND undo_reason <> '' THEN NULL ELSE %(now)s::timestamptz END
 
 -- checkpoint_ends_run_lock --
 -- Then, once the row is updated, its tenant's transaction lock, the order of Run.finish (checkpoint's {lock}).
@@ -161,7 +162,8 @@ WITH inserted AS ({{insert}} RETURNING {{pk}}) SELECT unnest(procrastinate_defer
 -- runs.recovery: running runs whose lock no session holds (runs.ownership: the two-key form on the first 64 bits
 -- of the id, which pg_locks shows unsigned as classid and objid), oldest first, a batch after (created_at, id).
 SELECT r.id, r.owner, r.created_at FROM runs_run r
-WHERE r.status = 'running' AND (r.created_at, r.id) > (%(after_at)s, %(after_id)s)
+WHERE (r.status = 'running' OR (r.status = 'compensating' AND r.workflow <> 'external'))
+    AND (r.created_at, r.id) > (%(after_at)s, %(after_id)s)
     AND NOT EXISTS (
         SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted

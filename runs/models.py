@@ -456,6 +456,10 @@ class Run(models.Model):
         """An external run's agent reported its last compensation (external.undo): compensated."""
         self._swap("external_compensated", where={"workflow": EXTERNAL_WORKFLOW}, **self._finished(result))
 
+    def external_undo_failed(self, error: str) -> None:
+        """An external run's agent reported that a compensation failed (external.undo): parked for a person."""
+        self._swap("compensation_failed", where={"workflow": EXTERNAL_WORKFLOW}, error=error)
+
     def request_undo(self, reason: str = "cancelled") -> None:
         """A person's cancel and undo of a run no job drives (queued or parked): back to the queue, to be undone
         by its next job, in the caller's transaction (the run's row locked). Its pending cards close."""

@@ -225,10 +225,10 @@ def to_undo(entries: list[Entry]) -> list[Entry]:
 def check_undo(run: Run, workflow=None) -> list[Entry]:
     """Refuses (UndoRefused) an undo that cannot be done: nothing to undo, or an effect past its compensation's
     deadline. Returns what it would compensate."""
-    if run.undo_reason or run.status in (Run.Status.COMPENSATING, Run.Status.COMPENSATION_FAILED):
-        raise UndoRefused(f"the run is already being undone ({run.status})")
     if run.is_finished:
         raise UndoRefused(f"the run has finished ({run.status}): it can no longer be cancelled and undone")
+    if run.undo_reason or run.status in (Run.Status.COMPENSATING, Run.Status.COMPENSATION_FAILED):
+        raise UndoRefused(f"the run is already being undone ({run.status})")
     entries = registry(run, workflow)
     pending = to_undo(entries)
     if not pending:

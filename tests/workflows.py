@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import transaction
 
 from runs.models import Run
-from runs.workflow import Retryable, Workflow, register
+from runs.workflow import Compensation, Retryable, Workflow, register
 
 cancel_midway = register(Workflow("test_cancel_midway"))
 
@@ -108,3 +108,66 @@ named_policy = register(Workflow("test_named_policy"))
 @named_policy.gate("payments", policy="declared-in-code")
 def ask_under_a_named_policy(ctx):
     return ctx.gate(proposed={"do": "it"}, summary="please")
+
+
+# --- undo (runs.compensations) ----------------------------------------------------------------------------------
+# Two effects that can be undone, then a third that fails for good when the input's faults say so (`{"confirm":
+# ["fatal"]}`): under the policy `always`, the run is undone at once, in reverse order. The demo sandbox's systems
+# record every call (demo.sandbox), so a compensation made twice shows.
+
+
+def _reverse(ctx, key, refund):
+    return ctx.tools.payments.reverse(refund["id"], idempotency_key=key)
+
+
+def _strike(ctx, key, note):
+    return ctx.tools.crm.remove_note(note["id"], idempotency_key=key)
+
+
+undo_chain = register(Workflow("test_undo_chain", undo="always"))
+
+
+@undo_chain.effect(
+    "payments",
+    compensate=Compensation(call=_reverse, lookup=lambda ctx, key: ctx.tools.payments.lookup_reversal(key)),
+)
+def pay(ctx):
+    payments = ctx.tools.payments
+    return ctx.effect(
+        lambda key: payments.refund(
+            customer_id=ctx.input["customer_id"],
+            amount_cents=ctx.input["amount_cents"],
+            currency="EUR",
+            idempotency_key=key,
+        ),
+        lookup=payments.lookup,
+    )
+
+
+@undo_chain.effect("crm", compensate=Compensation(call=_strike, lookup=lambda ctx, key: ctx.tools.crm.lookup_note(key)))
+def note(ctx):
+    crm = ctx.tools.crm
+    return ctx.effect(
+        lambda key: crm.add_note(customer_id=ctx.input["customer_id"], text="paid", idempotency_key=key),
+        lookup=crm.lookup_note,
+    )
+
+
+@undo_chain.effect("email")
+def confirm(ctx):
+    email = ctx.tools.email
+    return ctx.effect(lambda key: email.send(to="c@example.com", subject="Paid", body="Paid.", idempotency_key=key))
+
+
+# The same two effects, and a last step during which someone cancels the run and asks for an undo: the last
+# step's checkpoint leaves the run to its owner, which undoes it (a cancel and undo never ends as a plain cancel).
+undo_at_the_end = register(Workflow("test_undo_at_the_end", undo="never"))
+undo_at_the_end.effect("payments", compensate=undo_chain.steps[0].compensation)(pay)
+
+
+@undo_at_the_end.compute
+def cancel_and_undo_while_running(ctx):
+    from runs import compensations  # noqa: PLC0415 - the test's own door, as the API would call it
+
+    compensations.cancel_and_undo(Run.objects.get(pk=ctx.run.pk), None)
+    return {"asked": True}

@@ -101,8 +101,9 @@ def apply_sla(card_id: int, now: datetime | None = None) -> str | None:
     if card.on_expiry == OnExpiry.ESCALATE:
         return "escalate" if _escalate(card, now) else None
     # A reconcile card is never auto-rejected: there a rejection means "it did not happen: do the write now",
-    # an ambiguous write done again with nobody deciding. It escalates instead.
-    if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind != Kind.RECONCILE:
+    # an ambiguous write done again with nobody deciding. Nor a failed compensation's: there it means "a person
+    # undid it by hand". They escalate instead.
+    if channel.escalation_policy == Channel.EscalationPolicy.SAFE_DEFAULT and card.kind not in NEVER_AUTO_REJECTED:
         return "safe_default" if _safe_default(card, now) else None
     return "escalate" if _escalate(card, now) else None
 
@@ -149,12 +150,13 @@ def _policy_deadline(card: Approval, now: datetime) -> str | None:
     if card.on_expiry:
         # An external agent's request ends as it said (`on_expiry`): past the policy's last level, it expires.
         return "expire" if _expire(card, now) else None
-    if card.policy["at_end"] == rules.AtEnd.REJECT and card.kind != Kind.RECONCILE:
+    if card.policy["at_end"] == rules.AtEnd.REJECT and card.kind not in NEVER_AUTO_REJECTED:
         return "safe_default" if _safe_default(card, now, comment=FAIL_CLOSED_COMMENT) else None
     return "alert_ops" if _alert_ops(card, now) else None
 
 
 FAIL_CLOSED_COMMENT = "Approval policy exhausted: fail closed"
+NEVER_AUTO_REJECTED = (Kind.RECONCILE, Kind.UNDO_FAILED)  # a rejection there says something happened
 
 
 def _stage_swap(card: Approval, now: datetime, columns) -> bool:

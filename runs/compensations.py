@@ -74,6 +74,7 @@ class Entry:
     undone_by: str = ""
     undo_answer: Any = None
     error: str = ""
+    audited: bool = False  # its compensation's `run.compensation` entry says "done"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -92,7 +93,7 @@ class Entry:
             return "never sent (shadow mode): nothing to undo"
         if self.compensation is None:
             return "no compensation declared: it cannot be undone"
-        if self.outcome:
+        if self.outcome and self.outcome != "failed":
             return ""
         deadline = self.deadline
         if deadline is not None and (now or timezone.now()) > deadline:
@@ -185,7 +186,7 @@ def registry(run: Run, workflow=None) -> list[Entry]:
         recorded = history.get(entry.key)
         if recorded is not None:
             entry.outcome, entry.undone_by, entry.error = recorded["outcome"], recorded["by"], recorded["error"]
-            entry.undone_at = recorded["at"]
+            entry.undone_at, entry.audited = recorded["at"], recorded["outcome"] == "done"
         if done is not None and done.status == Receipt.Status.DONE:
             entry.outcome, entry.undone_at, entry.undo_answer = "done", done.completed_at, done.response
             entry.error = ""
@@ -310,6 +311,9 @@ def drive(run: Run, workflow, context_for: ContextFor) -> str:
         with transaction.atomic():
             run.start_undo()
     entries = registry(run, workflow)
+    for entry in entries:
+        if entry.outcome == "done" and not entry.audited:  # its receipt completed, then the job was cut off
+            record(run, entry, "done", by="engine", answer=entry.undo_answer)
     pending = to_undo(entries)
     if run.undo_reason == "failed" and workflow.undo == "ask" and not _asked(run, pending):
         return "declined"
@@ -341,10 +345,7 @@ def _asked(run: Run, pending: list[Entry]) -> bool:
     decision = gates.backend().decision(run, run.cursor, request)
     if decision is None:
         raise Park("failed for good: undo what it did?", request, seq=run.cursor)
-    if decision.rejected:
-        return False
-    _audit(run, "run.undo", {"reason": run.undo_reason, "by": decision.by})
-    return True
+    return not decision.rejected  # the decision is audited with its card
 
 
 def _approved(run: Run, entry: Entry) -> bool:

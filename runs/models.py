@@ -433,8 +433,8 @@ class Run(models.Model):
         reason = reason or self.undo_reason
         assert reason, "an undo has a reason"
         changes = {"undo_reason": reason}
-        if cause is not None:
-            changes["result"] = {"outcome": "undoing", "reason": reason, "cause": cause}
+        if cause is not None:  # its start: the compensations have attempts of their own
+            changes.update(result={"outcome": "undoing", "reason": reason, "cause": cause}, attempt=0, error="")
         self._swap("start_undo", by_owner=self.owner, **changes)
         self._close_cards("cancelled")
 
@@ -445,7 +445,7 @@ class Run(models.Model):
 
     def undo_failed(self, error: str) -> None:
         """A compensation failed for good: the run parks for a person (the caller opens the card)."""
-        self._swap("compensation_failed", by_owner=self.owner, owner="", error=error)
+        self._swap("compensation_failed", by_owner=self.owner, owner="", error=error, attempt=0)
 
     def begin_external_undo(self, result: dict) -> None:
         """An external run's cancel and undo (external.undo): its agent runs the approved compensations, in the
@@ -500,16 +500,17 @@ class Run(models.Model):
     def cancel(self, by=None) -> Run:
         """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are, and so is a run
-        being undone (TransitionRefused: its compensations are stopped by a channel's kill switch, not a cancel);
-        one whose compensation failed is cancelled (its undo given up). Cancel and undo: runs.compensations."""
+        being undone, parked or not (TransitionRefused: a channel's kill switch holds its compensations, and one that
+        failed is decided on its card). Cancel and undo: runs.compensations."""
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
-            if run.status == self.Status.COMPENSATING:
+            if run.undo_reason or run.status in (self.Status.COMPENSATING, self.Status.COMPENSATION_FAILED):
                 raise TransitionRefused(
-                    "the run is being undone: a cancel does not stop its compensations (a channel's kill switch does)"
+                    "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
+                    "holds them; a compensation that failed is decided on its card)"
                 )
             AuditEntry.record(
                 "run.cancel",

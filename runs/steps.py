@@ -199,7 +199,8 @@ class Context:
         )
         decision = gates.backend().decision(self.run, self.seq, request)
         if decision is None:
-            raise Park(f"did this {receipt.channel} write happen? ({receipt.key})", request)
+            # At this step's card (an undo's compensation runs at its effect's step, not at the run's cursor).
+            raise Park(f"did this {receipt.channel} write happen? ({receipt.key})", request, seq=self.seq)
         if decision.rejected:
             # It did not happen: write it now, as a new attempt of the same receipt, so that if this attempt
             # is interrupted too, the question is asked again (the card binds to the attempt's start).

@@ -5,36 +5,53 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('approvals', '0013_approval_expires_at'),
-        ('auth', '0012_alter_user_first_name_max_length'),
-        ('core', '0003_apitoken_callback_secret'),
-        ('runs', '0014_undo'),
+        ("approvals", "0013_approval_expires_at"),
+        ("auth", "0012_alter_user_first_name_max_length"),
+        ("core", "0003_apitoken_callback_secret"),
+        ("runs", "0014_undo"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.RemoveConstraint(
-            model_name='approval',
-            name='approvals_approval_kind_valid',
+            model_name="approval",
+            name="approvals_approval_kind_valid",
         ),
         migrations.AddField(
-            model_name='decision',
-            name='undo',
-            field=models.BooleanField(db_default=False, default=False, help_text='Reject and undo: what the run did is undone too.'),
+            model_name="decision",
+            name="undo",
+            field=models.BooleanField(
+                db_default=False, default=False, help_text="Reject and undo: what the run did is undone too."
+            ),
         ),
         migrations.AlterField(
-            model_name='approval',
-            name='kind',
-            field=models.CharField(choices=[('action', 'Action'), ('reconcile', 'Reconcile'), ('budget', 'Budget'), ('undo', 'Undo'), ('undo_failed', 'Undo Failed')], default='action', max_length=16),
+            model_name="approval",
+            name="kind",
+            field=models.CharField(
+                choices=[
+                    ("action", "Action"),
+                    ("reconcile", "Reconcile"),
+                    ("budget", "Budget"),
+                    ("undo", "Undo"),
+                    ("undo_failed", "Undo Failed"),
+                ],
+                default="action",
+                max_length=16,
+            ),
         ),
         migrations.AddConstraint(
-            model_name='approval',
-            constraint=models.CheckConstraint(condition=models.Q(('kind__in', ['action', 'reconcile', 'budget', 'undo', 'undo_failed'])), name='approvals_approval_kind_valid'),
+            model_name="approval",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("kind__in", ["action", "reconcile", "budget", "undo", "undo_failed"])),
+                name="approvals_approval_kind_valid",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='decision',
-            constraint=models.CheckConstraint(condition=models.Q(('undo', False), ('decision', 'reject'), _connector='OR'), name='approvals_decision_undo_rejects'),
+            model_name="decision",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("undo", False), ("decision", "reject"), _connector="OR"),
+                name="approvals_decision_undo_rejects",
+            ),
         ),
     ]

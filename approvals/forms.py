@@ -24,7 +24,6 @@ from approvals.errors import CannotCheckEdit
 from approvals.models import Approval, DecisionLink, RejectReason
 from approvals.rules import DecisionKind
 from core import safe_input
-from runs.gates import Kind
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
@@ -61,6 +60,9 @@ class RejectForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 3}),
         error_messages={"required": "A rejection needs a comment saying why."},
     )
+    # "Reject and undo" (the second button of the reject form): what the run did is undone too (Approval.decide
+    # refuses it, UndoRefused, when the card's kind or run has nothing to undo).
+    undo = forms.BooleanField(required=False)
 
 
 def _leaves(value: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -234,8 +236,8 @@ class DecideForm(forms.Form):
         if decision == DecisionKind.REJECT:
             self.decision_form = RejectForm(self.data)
         elif decision == DecisionKind.EDIT:
-            if self.card.kind == Kind.RECONCILE:
-                raise forms.ValidationError("A reconcile card is approved or rejected, not edited.")
+            if self.card.kind in edits.NOT_EDITED:
+                raise forms.ValidationError(f"Not recorded: {edits.NOT_EDITED[self.card.kind]}.")
             self.decision_form = EditForm(self.card, self.data)  # CannotCheckEdit: raised as it is (409)
         valid = self.decision_form is not None and self.decision_form.is_valid()
         if valid and decision == DecisionKind.EDIT and cleaned["preview"]:
@@ -282,6 +284,8 @@ class DecideForm(forms.Form):
             fields["comment"] = cleaned["comment"]
         elif cleaned["decision"] == DecisionKind.REJECT:
             fields.update(comment=sub["comment"], reason=sub["reason"])
+            if sub.get("undo"):
+                fields["undo"] = True
         else:
             fields.update(comment=sub.get("comment", ""), payload=sub["payload"])
         link = cleaned["link"]

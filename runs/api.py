@@ -12,10 +12,10 @@ from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
 from core.api import ERRORS
-from runs import submission
+from runs import compensations, submission
 from runs import workflow as workflows
 from runs.access import run_for
-from runs.errors import IdempotencyConflict, InvalidInput, UnknownWorkflow
+from runs.errors import IdempotencyConflict, InvalidInput, TransitionRefused, UndoRefused, UnknownWorkflow
 from runs.models import Run, Step
 
 router = Router(tags=["runs"])
@@ -71,6 +71,30 @@ class StepOut(Schema):
     latency_ms: float | None
 
 
+class CompensationOut(Schema):
+    outcome: str = Field(description="done, declined (a person said no), by_hand, or failed (waiting for a person)")
+    at: datetime | None
+    by: str
+    answer: dict | list | str | int | float | bool | None
+    error: str
+
+
+class EffectOut(Schema):
+    """A completed effect of the run, as the registry of compensations shows it (runs.compensations)."""
+
+    key: str
+    step: str
+    seq: int
+    channel: str
+    completed_at: datetime
+    external_id: str
+    can_undo: bool = Field(description="Whether a cancel and undo would compensate it now.")
+    why_not: str = Field(description="Why it cannot be undone (now); empty when it can, or was.")
+    undo_until: datetime | None = Field(description="Its compensation's deadline; null: none.")
+    needs_approval: bool = Field(description="Its compensation asks a person first (a card).")
+    compensation: CompensationOut | None = Field(description="What undid it; null while it is not undone.")
+
+
 class RunOut(Schema):
     id: uuid.UUID
     workflow: str
@@ -84,6 +108,10 @@ class RunOut(Schema):
     error: str
     pause_reason: str
     approval_id: int | None
+    undo_reason: str = Field(
+        description="Why the run is being (or was) undone: failed, rejected, cancelled, budget; empty when it is not."
+    )
+    effects: list[EffectOut] = Field(description="Its completed effects, what can still be undone and what undid them.")
     trace_id: str
     cost: Decimal
     tokens_in: int
@@ -119,6 +147,7 @@ def run_out(run: Run) -> dict:
                 "result",
                 "error",
                 "pause_reason",
+                "undo_reason",
                 "trace_id",
                 "cost",
                 "tokens_in",
@@ -131,6 +160,7 @@ def run_out(run: Run) -> dict:
         "steps_done": sum(1 for s in steps if s.status == Step.Status.DONE),
         "steps": steps,
         "approval_id": open_card.pk if open_card else None,
+        "effects": [entry.as_dict() for entry in compensations.registry(run)],
     }
 
 
@@ -201,7 +231,29 @@ def get_run(request, run_id: uuid.UUID):
     return run_out(run_for(request.user, run_id))
 
 
-@router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS}, summary="Cancel a run")
-def cancel_run(request, run_id: uuid.UUID):
+class CancelIn(Schema):
+    undo: bool = Field(
+        False,
+        description="Cancel and undo: what the run did is compensated too, in reverse order (runs.compensations). "
+        "409, nothing done, when it has nothing it can undo or an effect is past its compensation's deadline.",
+    )
+
+
+@router.post(
+    "/runs/{run_id}/cancel",
+    response={200: RunOut, **ERRORS},
+    summary="Cancel a run (and undo what it did)",
+    description="No body (or `undo: false`): a parked or queued run ends now, a running one stops after its step. "
+    '`{"undo": true}`: the run is undone as well (its `status` goes on through `compensating`); refused with 409 '
+    "and nothing done when there is nothing it can undo. A run being undone cannot be cancelled (409).",
+)
+def cancel_run(request, run_id: uuid.UUID, body: CancelIn | None = None):
     run = run_for(request.user, run_id, to_operate=True)
-    return run_out(run.cancel(by=request.user))
+    try:
+        if body is not None and body.undo:
+            run = compensations.cancel_and_undo(run, request.user)
+        else:
+            run = run.cancel(by=request.user)
+    except (UndoRefused, TransitionRefused) as exc:
+        raise HttpError(409, str(exc)) from None
+    return run_out(run)

@@ -429,9 +429,7 @@ class Decision(models.Model):
     # Shadow cards only (Approval.shadow): the reviewer's agreement with the agent and what they did by hand.
     agreement = models.CharField(max_length=8, choices=Agreement.choices, blank=True)
     done_by_hand = models.TextField(blank=True)
-    undo = models.BooleanField(
-        default=False, db_default=False, help_text="Reject and undo: what the run did is undone too."
-    )
+    undo = models.BooleanField(default=False, db_default=False, help_text="Reject and undo: what the run did is undone too.")
     # Under an approval policy (Approval.policy): the row of it the decision was taken at, its name, and the
     # absent person it was taken for (Delegation), when the actor decided as their cover.
     stage = models.PositiveSmallIntegerField(null=True, blank=True)

@@ -112,6 +112,24 @@ class Payments(_System):
             return None
         return {"id": call.external_id, "status": "refunded", **call.payload}
 
+    def reverse(self, refund_id: str, *, idempotency_key: str) -> dict:
+        """Reverse a refund (the money goes back), by the refund's id: a payment of its amount, recorded with a
+        negative amount and the refund it reverses. Refused (Fatal, 404) for a refund the system never made."""
+        refund = SandboxCall.objects.filter(system="payments", external_id=refund_id, applied=True).first()
+        if refund is None or "reverses" in refund.payload:
+            raise Fatal(f"payments.reverse: 404 no refund {refund_id}")
+        payload = {**refund.payload, "amount_cents": -int(refund.payload["amount_cents"]), "reverses": refund_id}
+        call = self._call(payload, idempotency_key)
+        return {"id": call.external_id, "status": "reversed", **payload}
+
+    @staticmethod
+    def lookup_reversal(idempotency_key: str) -> dict | None:
+        """Whether a reversal with this key was made (reconciles an ambiguous reversal)."""
+        call = SandboxCall.objects.filter(system="payments", idempotency_key=idempotency_key, applied=True).first()
+        if call is None:
+            return None
+        return {"id": call.external_id, "status": "reversed", **call.payload}
+
 
 class Email(_System):
     system = "email"
@@ -144,6 +162,14 @@ class Crm(_System):
     def add_note(self, *, customer_id: str, text: str, idempotency_key: str) -> dict:
         call = self._call({"customer_id": customer_id, "text": text}, idempotency_key)
         return {"id": call.external_id, "status": "noted", "customer_id": customer_id}
+
+    def remove_note(self, note_id: str, *, idempotency_key: str) -> dict:
+        """Strike a note from the customer's record (recorded as a call naming the note it removes)."""
+        note = SandboxCall.objects.filter(system="crm", external_id=note_id, applied=True).first()
+        if note is None:
+            raise Fatal(f"crm.remove_note: 404 no note {note_id}")
+        call = self._call({"customer_id": note.payload.get("customer_id"), "removes": note_id}, idempotency_key)
+        return {"id": call.external_id, "status": "removed", "note": note_id}
 
     @staticmethod
     def lookup_note(idempotency_key: str) -> dict | None:

@@ -2,7 +2,9 @@
 
 `refund`, fixed steps. Input: {customer_id, amount_cents, currency, reason}. classify (compute) ->
 lookup_customer (read) -> draft_refund (compute) -> approve_refund (gate on payments, skipped below
-AUTO_APPROVE_CENTS) -> issue_refund (effect on payments) -> notify_customer (effect on email).
+AUTO_APPROVE_CENTS) -> issue_refund (effect on payments, undone by a reversal a person confirms, within 30 days) ->
+notify_customer (effect on email, the last step: the demo fault `{"notify_customer": ["fatal"]}` makes it fail for
+good after the refund was paid, and the run asks whether to undo the refund: runs.compensations).
 
 `support_agent`, an agent (runs.agent). Input: {customer_id, message, order_id?}. One agent stage, `support`,
 whose model looks the customer and their orders up (read tools on the CRM), may refund an order (an effect on
@@ -12,6 +14,7 @@ writes a note on the customer's record (on crm, never asked), then answers.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 from django.conf import settings
@@ -22,7 +25,7 @@ from runs.currencies import ISO_4217, check_currency
 from runs.gates import ApprovalRequest
 from runs.tools import tool
 from runs.webhooks import Source, register_source
-from runs.workflow import Display, Fatal, Workflow, register
+from runs.workflow import Compensation, Display, Fatal, Workflow, register
 
 # The JSON Schema lists the codes check_currency takes, so that POST /api/runs' document says which.
 Currency = Annotated[StrictStr, AfterValidator(check_currency), Field(json_schema_extra={"enum": sorted(ISO_4217)})]
@@ -185,7 +188,27 @@ def approve_refund(ctx):
     )
 
 
-@refund.effect("payments")
+def _reverse(ctx, key: str, refund: dict) -> dict:
+    """Undo a refund (runs.compensations): reversed by the payment system, by the refund's id, once per key."""
+    return ctx.tools.payments.reverse(refund["id"], idempotency_key=key)
+
+
+def _describe_refund(refund: dict) -> str:
+    amount = refund.get("amount_cents")
+    return f"the refund {refund.get('id')} of {amount} {refund.get('currency')} cents to {refund.get('customer_id')}"
+
+
+# A refund can be reversed for 30 days, and a person confirms each reversal; an email can never be unsent.
+REVERSE_REFUND = Compensation(
+    call=_reverse,
+    lookup=lambda ctx, key: ctx.tools.payments.lookup_reversal(key),
+    within=timedelta(days=30),
+    approval=True,
+    describe=_describe_refund,
+)
+
+
+@refund.effect("payments", compensate=REVERSE_REFUND)
 def issue_refund(ctx):
     refund_order = ctx.outputs["approve_refund"]["payload"]["refund"]
     payments = ctx.tools.payments
@@ -288,6 +311,7 @@ def _needs_a_person(args: OrderRefund, history: list[dict]) -> bool:
     current=_order_refund_state,
     display=Display(headline="reason", amount_minor="amount_cents", currency="currency"),
     risk="high",
+    compensate=REVERSE_REFUND,
 )
 def refund_order(ctx, args: OrderRefund) -> dict:
     """Refund (part of) one of the customer's orders, in the order's currency; amount in cents, no more than the

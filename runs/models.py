@@ -49,6 +49,7 @@ class Run(models.Model):
 
     FINISHED = FINISHED
     PARKED = PARKED
+    OWNED = OWNED
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     workflow = models.CharField(max_length=100)

@@ -170,8 +170,10 @@ def run_insert(run) -> tuple[str, list]:
     query.insert_values(fields, [run])
     # as_sql() calls each field's pre_save(run, add=True): created_at and updated_at are set on `run` too.
     ((sql, params),) = query.get_compiler(connection=connection).as_sql()
+    # A field with a database default of its own and a value (a Python default too: Run.undo_reason, which the
+    # previous release's INSERTs leave out) is written as any other; one left to the database is not plain.
     plain = all(
-        not hasattr(f, "get_placeholder_sql") and not f.has_db_default() and not isinstance(v, DatabaseDefault)
+        not hasattr(f, "get_placeholder_sql") and not isinstance(v, DatabaseDefault)
         for f, v in zip(fields, [getattr(run, f.attname) for f in fields], strict=True)
     )
     qn = connection.ops.quote_name

@@ -5,49 +5,127 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runs', '0013_external_runs'),
+        ("runs", "0013_external_runs"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.RemoveConstraint(
-            model_name='run',
-            name='runs_run_finished_iff_finished_at',
+            model_name="run",
+            name="runs_run_finished_iff_finished_at",
         ),
         migrations.RemoveConstraint(
-            model_name='run',
-            name='runs_run_running_iff_owner',
+            model_name="run",
+            name="runs_run_running_iff_owner",
         ),
         migrations.RemoveConstraint(
-            model_name='run',
-            name='runs_run_status_valid',
+            model_name="run",
+            name="runs_run_status_valid",
         ),
         migrations.AddField(
-            model_name='run',
-            name='undo_reason',
-            field=models.CharField(blank=True, choices=[('failed', 'failed'), ('rejected', 'rejected'), ('cancelled', 'cancelled'), ('budget', 'budget')], db_default='', default='', help_text="Why the run's effects are being undone (runs.compensations); blank: they are not.", max_length=16),
+            model_name="run",
+            name="undo_reason",
+            field=models.CharField(
+                blank=True,
+                choices=[
+                    ("failed", "failed"),
+                    ("rejected", "rejected"),
+                    ("cancelled", "cancelled"),
+                    ("budget", "budget"),
+                ],
+                db_default="",
+                default="",
+                help_text="Why the run's effects are being undone (runs.compensations); blank: they are not.",
+                max_length=16,
+            ),
         ),
         migrations.AlterField(
-            model_name='run',
-            name='status',
-            field=models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('waiting_human', 'Waiting Human'), ('paused', 'Paused'), ('succeeded', 'Succeeded'), ('failed', 'Failed'), ('cancelled', 'Cancelled'), ('external', 'External'), ('compensating', 'Compensating'), ('compensated', 'Compensated'), ('compensation_failed', 'Compensation Failed')], default='queued', max_length=20),
+            model_name="run",
+            name="status",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("running", "Running"),
+                    ("waiting_human", "Waiting Human"),
+                    ("paused", "Paused"),
+                    ("succeeded", "Succeeded"),
+                    ("failed", "Failed"),
+                    ("cancelled", "Cancelled"),
+                    ("external", "External"),
+                    ("compensating", "Compensating"),
+                    ("compensated", "Compensated"),
+                    ("compensation_failed", "Compensation Failed"),
+                ],
+                default="queued",
+                max_length=20,
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['queued', 'running', 'waiting_human', 'paused', 'succeeded', 'failed', 'cancelled', 'external', 'compensating', 'compensated', 'compensation_failed'])), name='runs_run_status_valid'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "status__in",
+                        [
+                            "queued",
+                            "running",
+                            "waiting_human",
+                            "paused",
+                            "succeeded",
+                            "failed",
+                            "cancelled",
+                            "external",
+                            "compensating",
+                            "compensated",
+                            "compensation_failed",
+                        ],
+                    )
+                ),
+                name="runs_run_status_valid",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('finished_at__isnull', False), ('status__in', ['succeeded', 'failed', 'cancelled', 'compensated'])), models.Q(models.Q(('status__in', ['succeeded', 'failed', 'cancelled', 'compensated']), _negated=True), ('finished_at__isnull', True)), _connector='OR'), name='runs_run_finished_iff_finished_at'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(
+                        ("finished_at__isnull", False),
+                        ("status__in", ["succeeded", "failed", "cancelled", "compensated"]),
+                    ),
+                    models.Q(
+                        models.Q(("status__in", ["succeeded", "failed", "cancelled", "compensated"]), _negated=True),
+                        ("finished_at__isnull", True),
+                    ),
+                    _connector="OR",
+                ),
+                name="runs_run_finished_iff_finished_at",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('status', 'running'), models.Q(('owner', ''), _negated=True)), models.Q(('status', 'compensating'), models.Q(models.Q(('owner', ''), _negated=True), ('workflow', 'external'), _connector='OR')), models.Q(models.Q(('status__in', ['running', 'compensating']), _negated=True), ('owner', '')), _connector='OR'), name='runs_run_owned_iff_owner'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(("status", "running"), models.Q(("owner", ""), _negated=True)),
+                    models.Q(
+                        ("status", "compensating"),
+                        models.Q(models.Q(("owner", ""), _negated=True), ("workflow", "external"), _connector="OR"),
+                    ),
+                    models.Q(models.Q(("status__in", ["running", "compensating"]), _negated=True), ("owner", "")),
+                    _connector="OR",
+                ),
+                name="runs_run_owned_iff_owner",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.CheckConstraint(condition=models.Q(('undo_reason', ''), models.Q(('status__in', ['succeeded', 'failed']), _negated=True), _connector='OR'), name='runs_run_undone_never_succeeded'),
+            model_name="run",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    ("undo_reason", ""),
+                    models.Q(("status__in", ["succeeded", "failed"]), _negated=True),
+                    _connector="OR",
+                ),
+                name="runs_run_undone_never_succeeded",
+            ),
         ),
     ]

@@ -415,7 +415,13 @@ def test_a_park_is_not_an_attempt(demo, carol):
 def test_the_jobs_last_attempt_sends_the_run_to_the_dead_letter_queue_not_back_to_the_queue(demo):
     run, _ = submission.submit(workflow="refund", input=_faults({"notify_customer": ["timeout"]}))
     run = drive(run, attempts=9)  # the retry strategy's backstop: no 10th attempt would come
-    assert run.status == Run.Status.FAILED
+    # Not back to the queue: the refund it paid can be undone, so a person is asked first (runs.compensations,
+    # the workflow's policy `ask`); they say no, and it goes to the dead-letter queue as it failed.
+    assert run.status == Run.Status.WAITING_HUMAN and run.undo_reason == "failed"
+    card = Approval.objects.get(run=run, kind="undo", status=Approval.Status.PENDING)
+    card.decide(demo["reviewer"], "reject", comment="the customer keeps the refund")
+    run = drive(run)
+    assert run.status == Run.Status.FAILED and run.undo_reason == ""
     assert DeadLetter.objects.get(run_id=run.id).error_class == "Ambiguous"
 
 

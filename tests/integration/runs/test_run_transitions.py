@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from runs.errors import TransitionRefused
 from runs.models import Run
-from runs.transitions import FINISHED, TRANSITIONS, RunStatus
+from runs.transitions import FINISHED, OWNED, TRANSITIONS, RunStatus
 
 
 def _run_in(status: str) -> Run:
@@ -18,7 +18,7 @@ def _run_in(status: str) -> Run:
         workflow_version=1,
         input={},
         status=status,
-        owner="job-a" if status == RunStatus.RUNNING else "",
+        owner="job-a" if status in OWNED else "",
         finished_at=timezone.now() if status in FINISHED else None,
     )
 
@@ -26,7 +26,7 @@ def _run_in(status: str) -> Run:
 def _changes_into(target: str) -> dict:
     """What the database's constraints ask of a run in `target` (Run's methods write the same)."""
     return {
-        "owner": "job-b" if target == RunStatus.RUNNING else "",
+        "owner": "job-b" if target in OWNED else "",
         "finished_at": timezone.now() if target in FINISHED else None,
     }
 

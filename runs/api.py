@@ -10,7 +10,9 @@ from decimal import Decimal
 from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
+from pydantic import ValidationError as PydanticError
 
+from core import safe_input
 from core.api import ERRORS
 from runs import compensations, submission
 from runs import workflow as workflows
@@ -239,6 +241,32 @@ class CancelIn(Schema):
     )
 
 
+def cancel_body(request) -> CancelIn:
+    """The cancel's body, which is optional: none (or one that is not JSON, as a form post or an empty one) is a
+    plain cancel, as it always was; a JSON body must be CancelIn (422 naming the field otherwise)."""
+    if not request.body or request.content_type != "application/json":
+        return CancelIn()
+    try:
+        data = safe_input.loads(request.body)
+    except safe_input.UnsafeJson as exc:
+        raise ValidationError(exc.errors()) from None
+    except ValueError:
+        raise HttpError(400, "Cannot parse request body") from None
+    if data is None:
+        return CancelIn()
+    if not isinstance(data, dict):
+        raise ValidationError([{"type": "dict_type", "loc": "body", "msg": "Input should be a valid dictionary"}])
+    try:
+        return CancelIn.model_validate(data)
+    except PydanticError as exc:
+        raise ValidationError(
+            [
+                {"type": e["type"], "loc": safe_input.field_path(list(e["loc"])) or "body", "msg": e["msg"]}
+                for e in exc.errors()
+            ]
+        ) from None
+
+
 @router.post(
     "/runs/{run_id}/cancel",
     response={200: RunOut, **ERRORS},
@@ -246,14 +274,19 @@ class CancelIn(Schema):
     description="No body (or `undo: false`): a parked or queued run ends now, a running one stops after its step. "
     '`{"undo": true}`: the run is undone as well (its `status` goes on through `compensating`); refused with 409 '
     "and nothing done when there is nothing it can undo. A run being undone cannot be cancelled (409).",
+    # The body is optional (ninja's declared bodies are not): read by cancel_body, stated here.
+    openapi_extra={
+        "requestBody": {
+            "required": False,
+            "content": {"application/json": {"schema": CancelIn.model_json_schema()}},
+        }
+    },
 )
-def cancel_run(request, run_id: uuid.UUID, body: CancelIn | None = None):
+def cancel_run(request, run_id: uuid.UUID):
     run = run_for(request.user, run_id, to_operate=True)
+    body = cancel_body(request)
     try:
-        if body is not None and body.undo:
-            run = compensations.cancel_and_undo(run, request.user)
-        else:
-            run = run.cancel(by=request.user)
+        run = compensations.cancel_and_undo(run, request.user) if body.undo else run.cancel(by=request.user)
     except (UndoRefused, TransitionRefused) as exc:
         raise HttpError(409, str(exc)) from None
     return run_out(run)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from runs.workflow import Compensation, Workflow, register
+from runs.workflow import Compensation, Fatal, Workflow, register
 
 CALLS: dict[str, list[str]] = {"charge": [], "refund": []}
 
@@ -49,3 +49,15 @@ gated_undo.gate("payments", name="ship")(ask)
 nothing_to_undo = register(Workflow("test_undo_nothing_yet"))
 nothing_to_undo.gate("payments", name="ship")(ask)
 nothing_to_undo.effect("payments", name="charge", compensate=refund)(charge)
+
+# The same, whose compensation fails for good: the run parks `compensation_failed` with an `undo_failed` card.
+failing_undo = register(Workflow("test_undo_fails"))
+
+
+def refuse_refund(ctx, key: str, answer: dict) -> dict:
+    CALLS["refund"].append(key)
+    raise Fatal("the payment system refuses refunds of this charge")
+
+
+failing_undo.effect("payments", name="charge", compensate=refuse_refund)(charge)
+failing_undo.gate("payments", name="ship")(ask)

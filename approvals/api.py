@@ -20,6 +20,7 @@ from approvals.models import Approval, Delegation, RejectReason
 from approvals.rules import decider_refusal
 from core.api import ERRORS
 from core.safe_input import NOT_BLANK
+from runs.errors import UndoRefused
 from runs.models import Step
 
 router = Router(tags=["approvals"])
@@ -176,6 +177,11 @@ class DecisionIn(Schema):
         max_length=5000,
         description="What the reviewer did by hand: shadow cards only (422 on others, unless blank).",
     )
+    undo: bool = Field(
+        False,
+        description="Reject and undo (a rejection of an action or budget card only): what the run did is undone "
+        "too. 422 with any other decision; 409, nothing done, when the card's run has nothing it can undo.",
+    )
 
 
 CardStatus = Literal[(*Approval.Status.values, "all")]  # a card's status, or all of them
@@ -259,7 +265,10 @@ def decide(request, card_id: int, body: DecisionIn):
             version=body.version,
             agreement=body.agreement or "",
             done_by_hand=body.done_by_hand,
+            undo=body.undo,
         )
+    except UndoRefused as exc:
+        raise HttpError(409, str(exc)) from None
     except AlreadyDecided as exc:
         raise HttpError(409, str(exc)) from None
     except Expired as exc:

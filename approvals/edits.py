@@ -66,10 +66,19 @@ def gate_spec(card: Approval) -> GateSpec | None:
     return step.gate
 
 
+# Cards that are answered yes or no, never edited: did an ambiguous write happen; undo what a run did; a
+# compensation that failed for good (try again, or done by hand).
+NOT_EDITED = {
+    Kind.RECONCILE: "a reconcile card is approved (it happened) or rejected, not edited",
+    Kind.UNDO: "an undo card is approved (undo it) or rejected (leave it done), not edited",
+    Kind.UNDO_FAILED: "a failed undo's card is approved (try again) or rejected (done by hand), not edited",
+}
+
+
 def accepts_edits(card: Approval) -> bool:
-    """Whether the card offers an edit: not a reconcile card, nor a gate that takes none (an external request
-    without a schema). A gate this process cannot resolve offers it: the edit is then refused, saying why."""
-    if card.kind == Kind.RECONCILE:
+    """Whether the card offers an edit: not a reconcile or undo card, nor a gate that takes none (an external
+    request without a schema). A gate this process cannot resolve offers it: the edit is then refused, saying why."""
+    if card.kind in NOT_EDITED:
         return False
     try:
         spec = gate_spec(card)
@@ -92,8 +101,8 @@ def editable_paths(card: Approval) -> tuple[str, ...] | None:
 
 def edit_errors(card: Approval, payload: Any) -> list[dict]:
     """Raises GateUnresolved for an action card whose gate this process cannot find."""
-    if card.kind == Kind.RECONCILE:
-        return [{"loc": "decision", "msg": "a reconcile card is approved (it happened) or rejected, not edited"}]
+    if card.kind in NOT_EDITED:
+        return [{"loc": "decision", "msg": NOT_EDITED[card.kind]}]
     if card.kind == Kind.BUDGET:
         return _budget_errors(card, payload)
     # A gate that declares nothing (or a step that asks without declaring a gate): same shape, any values.

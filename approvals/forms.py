@@ -61,6 +61,9 @@ class RejectForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 3}),
         error_messages={"required": "A rejection needs a comment saying why."},
     )
+    # "Reject and undo" (the second button of the reject form): what the run did is undone too (Approval.decide
+    # refuses it, UndoRefused, when the card's kind or run has nothing to undo).
+    undo = forms.BooleanField(required=False)
 
 
 def _leaves(value: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -182,6 +185,12 @@ class EditForm(forms.Form):
 
 
 MISSING_VERSION = "The card's version is missing: reload the card."
+# Cards answered yes or no, never edited (approvals.edits.NOT_EDITED), as the card page says it.
+NOT_EDITED = {
+    Kind.RECONCILE: "A reconcile card is approved or rejected, not edited.",
+    Kind.UNDO: "An undo card is approved (undo it) or rejected (leave it done), not edited.",
+    Kind.UNDO_FAILED: "A failed undo's card is approved (try again) or rejected (done by hand), not edited.",
+}
 CHOOSE = "Choose approve, edit or reject."
 
 
@@ -234,8 +243,8 @@ class DecideForm(forms.Form):
         if decision == DecisionKind.REJECT:
             self.decision_form = RejectForm(self.data)
         elif decision == DecisionKind.EDIT:
-            if self.card.kind == Kind.RECONCILE:
-                raise forms.ValidationError("A reconcile card is approved or rejected, not edited.")
+            if self.card.kind in NOT_EDITED:
+                raise forms.ValidationError(NOT_EDITED[self.card.kind])
             self.decision_form = EditForm(self.card, self.data)  # CannotCheckEdit: raised as it is (409)
         valid = self.decision_form is not None and self.decision_form.is_valid()
         if valid and decision == DecisionKind.EDIT and cleaned["preview"]:
@@ -282,6 +291,8 @@ class DecideForm(forms.Form):
             fields["comment"] = cleaned["comment"]
         elif cleaned["decision"] == DecisionKind.REJECT:
             fields.update(comment=sub["comment"], reason=sub["reason"])
+            if sub.get("undo"):
+                fields["undo"] = True
         else:
             fields.update(comment=sub.get("comment", ""), payload=sub["payload"])
         link = cleaned["link"]

@@ -55,6 +55,7 @@ from approvals.rules import (
 from core.access import decidable_channels
 from core.models import Channel
 from core.views import HtmxHttpRequest
+from runs.gates import Kind
 
 TEMPLATE = "approvals/inbox.html"
 EVENT = "approvals-changed"
@@ -406,6 +407,10 @@ def decide_cards(user, picked: dict[int, int | None], decision: str, comment: st
         elif decision == DecisionKind.APPROVE and card.status in Approval.OPEN and (edit := card.last_edit) is not None:
             by = edit.actor.get_username() if edit.actor else "system"
             results.append(BulkResult(pk, 409, f"has a pending edit by {by}: open the card to approve it", True))
+        elif decision == DecisionKind.REJECT and card.kind == Kind.UNDO_FAILED and card.status in Approval.OPEN:
+            # Rejecting a failed undo's card says "a person undid it by hand": that is for the person who did it to
+            # say on the card, with what they did, never a bulk comment.
+            results.append(BulkResult(pk, 409, "a failed undo is marked done by hand on its card: open it"))
         elif (
             decision == DecisionKind.APPROVE
             and card.status in Approval.OPEN

@@ -46,6 +46,8 @@ from approvals.forms import AwayForm, DecideForm, EditForm, RejectForm
 from approvals.models import Approval, Delegation, DelegationRefused, RejectReason
 from approvals.rules import Agreement, DecisionKind
 from core.views import HtmxHttpRequest
+from runs import compensations
+from runs.errors import UndoRefused
 from runs.models import Receipt
 
 TEMPLATE = "approvals/card.html"
@@ -149,6 +151,8 @@ def prepare(card: Approval, user, **state) -> Approval:
     card.labels = labels.for_card(card)
     if not edits.accepts_edits(card):
         card.labels = {**card.labels, "edit": ""}  # no edit offered
+    # "Reject and undo": offered beside the rejection on an action or budget card whose run has something to undo.
+    card.undo_label = labels.undo_label(card) if card.can_decide and _can_undo(card) else ""
     # Shadow cards: the agreement and the note as last posted (kept across a preview or a refused form).
     card.shadow_values = state.get("shadow_values") or {"agreement": "", "done_by_hand": ""}
     card.agreements = Agreement.choices
@@ -165,6 +169,18 @@ def prepare(card: Approval, user, **state) -> Approval:
     if card.via_link and card.via_link["decision"] == DecisionKind.REJECT and not card.opened:
         card.opened = "reject"
     return card
+
+
+def _can_undo(card: Approval) -> bool:
+    """Whether the run of `card` has something a rejection could undo (runs.compensations.check_undo, the check
+    Approval.decide(undo=True) makes again when it is pressed)."""
+    if not labels.undo_label(card):
+        return False
+    try:
+        compensations.check_undo(card.run)
+    except UndoRefused:
+        return False
+    return True
 
 
 def _standing(card: Approval, user) -> dict:
@@ -261,6 +277,9 @@ def decide(request: HtmxHttpRequest, pk: int):
         return _render(request, prepare(card, user, conflict=f"Not recorded: {exc}."), status=409)
     except InvalidDecision as exc:  # Approval.decide's own checks: said on the card, its forms kept as posted
         return _render(request, prepare(card, user, **{**form.state(), "error": str(exc)}), status=422)
+    except UndoRefused as exc:  # reject and undo with nothing the run can undo: nothing done, the card still open
+        state = {**form.state(), "error": f"Not recorded: {exc}."}
+        return _render(request, prepare(card_for(user, pk), user, **state), status=409)
     except DecisionError as exc:  # any other refusal: say it in place, with its own status
         return _render(request, prepare(card, user, error=str(exc)), status=exc.status)
 

@@ -20,7 +20,7 @@ from jobs import monitoring as jobs
 from jobs.monitoring import Queue
 from runs import breakers, ratelimit
 from runs import monitoring as runs
-from runs.monitoring import StuckRun, ToolErrors
+from runs.monitoring import Compensations, StuckRun, ToolErrors
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Snapshot:
     shadow_effects: dict[str, int]  # effects recorded instead of sent, per channel
     breakers: list = field(default_factory=list)  # runs.models.Breaker, as runs.breakers.states() shows them
     throttled: list = field(default_factory=list)  # runs.ratelimit.ThrottledTenant: tenants waiting for tokens
+    compensations: list[Compensations] = field(default_factory=list)  # undo, per workflow (runs.monitoring)
 
     @property
     def queue_oldest_age(self) -> float:
@@ -144,4 +145,5 @@ def snapshot(now: datetime | None = None) -> Snapshot:
         shadow_effects=runs.shadow_effects(),
         breakers=breakers.states(now),
         throttled=ratelimit.throttled(now),
+        compensations=runs.compensations(),
     )

@@ -338,6 +338,34 @@ def shadow_effects(snap: Snapshot) -> Metric:
     )
 
 
+def compensations(snap: Snapshot) -> Metric:
+    return counter(
+        "hitl_compensations",
+        "Compensations of what runs did (undo), per workflow and outcome: done, declined (a person said no), "
+        "by_hand (a person undid it), failed (failed for good, waiting for a person).",
+        ["workflow", "outcome"],
+        [((c.workflow, outcome), n) for c in snap.compensations for outcome, n in sorted(c.outcomes.items())],
+    )
+
+
+def runs_undone(snap: Snapshot) -> Metric:
+    return counter(
+        "hitl_runs_undone",
+        "Runs undone, being undone or whose undo failed, per workflow.",
+        ["workflow"],
+        [((c.workflow,), c.undone) for c in snap.compensations],
+    )
+
+
+def compensation_ratio(snap: Snapshot) -> Metric:
+    return gauge(
+        "hitl_compensation_ratio",
+        "Share of a workflow's runs that ended (finished, or undone) which were undone: the compensation rate.",
+        ["workflow"],
+        [((c.workflow,), c.rate) for c in snap.compensations],
+    )
+
+
 FAMILIES = [
     queue_depth,
     queue_scheduled,
@@ -376,6 +404,9 @@ FAMILIES = [
     shadow_answers,
     shadow_agreement_ratio,
     shadow_effects,
+    compensations,
+    runs_undone,
+    compensation_ratio,
 ]
 
 

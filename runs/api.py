@@ -10,12 +10,14 @@ from decimal import Decimal
 from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
+from pydantic import ValidationError as PydanticError
 
+from core import safe_input
 from core.api import ERRORS
-from runs import submission
+from runs import compensations, submission
 from runs import workflow as workflows
 from runs.access import run_for
-from runs.errors import IdempotencyConflict, InvalidInput, UnknownWorkflow
+from runs.errors import IdempotencyConflict, InvalidInput, TransitionRefused, UndoRefused, UnknownWorkflow
 from runs.models import Run, Step
 
 router = Router(tags=["runs"])
@@ -71,6 +73,30 @@ class StepOut(Schema):
     latency_ms: float | None
 
 
+class CompensationOut(Schema):
+    outcome: str = Field(description="done, declined (a person said no), by_hand, or failed (waiting for a person)")
+    at: datetime | None
+    by: str
+    answer: dict | list | str | int | float | bool | None
+    error: str
+
+
+class EffectOut(Schema):
+    """A completed effect of the run, as the registry of compensations shows it (runs.compensations)."""
+
+    key: str
+    step: str
+    seq: int
+    channel: str
+    completed_at: datetime
+    external_id: str
+    can_undo: bool = Field(description="Whether a cancel and undo would compensate it now.")
+    why_not: str = Field(description="Why it cannot be undone (now); empty when it can, or was.")
+    undo_until: datetime | None = Field(description="Its compensation's deadline; null: none.")
+    needs_approval: bool = Field(description="Its compensation asks a person first (a card).")
+    compensation: CompensationOut | None = Field(description="What undid it; null while it is not undone.")
+
+
 class RunOut(Schema):
     id: uuid.UUID
     workflow: str
@@ -84,6 +110,10 @@ class RunOut(Schema):
     error: str
     pause_reason: str
     approval_id: int | None
+    undo_reason: str = Field(
+        description="Why the run is being (or was) undone: failed, rejected, cancelled, budget; empty when it is not."
+    )
+    effects: list[EffectOut] = Field(description="Its completed effects, what can still be undone and what undid them.")
     trace_id: str
     cost: Decimal
     tokens_in: int
@@ -119,6 +149,7 @@ def run_out(run: Run) -> dict:
                 "result",
                 "error",
                 "pause_reason",
+                "undo_reason",
                 "trace_id",
                 "cost",
                 "tokens_in",
@@ -131,6 +162,7 @@ def run_out(run: Run) -> dict:
         "steps_done": sum(1 for s in steps if s.status == Step.Status.DONE),
         "steps": steps,
         "approval_id": open_card.pk if open_card else None,
+        "effects": [entry.as_dict() for entry in compensations.registry(run)],
     }
 
 
@@ -201,7 +233,60 @@ def get_run(request, run_id: uuid.UUID):
     return run_out(run_for(request.user, run_id))
 
 
-@router.post("/runs/{run_id}/cancel", response={200: RunOut, **ERRORS}, summary="Cancel a run")
+class CancelIn(Schema):
+    undo: bool = Field(
+        False,
+        description="Cancel and undo: what the run did is compensated too, in reverse order (runs.compensations). "
+        "409, nothing done, when it has nothing it can undo or an effect is past its compensation's deadline.",
+    )
+
+
+def cancel_body(request) -> CancelIn:
+    """The cancel's body, which is optional: none (or one that is not JSON, as a form post or an empty one) is a
+    plain cancel, as it always was; a JSON body must be CancelIn (422 naming the field otherwise)."""
+    if not request.body or request.content_type != "application/json":
+        return CancelIn()
+    try:
+        data = safe_input.loads(request.body)
+    except safe_input.UnsafeJson as exc:
+        raise ValidationError(exc.errors()) from None
+    except ValueError:
+        raise HttpError(400, "Cannot parse request body") from None
+    if data is None:
+        return CancelIn()
+    if not isinstance(data, dict):
+        raise ValidationError([{"type": "dict_type", "loc": "body", "msg": "Input should be a valid dictionary"}])
+    try:
+        return CancelIn.model_validate(data)
+    except PydanticError as exc:
+        raise ValidationError(
+            [
+                {"type": e["type"], "loc": safe_input.field_path(list(e["loc"])) or "body", "msg": e["msg"]}
+                for e in exc.errors()
+            ]
+        ) from None
+
+
+@router.post(
+    "/runs/{run_id}/cancel",
+    response={200: RunOut, **ERRORS},
+    summary="Cancel a run (and undo what it did)",
+    description="No body (or `undo: false`): a parked or queued run ends now, a running one stops after its step. "
+    '`{"undo": true}`: the run is undone as well (its `status` goes on through `compensating`); refused with 409 '
+    "and nothing done when there is nothing it can undo. A run being undone cannot be cancelled (409).",
+    # The body is optional (ninja's declared bodies are not): read by cancel_body, stated here.
+    openapi_extra={
+        "requestBody": {
+            "required": False,
+            "content": {"application/json": {"schema": CancelIn.model_json_schema()}},
+        }
+    },
+)
 def cancel_run(request, run_id: uuid.UUID):
     run = run_for(request.user, run_id, to_operate=True)
-    return run_out(run.cancel(by=request.user))
+    body = cancel_body(request)
+    try:
+        run = compensations.cancel_and_undo(run, request.user) if body.undo else run.cancel(by=request.user)
+    except (UndoRefused, TransitionRefused) as exc:
+        raise HttpError(409, str(exc)) from None
+    return run_out(run)

@@ -8,6 +8,11 @@ Where a figure comes from, when it is not obvious:
   its step started, so that attempt found it done: a no-op) and `reconciled` (an ambiguous write completed
   by the tool's lookup or a person instead of a blind retry). Not counted: a second run that reuses another
   run's natural key (the no-op leaves no row).
+- compensations (undo, runs.compensations): a run undone is one being undone or that was (its `undo_reason` is
+  set, or its status is compensating, compensated or compensation_failed); the compensation rate of a workflow is
+  its runs undone over its runs whose way forward ended (finished, or undone); the compensations themselves are
+  the `run.compensation` audit entries, one per compensation and outcome (done, declined, by_hand, failed), read
+  through the audit log's (action, at) index.
 - runs not moving: queued or running, with no progress (updated_at) for longer than
   max(STUCK_FLOOR, STUCK_FACTOR x the workflow's usual active time), the usual active time being the median
   sum of step latencies of its latest 200 runs that succeeded in the last 7 days (waits for people are not
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
-from django.db.models import Avg, Count, F, Q, Sum
+from django.db.models import Avg, Count, F, OuterRef, Q, Subquery, Sum
 from django.db.models.fields.json import KT
 
 from core.models import AuditEntry
@@ -86,6 +91,60 @@ class Recent:
     finished_last_15m: int
     cost_last_hour: Decimal | None  # mean cost of the runs that finished in the last hour
     cost_baseline: Decimal | None  # the same, over the USUAL_TIME_WINDOW before that hour
+
+
+COMPENSATION_OUTCOMES = ("done", "declined", "by_hand", "failed")
+UNDO_STATUSES = (Run.Status.COMPENSATING, Run.Status.COMPENSATED, Run.Status.COMPENSATION_FAILED)
+
+
+@dataclass
+class Compensations:
+    """A workflow's undos: its runs whose way forward ended, those undone, and its compensations by outcome."""
+
+    workflow: str
+    ended: int = 0
+    undone: int = 0
+    outcomes: dict[str, int] | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.undone / self.ended if self.ended else 0.0
+
+    @property
+    def percent(self) -> float:
+        return 100 * self.rate
+
+    @property
+    def done(self) -> int:
+        return (self.outcomes or {}).get("done", 0)
+
+    @property
+    def failed(self) -> int:
+        return (self.outcomes or {}).get("failed", 0)
+
+
+def compensations() -> list[Compensations]:
+    """Per workflow that has undone a run: the compensation rate and the compensations done, by outcome."""
+    undone = Q(undo_reason__gt="") | Q(status__in=UNDO_STATUSES)
+    found: dict[str, Compensations] = {}
+    for workflow, ended, n in (
+        Run.objects.filter(Q(status__in=Run.FINISHED) | undone)
+        .values_list("workflow")
+        .annotate(ended=Count("id"), undone=Count("id", filter=undone))
+        .filter(undone__gt=0)
+        .order_by()
+    ):
+        found[workflow] = Compensations(workflow, ended, n, dict.fromkeys(COMPENSATION_OUTCOMES, 0))
+    workflow_of = Run.objects.filter(pk=OuterRef("run_id")).values("workflow")[:1]
+    for workflow, outcome, n in (
+        AuditEntry.objects.filter(action="run.compensation")
+        .values_list(Subquery(workflow_of), KT("data__outcome"))
+        .annotate(n=Count("id"))
+        .order_by()
+    ):
+        entry = found.setdefault(workflow, Compensations(workflow, 0, 0, dict.fromkeys(COMPENSATION_OUTCOMES, 0)))
+        entry.outcomes[outcome] = entry.outcomes.get(outcome, 0) + n
+    return sorted(found.values(), key=lambda c: c.workflow)
 
 
 def runs_by_status() -> dict[str, int]:

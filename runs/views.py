@@ -17,8 +17,10 @@ from django.views.decorators.http import require_GET, require_POST
 from core.access import may_operate_channel
 from core.models import Channel
 from core.views import HtmxHttpRequest
+from runs import compensations
 from runs import workflow as workflows
 from runs.access import may_operate_run, run_for, visible_runs
+from runs.errors import TransitionRefused, UndoRefused
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 from runs.workflow import UnknownWorkflow
 
@@ -96,6 +98,8 @@ def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome
     for card in cards:
         for decision in card.decisions.all():
             decision.payload_json = _pretty(decision.payload)
+    can_cancel = not run.is_finished and run.status != Run.Status.COMPENSATING and may_operate_run(request.user, run)
+    effects = [entry.as_dict() for entry in compensations.registry(run)]
     return render(
         request,
         "runs/detail.html",
@@ -106,12 +110,28 @@ def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome
             "cards": cards,
             "result_json": _pretty(run.result),
             "input_json": _pretty(run.input),
-            "can_cancel": not run.is_finished and may_operate_run(request.user, run),
+            "can_cancel": can_cancel,
+            "effects": effects,
+            "undo_refusal": undo_refusal(run, effects) if can_cancel else "",
             "recordable": outcomes_to_record(request.user, run, steps),
             "outcome_form": outcome_form or {},
         },
         status=status,
     )
+
+
+def undo_refusal(run: Run, effects: list[dict]) -> str:
+    """Why "cancel and undo" is not offered on the run's page ("" when it is): the refusal the core would give
+    (runs.compensations.check_undo), said beside the button instead of after a press."""
+    if not effects and run.workflow != EXTERNAL_WORKFLOW:
+        return "nothing to undo: the run has not completed any effect"
+    if run.workflow == EXTERNAL_WORKFLOW:
+        return ""  # its agent runs its compensations: the core says on the press whether it can (external.undo)
+    try:
+        compensations.check_undo(run)
+    except UndoRefused as exc:
+        return str(exc)
+    return ""
 
 
 def outcomes_to_record(user, run: Run, steps: list[Step]) -> set[int]:
@@ -241,11 +261,24 @@ def _call(turn: dict, index: int, step: Step, cards: list) -> dict:
 
 @require_POST
 def run_cancel(request: HtmxHttpRequest, pk):
+    """Cancel, or with `undo` posted (the "Cancel and undo" button), cancel and undo (runs.compensations): refused
+    with nothing done, and said why, when the run has nothing it can undo."""
     run = run_for(request.user, pk, to_operate=True)
     if run.is_finished:
         messages.info(request, f"The run had already finished ({run.status}).")
+    elif request.POST.get("undo"):
+        try:
+            run = compensations.cancel_and_undo(run, request.user)
+        except UndoRefused as exc:
+            messages.error(request, f"Not cancelled, nothing undone: {exc}.")
+        else:
+            messages.success(request, "Cancelled: what the run did is being undone, latest first.")
     else:
-        run = run.cancel(by=request.user)
+        try:
+            run = run.cancel(by=request.user)
+        except TransitionRefused as exc:
+            messages.error(request, f"Not cancelled: {exc}.")
+            return redirect("run", pk=run.pk)
         if run.status == Run.Status.CANCELLED:
             messages.success(request, "Run cancelled.")
         else:

@@ -86,8 +86,16 @@ def test_a_result_declares_what_undoes_it_and_the_same_report_again_is_the_same(
         {"compensation": "void_refund"},
         {"ok": False, "result": None, "error": "declined by the bank", "compensation": VOID},
     ],
-    ids=["bad action", "empty action", "action too long", "no arguments", "arguments not an object", "NUL",
-         "not an object", "on a failure"],  # fmt: skip
+    ids=[
+        "bad action",
+        "empty action",
+        "action too long",
+        "no arguments",
+        "arguments not an object",
+        "NUL",
+        "not an object",
+        "on a failure",
+    ],  # fmt: skip
 )
 def test_a_bad_compensation_is_refused_and_nothing_is_stored(agent, reviewer, body):
     request = consumed(agent, reviewer, "refund-1")

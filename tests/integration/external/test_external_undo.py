@@ -9,6 +9,7 @@ import pytest
 
 from approvals.models import Approval
 from core.models import AuditEntry
+from external import executions
 from external.models import ActionRequest
 from runs import compensations
 from runs.errors import UndoRefused
@@ -274,3 +275,18 @@ def test_reject_and_undo_with_nothing_to_undo_is_refused_with_the_decision(agent
     card.refresh_from_db()
     assert card.status == Approval.Status.PENDING and not card.decisions.exists()
     assert Run.objects.get(pk=request["run_id"]).status == "external"
+
+
+def test_a_person_who_records_a_compensations_outcome_ends_the_undo(agent, reviewer, demo):
+    request = executed(agent, reviewer, "refund-1")
+    cancel_and_undo(request["run_id"], demo["ops"])
+    (opened,) = ActionRequest.objects.filter(run_id=request["run_id"], compensates__isnull=False)
+    assert decide(reviewer, opened.card_id, "approve")[0] == 200
+    path = f"/api/approval-requests/{opened.pk}"
+    assert agent.post(f"{path}/consume", {"arguments_digest": digest(opened.arguments)})[0] == 200
+    assert Run.objects.get(pk=request["run_id"]).status == "compensating"  # the agent never reports
+    executions.record_outcome(
+        demo["ops"], request["run_id"], opened.step_seq, outcome="succeeded", text="voided in the bank's portal"
+    )
+    run = Run.objects.get(pk=request["run_id"])
+    assert run.status == "compensated" and run.result["effects"][0]["undo"] == "done"

@@ -5,8 +5,11 @@ order of the executions); each runs once, and the last one's outcome ends the ru
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from approvals import sla
 from approvals.models import Approval
 from core.models import AuditEntry
 from external import executions
@@ -248,6 +251,17 @@ def test_a_declined_last_compensation_ends_the_undo(agent, reviewer, demo):
     assert decide(reviewer, opened.card_id, "reject", comment="keep it")[0] == 200
     run = Run.objects.get(pk=request["run_id"])
     assert run.status == "compensated" and run.result["effects"][0]["undo"] == "declined"
+
+
+def test_a_compensation_nobody_approves_in_time_is_declined_by_its_expiry(agent, reviewer, demo):
+    request = executed(agent, reviewer, "refund-1")
+    cancel_and_undo(request["run_id"], demo["ops"])
+    (opened,) = ActionRequest.objects.select_related("card").filter(run_id=request["run_id"], compensates__isnull=False)
+    assert sla.apply_sla(opened.card_id, opened.card.due_at + timedelta(seconds=1)) == "expire"
+    run = Run.objects.get(pk=request["run_id"])
+    assert run.status == "compensated" and run.result["effects"][0]["undo"] == "declined"
+    (audited,) = AuditEntry.objects.filter(run_id=run.id, action="run.compensation")
+    assert (audited.data["outcome"], audited.data["by"]) == ("declined", "expired")
 
 
 # --- reject and undo ---------------------------------------------------------------------------------------------

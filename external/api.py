@@ -16,7 +16,7 @@ from pydantic import ConfigDict
 
 from core import safe_input
 from core.api import ERRORS, ErrorOut
-from external import asks, executions, status, waiters
+from external import asks, executions, status, undo, waiters
 from external.asks import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask
 from external.errors import RequestError
 
@@ -118,6 +118,10 @@ class RequestOut(Schema):
     expires_at: datetime
     shadow: bool
     execution: Execution
+    compensates: uuid.UUID | None = Field(
+        None, description="A compensation (external.undo): the request whose execution it undoes."
+    )
+    undo_order: int | None = Field(None, description="A compensation's place in its run's undo: 0 runs first.")
     url: str
 
 
@@ -150,6 +154,14 @@ class Completed(Schema):
     execution: Execution
 
 
+class CompensationIn(Schema):
+    """What undoes a successful action (docs/external-agents.md, "Undo"): asked of the agent, as an approval
+    request, if its run is undone."""
+
+    action: str = Field(pattern=ACTION, description="The action that undoes it: a tool's name.")
+    arguments: dict = Field(description="Its arguments, as the agent would run them.")
+
+
 class ResultIn(Schema):
     # As report() takes it: a success's `error` is absent or null; a failure's is its text (null is no text).
     model_config = ConfigDict(
@@ -176,6 +188,11 @@ class ResultIn(Schema):
         json_schema_extra={safe_input.ANY_JSON: True},
     )
     error: str | None = Field(None, min_length=1, max_length=5000)
+    compensation: CompensationIn | None = Field(
+        None,
+        description="A success only: what undoes this action ({action, arguments}). Should the run be undone "
+        "(cancel and undo, reject and undo), it is asked of the agent as an approval request.",
+    )
 
 
 class Refusal(ErrorOut):
@@ -221,6 +238,21 @@ def create_request(request: HttpRequest, body: RequestIn):
     except RequestError as exc:
         return _refused(exc)
     return Status(202 if created else 200, _out(action_request))
+
+
+@router.get(
+    "/approval-requests",
+    response={200: list[RequestOut], **ERRORS},
+    summary="This token's compensations to run: approved, not yet consumed (`compensations=pending`), in undo order",
+)
+def list_requests(
+    request: HttpRequest,
+    compensations: Literal["pending"],
+    run: uuid.UUID | None = None,
+):
+    # `compensations=pending`: the compensations approved to run (the only listing there is); `run`: only this
+    # run's. The requests of this token's user, as GET /api/approval-requests/{id} shows each (external.undo).
+    return [_out(found) for found in undo.pending_compensations(request.user, run)]
 
 
 @router.get(
@@ -279,8 +311,18 @@ def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
     if body.ok == (body.error is not None):
         what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
         return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})
+    if body.compensation is not None and not body.ok:
+        what = "only a success declares what undoes it"
+        return Status(422, {"error": "invalid", "detail": [{"loc": "compensation", "msg": what}]})
     try:
-        execution = executions.report(request.user, request_id, ok=body.ok, result=body.result, error=body.error or "")
+        execution = executions.report(
+            request.user,
+            request_id,
+            ok=body.ok,
+            result=body.result,
+            error=body.error or "",
+            compensation=body.compensation.model_dump() if body.compensation else None,
+        )
     except RequestError as exc:
         return _refused(exc)
     return {"execution": execution}

@@ -111,8 +111,36 @@ def _check(ask: Ask, console_host: str) -> None:
             raise Invalid([{"loc": "callback_url", "msg": exc.detail}]) from None
 
 
-def _open(user, ask: Ask, channel: Channel, token=None) -> ActionRequest:
-    run = _run_for(user, ask.run)
+def open_compensation(original: ActionRequest, run: Run, ask: Ask, undo_order: int) -> ActionRequest:
+    """A compensation's request (external.undo): what undoes `original`'s execution, asked of the same agent (its
+    user and token, its callback) on the same channel, through the same door as any request (the channel's
+    permission to ask, its approval policy, the two-person rule, the SLA), on `run`, which the caller locked and
+    began undoing (`compensating`: no request of the agent's own may join it). Always a person's: a card."""
+    channel = _channel_for(original.created_by, ask)
+    return _open(
+        original.created_by,
+        ask,
+        channel,
+        original.api_token,
+        run=run,
+        compensates=original,
+        undo_order=undo_order,
+        callback_url=original.callback_url,
+    )
+
+
+def _open(
+    user,
+    ask: Ask,
+    channel: Channel,
+    token=None,
+    *,
+    run: Run | None = None,
+    compensates: ActionRequest | None = None,
+    undo_order: int | None = None,
+    callback_url: str = "",
+) -> ActionRequest:
+    run = run or _run_for(user, ask.run)
     seq = ActionRequest.objects.filter(run=run).count()
     expires_at = timezone.now() + (timedelta(seconds=ask.expires_in) if ask.expires_in else channel.sla)
     Step.objects.create(
@@ -138,8 +166,10 @@ def _open(user, ask: Ask, channel: Channel, token=None) -> ActionRequest:
         schema=ask.schema,
         display=ask.display,
         approval=ask.approval,
-        callback_url=ask.callback_url or "",
+        callback_url=ask.callback_url or callback_url,
         expires_at=expires_at,
+        compensates=compensates,
+        undo_order=undo_order,
     )
     if ask.approval == ApprovalMode.REQUIRED:
         request.card = _open_card(run, seq, channel, ask, expires_at)
@@ -153,7 +183,12 @@ def _open(user, ask: Ask, channel: Channel, token=None) -> ActionRequest:
         approval_id=request.card_id,
         channel=channel.name,
         trace_id=run.trace_id,
-        data={"action": ask.action, "arguments": ask.arguments, "approval": ask.approval},
+        data={
+            "action": ask.action,
+            "arguments": ask.arguments,
+            "approval": ask.approval,
+            **({"compensates": str(compensates.id), "undo_order": undo_order} if compensates is not None else {}),
+        },
     )
     return request
 

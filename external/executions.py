@@ -19,6 +19,7 @@ from django.utils import timezone
 from core import safe_input
 from core.access import may_operate_channel
 from core.models import ActorType, AuditEntry
+from external import undo
 from external.errors import (
     AlreadyConsumed,
     Conflict,
@@ -35,7 +36,7 @@ from external.errors import (
 )
 from external.models import ActionRequest
 from external.results import same_outcome, storable
-from external.status import execution, for_user, state
+from external.status import canonical, execution, for_user, state
 from runs import effects
 from runs.breakers import BreakerOpen
 from runs.effects import shadow_response
@@ -73,7 +74,10 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
                 f"This approval was not used in time (by {stale_at.isoformat()}, APPROVAL_CONSUME_WITHIN): the world "
                 "it was given in may have changed. Ask again."
             )
-        key = f"external:{request.id}"
+        # A compensation (external.undo) has its own receipt under the undo key of what it undoes, and runs while
+        # the run is being undone (`compensating`), which refuses every other request of the run.
+        undoing = request.compensates_id is not None
+        key = undo.undo_key(request.compensates_id) if undoing else f"external:{request.id}"
         try:
             receipt = effects.open_receipt(
                 request.run,
@@ -82,6 +86,7 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
                 key,
                 step=request.action,
                 preview={"call": request.action, **answer["arguments"]},
+                undo=undoing,
             )
         except effects.RunEnded as exc:
             raise RunEnded(f"{exc}: this approval is not to be used.") from None
@@ -99,6 +104,8 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
             ended_at=timezone.now() if receipt.shadow else None,
         )
         _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": receipt.shadow})
+        if receipt.shadow and undoing:
+            undo.settle(request.run_id)  # a shadow compensation is done as it is recorded
         return _go(request, answer, shadow=receipt.shadow)
 
 
@@ -120,28 +127,45 @@ def _go(request: ActionRequest, answer: dict, *, shadow: bool) -> dict:
     }
 
 
-def report(user, request_id, *, ok: bool, result: Any = None, error: str = "") -> dict:
+def report(
+    user, request_id, *, ok: bool, result: Any = None, error: str = "", compensation: dict | None = None
+) -> dict:
     """The outcome of the execution the agent consumed: completes its receipt (once; the same outcome sent
-    again is answered as recorded; another one, or any after a person recorded it, is a Conflict)."""
+    again is answered as recorded; another one, or any after a person recorded it, is a Conflict). A success may
+    declare what undoes it (`compensation`: {action, arguments}, external.undo), kept on the request; the outcome of
+    a compensation (external.undo) may end, or stop, its run's undo."""
     # Any valid JSON (external.api.ResultIn): as jsonb holds it, or as its JSON text where jsonb cannot (storable).
     outcome = {"ok": True, **storable(result)} if ok else {"ok": False, "error": error}
+    if compensation is not None and not ok:
+        raise Invalid([{"loc": "compensation", "msg": "only a success declares what undoes it"}])
     with transaction.atomic():
         request = _locked(user, request_id)
         receipt = request.receipt
         if receipt is None:
             raise NotConsumed("The approval was not consumed: there is no execution to report on.")
+        if compensation is not None and request.compensates_id is not None:
+            raise Invalid([{"loc": "compensation", "msg": "a compensation is not undone in its turn"}])
         if receipt.status == Receipt.Status.DONE:
-            if not same_outcome(receipt.response, outcome):
+            if not same_outcome(receipt.response, outcome) or canonical(request.compensation) != canonical(
+                compensation
+            ):
                 raise Conflict("Another outcome was recorded for this execution.", execution=execution(request))
             return execution(request)
         receipt.complete_outcome(outcome)
+        if compensation is not None:
+            request.compensation = compensation
+            request.save(update_fields=["compensation"])
         Step.objects.filter(run=request.run, seq=request.step_seq).update(
             status=Step.Status.DONE if ok else Step.Status.FAILED,
             output=storable(result) if ok else None,
             error="" if ok else error[:5000],
             ended_at=timezone.now(),
         )
-        _audit(request, "external.result", user, outcome)
+        _audit(
+            request, "external.result", user, {**outcome, **({"compensation": compensation} if compensation else {})}
+        )
+        if request.compensates_id is not None:
+            undo.settle(request.run_id)
         return execution(request)
 
 
@@ -227,4 +251,6 @@ def record_outcome(user, run_id, step_seq: int, *, outcome: str, text: str) -> d
         )
         said_by_hand = {"ok": ok, "by_hand": True, **({"note": text} if ok else {"error": text})}
         _audit(request, "external.result", user, said_by_hand, actor_type=ActorType.HUMAN)
+        if request.compensates_id is not None:
+            undo.settle(request.run_id)
         return execution(request)

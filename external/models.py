@@ -54,6 +54,21 @@ class ActionRequest(models.Model):
         max_length=100, blank=True, help_text="The consumer's name for its consume: it may ask again, and only it."
     )
     callback_url = models.URLField(max_length=2000, blank=True)
+    # Undo (external.undo): what undoes this action, as the agent's successful result declared it ({action,
+    # arguments}); and, on a request that is itself a compensation, the execution it undoes and its place in the
+    # undo (0 first: the reverse of the order the executions completed in).
+    compensation = models.JSONField(
+        null=True, blank=True, encoder=DjangoJSONEncoder, help_text="What undoes it: {action, arguments}."
+    )
+    compensates = models.OneToOneField(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="compensated_by",
+        help_text="The executed request this one undoes: one compensation per execution.",
+    )
+    undo_order = models.PositiveIntegerField(null=True, blank=True, help_text="Its place in the undo (0 first).")
     expires_at = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -65,6 +80,11 @@ class ActionRequest(models.Model):
             models.CheckConstraint(
                 condition=Q(approval="never", card__isnull=True) | Q(approval="required", card__isnull=False),
                 name="external_request_card_iff_required",
+            ),
+            models.CheckConstraint(
+                condition=Q(compensates__isnull=True, undo_order__isnull=True)
+                | Q(compensates__isnull=False, undo_order__isnull=False, compensation__isnull=True),
+                name="external_request_undo_order_iff_compensates",
             ),
         ]
 

@@ -76,6 +76,8 @@ def state(request: ActionRequest) -> dict:
         "expires_at": request.expires_at,
         "shadow": bool(card and card.shadow),
         "execution": execution(request),
+        "compensates": str(request.compensates_id) if request.compensates_id else None,
+        "undo_order": request.undo_order,
     }
 
 

@@ -61,6 +61,9 @@ class FakeRequest:
     reported: dict[str, Any] | None = None
     shadow: bool = False
     consume_nonce: str = ""
+    # A compensation (the run is undone, FakeConsole.undo): the request it undoes and its place in the undo.
+    compensates: str | None = None
+    undo_order: int | None = None
 
     def execution_json(self) -> dict[str, Any]:
         return {
@@ -132,6 +135,36 @@ class FakeConsole:
         request = self.requests[request_id]
         request.status, request.reason, request.arguments = "cancelled", "run cancelled", None
 
+    def undo(self, run_id: str) -> list[FakeRequest]:
+        """A person cancels and undoes the run: a compensation request (pending, a card) per succeeded request whose
+        result declared one, in the reverse order of the executions, as the server's external.undo opens them."""
+        executed = [
+            r
+            for r in sorted(self.requests.values(), key=lambda r: r.completed_at or _now())
+            if r.run_id == run_id and r.execution == "succeeded" and (r.reported or {}).get("compensation")
+        ]
+        opened = []
+        for order, original in enumerate(reversed(executed)):
+            declared = (original.reported or {})["compensation"]
+            request = FakeRequest(
+                id=str(uuid.uuid4()),
+                user=original.user,
+                key=f"undo:{original.id}",
+                channel=original.channel,
+                action=declared["action"],
+                asked=declared["arguments"],
+                body={},
+                run_id=run_id,
+                card_id=len(self.requests) + 1,
+                expires_at=_now() + timedelta(hours=1),
+                arguments=declared["arguments"],
+                compensates=original.id,
+                undo_order=order,
+            )
+            self.requests[request.id] = request
+            opened.append(request)
+        return opened
+
     def approves_while_waiting(self, *, edit: dict[str, Any] | None = None, by: str = "bob", comment: str = "") -> None:
         self.reviewer = lambda request: self.approve(request.id, edit=edit, by=by, comment=comment)
 
@@ -185,6 +218,8 @@ class FakeConsole:
         path = http.url.path
         if path == PREFIX and http.method == "POST":
             return self._create(user, _body(http))
+        if path == PREFIX and http.method == "GET":
+            return self._pending_compensations(user, http.url.params)
         match = re.fullmatch(rf"{PREFIX}/([^/]+)(/consume|/result)?", path)
         request = self.requests.get(match.group(1)) if match else None
         if request is None or request.user != user:
@@ -233,6 +268,21 @@ class FakeConsole:
         self.requests[request.id] = request
         return httpx.Response(202, json=self.representation(request))
 
+    def _pending_compensations(self, user: str, params: httpx.QueryParams) -> httpx.Response:
+        if params.get("compensations") != "pending":
+            return _error(422, "invalid", [{"loc": "compensations", "msg": "pending"}])
+        found = [
+            r
+            for r in self.requests.values()
+            if r.user == user
+            and r.compensates is not None
+            and r.status == "approved"
+            and r.execution == "not_started"
+            and params.get("run") in (None, r.run_id)
+        ]
+        found.sort(key=lambda r: (r.run_id, r.undo_order or 0))
+        return httpx.Response(200, json=[self.representation(r) for r in found])
+
     def _get(self, request: FakeRequest, wait: str) -> httpx.Response:
         if not wait.isdigit() or not 0 <= int(wait) <= 60:
             return _error(422, "invalid", [{"loc": ["query", "wait"], "msg": "0 to 60 seconds"}])
@@ -259,6 +309,8 @@ class FakeConsole:
             "expires_at": _iso(request.expires_at),
             "shadow": request.shadow,
             "execution": request.execution_json(),
+            "compensates": request.compensates,
+            "undo_order": request.undo_order,
             "url": f"{PREFIX}/{request.id}",
         }
 
@@ -312,6 +364,8 @@ class FakeConsole:
             return _error(422, "invalid", [{"loc": ["ok"], "msg": "true or false"}])
         if not body["ok"] and not (isinstance(body.get("error"), str) and body["error"].strip()):
             return _error(422, "invalid", [{"loc": ["error"], "msg": "A failure needs its text."}])
+        if "compensation" in body and (not body["ok"] or request.compensates is not None):
+            return _error(422, "invalid", [{"loc": "compensation", "msg": "a success's, not a compensation's"}])
         if request.execution == "not_started":
             return _error(409, "not_consumed", "The request was not consumed.")
         if request.reported is not None:

@@ -7,7 +7,7 @@ def refund(order_id: str, amount_cents: int) -> dict: ...
 """
 
 from hitl_client.client import AsyncClient, Client
-from hitl_client.decorator import require_approval
+from hitl_client.decorator import require_approval, run_compensations, run_compensations_async
 from hitl_client.digest import arguments_digest, canonical_json
 from hitl_client.errors import (
     ActionFailed,
@@ -72,4 +72,6 @@ __all__ = [
     "arguments_digest",
     "canonical_json",
     "require_approval",
+    "run_compensations",
+    "run_compensations_async",
 ]

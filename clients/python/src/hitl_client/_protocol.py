@@ -161,6 +161,17 @@ def report(request_id: str, body: dict[str, Any], policy: RetryPolicy) -> Flow[E
     return Execution.from_json(data["execution"])
 
 
+def pending_compensations(run_id: str | None, policy: RetryPolicy) -> Flow[list[ApprovalRequest]]:
+    """The compensations approved for this token's agent to run and not yet consumed (its runs being undone), by
+    run and in undo order: `GET /api/approval-requests?compensations=pending[&run=...]`."""
+    params = {"compensations": "pending", **({"run": run_id} if run_id is not None else {})}
+    response = yield from send(Send("GET", PATH, params=params), policy, idempotent=True)
+    data = _json(response)
+    if not isinstance(data, list):
+        raise UnexpectedResponse("The compensations' answer is not a list.", data)
+    return [ApprovalRequest.from_json(item) for item in data]
+
+
 def error_from_response(response: httpx.Response) -> ApiError:
     """The contract's `{error, detail}` as the exception for its status and code."""
     status = response.status_code

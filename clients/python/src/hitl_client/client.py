@@ -68,14 +68,35 @@ def approval_request_body(
     return body
 
 
-def result_body(ok: bool, result: Any = None, error: str | None = None) -> dict[str, Any]:
+def result_body(
+    ok: bool, result: Any = None, error: str | None = None, compensation: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The body of `POST .../result`. `compensation` (a success only): what undoes the action, `{"action": name,
+    "arguments": {...}}`, asked of the agent as an approval request if its run is undone."""
     if ok:
         if error:
             raise ValueError("A successful result has no error.")
-        return {"ok": True, "result": result}
+        body: dict[str, Any] = {"ok": True, "result": result}
+        if compensation is not None:
+            body["compensation"] = compensation_body(compensation)
+        return body
+    if compensation is not None:
+        raise ValueError("Only a successful result declares what undoes it.")
     if not error or not error.strip():
         raise ValueError("A failed result needs the error's text.")
     return {"ok": False, "error": error}
+
+
+def compensation_body(compensation: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"action", "arguments"}`, checked for shape before anything is sent."""
+    if not isinstance(compensation, Mapping) or set(compensation) != {"action", "arguments"}:
+        raise ValueError('A compensation is {"action": name, "arguments": {...}}.')
+    action, arguments = compensation["action"], compensation["arguments"]
+    if not isinstance(action, str) or not action:
+        raise ValueError("A compensation's action is a tool's name (1-100 of A-Z a-z 0-9 _ . : -).")
+    if not isinstance(arguments, Mapping):
+        raise TypeError(f"A compensation's arguments must be a mapping, not {type(arguments).__name__}.")
+    return {"action": action, "arguments": dict(arguments)}
 
 
 class _Base:
@@ -184,9 +205,23 @@ class Client(_Base):
         On a shadow card the answer is `go=False, shadow=True`: do not run the action."""
         return self._run(_protocol.consume(id, arguments_digest, self._policy, nonce))
 
-    def report(self, id: str, ok: bool, result: Any = None, error: str | None = None) -> Execution:
-        """Completes the receipt with the action's outcome: `ok=True, result=...` or `ok=False, error="..."`."""
-        return self._run(_protocol.report(id, result_body(ok, result, error), self._policy))
+    def report(
+        self,
+        id: str,
+        ok: bool,
+        result: Any = None,
+        error: str | None = None,
+        compensation: Mapping[str, Any] | None = None,
+    ) -> Execution:
+        """Completes the receipt with the action's outcome: `ok=True, result=...` or `ok=False, error="..."`.
+        `compensation` (a success only): what undoes it, `{"action", "arguments"}` (docs/external-agents.md,
+        "Undo")."""
+        return self._run(_protocol.report(id, result_body(ok, result, error, compensation), self._policy))
+
+    def pending_compensations(self, run_id: str | None = None) -> list[ApprovalRequest]:
+        """The compensations a person approved for this agent to run, not yet consumed (its runs being undone),
+        by run and in undo order: run each as any approved request (`run_compensations` does)."""
+        return self._run(_protocol.pending_compensations(run_id, self._policy))
 
     def close(self) -> None:
         self._http.close()
@@ -284,8 +319,18 @@ class AsyncClient(_Base):
     async def consume(self, id: str, arguments_digest: str, nonce: str | None = None) -> Go:
         return await self._run(_protocol.consume(id, arguments_digest, self._policy, nonce))
 
-    async def report(self, id: str, ok: bool, result: Any = None, error: str | None = None) -> Execution:
-        return await self._run(_protocol.report(id, result_body(ok, result, error), self._policy))
+    async def report(
+        self,
+        id: str,
+        ok: bool,
+        result: Any = None,
+        error: str | None = None,
+        compensation: Mapping[str, Any] | None = None,
+    ) -> Execution:
+        return await self._run(_protocol.report(id, result_body(ok, result, error, compensation), self._policy))
+
+    async def pending_compensations(self, run_id: str | None = None) -> list[ApprovalRequest]:
+        return await self._run(_protocol.pending_compensations(run_id, self._policy))
 
     async def aclose(self) -> None:
         await self._http.aclose()

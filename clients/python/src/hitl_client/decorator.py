@@ -53,6 +53,7 @@ def require_approval(
     approval: Approval | None = None,
     timeout: float | None = None,
     poll: int = 25,
+    compensate: Callable[..., Mapping[str, Any] | None] | None = None,
 ) -> Callable[[F], F]:
     """Each call asks for a person's sign-off, waits for it, takes the one "go" (consume), runs the function
     once with the approved arguments (a reviewer's edit included) as keyword arguments, reports the outcome and
@@ -70,7 +71,12 @@ def require_approval(
     the arguments, against which the console checks a reviewer's edit) is derived from the type hints when
     pydantic is installed; `schema=False` sends none (then reviewers may approve or reject, not edit).
     A sync function needs a `Client`, a coroutine function an `AsyncClient`. `timeout`: seconds to wait for the
-    decision (`WaitTimeout`; calling again picks the same request up)."""
+    decision (`WaitTimeout`; calling again picks the same request up).
+
+    `compensate(result, **arguments)`: what undoes a call that ran, `{"action": name, "arguments": {...}}` (or
+    None: nothing), declared with its result (docs/external-agents.md, "Undo"). Should the run be undone, a person
+    approves each compensation and `run_compensations` runs it, once, with the handler given for its action. A
+    `compensate` that raises is logged and the success is reported without it: what ran is recorded first."""
 
     def decorate(function: F) -> F:
         is_async = inspect.iscoroutinefunction(function)
@@ -96,6 +102,7 @@ def require_approval(
             approval=approval,
             timeout=timeout,
             poll=poll,
+            compensate=compensate,
         )
         policy = client._policy
 
@@ -138,6 +145,7 @@ class _Spec:
     approval: Approval | None
     timeout: float | None
     poll: int
+    compensate: Callable[..., Mapping[str, Any] | None] | None = None
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name, defaults included: what the person approves and what is hashed."""
@@ -197,8 +205,29 @@ def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwar
                 f"The approved arguments do not fit {spec.action}(): {exc} (nothing was consumed)."
             ) from exc
 
-    outcome = yield from run_approved(request, spec.function, policy, check=fits)
+    outcome = yield from run_approved(request, spec.function, policy, check=fits, report_of=_reporter(spec, request))
     return outcome.value
+
+
+def _reporter(spec: _Spec, request: ApprovalRequest) -> Callable[[Any], dict[str, Any]]:
+    """The success's report: with what undoes it when the decorator was given `compensate`."""
+    compensate = spec.compensate
+    if compensate is None:
+        return _success
+
+    def with_compensation(result: Any) -> dict[str, Any]:
+        try:
+            declared = compensate(result, **(request.arguments or {}))
+            return result_body(True, _as_json(result), compensation=declared)
+        except Exception:
+            logger.exception(
+                "What undoes %s (request %s) could not be declared: its success is reported without it.",
+                request.action,
+                request.id,
+            )
+            return _success(result)
+
+    return with_compensation
 
 
 class Outcome(NamedTuple):
@@ -281,6 +310,41 @@ def run_approved(
     except HitlError as exc:
         raise ReportFailed(request, result) from exc
     return Outcome(result, "ran")
+
+
+def run_compensations(
+    client: Client, handlers: Mapping[str, Callable[..., Any]], run_id: str | None = None
+) -> dict[str, Outcome]:
+    """Runs the compensations a person approved for this agent (`client.pending_compensations(run_id)`: its runs
+    being undone), in undo order, each through the same consume as any approved request (`run_approved`: the one
+    go for the approved arguments' digest, the handler called once with them as keyword arguments, its outcome
+    reported). `handlers` maps a compensation's action to the function that runs it. Returns each request's
+    outcome by its id. Refuses (ValueError, nothing consumed) when an action has no handler; stops at the first
+    handler that raises (its failure reported: the run waits for a person, and its later compensations with it)."""
+    for action, handler in handlers.items():
+        if inspect.iscoroutinefunction(handler):
+            raise TypeError(f"The handler of {action} is a coroutine function: use run_compensations_async.")
+    return client._run(_compensations(handlers, client._policy, run_id))
+
+
+async def run_compensations_async(
+    client: AsyncClient, handlers: Mapping[str, Callable[..., Any]], run_id: str | None = None
+) -> dict[str, Outcome]:
+    """`run_compensations` for an `AsyncClient` (handlers may be coroutine functions)."""
+    return await client._run(_compensations(handlers, client._policy, run_id))
+
+
+def _compensations(
+    handlers: Mapping[str, Callable[..., Any]], policy: RetryPolicy, run_id: str | None
+) -> Flow[dict[str, Outcome]]:
+    pending = yield from _protocol.pending_compensations(run_id, policy)
+    missing = sorted({request.action for request in pending} - set(handlers))
+    if missing:
+        raise ValueError(f"No handler for the compensations {', '.join(missing)}: nothing was run.")
+    outcomes: dict[str, Outcome] = {}
+    for request in pending:
+        outcomes[request.id] = yield from run_approved(request, handlers[request.action], policy)
+    return outcomes
 
 
 def _recorded_outcome(request: ApprovalRequest) -> Any:

@@ -80,6 +80,10 @@ class ApprovalRequest:
     url: str | None = None
     # A shadow card: the reviewer does the action by hand, and consume answers no go (the agent never runs it).
     shadow: bool = False
+    # A compensation (its run is being undone): the request whose execution it undoes, and its place in the undo
+    # (0 runs first). None on any other request.
+    compensates: str | None = None
+    undo_order: int | None = None
 
     @property
     def decided(self) -> bool:
@@ -106,6 +110,8 @@ class ApprovalRequest:
             execution=Execution.from_json(fields.any("execution")),
             url=fields.optional_string("url"),
             shadow=fields.optional_boolean("shadow"),
+            compensates=fields.ident_or_none("compensates") if "compensates" in fields.data else None,
+            undo_order=fields.optional_int("undo_order"),
         )
 
 
@@ -185,6 +191,11 @@ class _Fields:
 
     def optional_boolean(self, name: str) -> bool:
         return self.boolean(name) if name in self.data else False
+
+    def optional_int(self, name: str) -> int | None:
+        if name not in self.data:
+            return None
+        return cast("int | None", self._typed(name, int, "an integer or null", null=True))
 
     def object_or_none(self, name: str) -> dict[str, Any] | None:
         value = self._typed(name, Mapping, "an object or null", null=True)

@@ -178,7 +178,9 @@ def begin(run: Run, by, reason: str = "cancelled") -> Run:
         trace_id=run.trace_id,
         data={"status": run.status, "undo": True, **({"reason": reason} if reason != "cancelled" else {})},
     )
-    run.begin_external_undo({"outcome": "undoing", "reason": reason, "undo": [e.key for e in pending], "by": _name(by)})
+    run.begin_external_undo(
+        {"outcome": "undoing", "reason": reason, "undo": [e.key for e in pending], "by": _name(by)}, reason=reason
+    )
     originals = ActionRequest.objects.select_related("channel", "created_by", "api_token").in_bulk(
         [_request_id(e) for e in pending]
     )

@@ -447,10 +447,10 @@ class Run(models.Model):
         """A compensation failed for good: the run parks for a person (the caller opens the card)."""
         self._swap("compensation_failed", by_owner=self.owner, owner="", error=error, attempt=0)
 
-    def begin_external_undo(self, result: dict) -> None:
-        """An external run's cancel and undo (external.undo): its agent runs the approved compensations, in the
-        caller's transaction (the run's row locked). No job owns it; its pending cards close."""
-        self._swap("undo_external", undo_reason="cancelled", cancel_requested=True, result=result)
+    def begin_external_undo(self, result: dict, reason: str = "cancelled") -> None:
+        """An external run's cancel and undo, or reject and undo (external.undo): its agent runs the approved
+        compensations, in the caller's transaction (the run's row locked). No job owns it; its pending cards close."""
+        self._swap("undo_external", undo_reason=reason, cancel_requested=True, result=result)
         self._close_cards("cancelled")
 
     def end_external_undo(self, result: dict) -> None:
@@ -481,6 +481,8 @@ class Run(models.Model):
     def resume(self) -> None:
         """A parked run (a decision came, or its kill switch was released) goes back to the queue with its job,
         in the caller's transaction."""
+        if self.workflow == EXTERNAL_WORKFLOW:
+            return  # an external run's agent drives it, never a job (its compensation that failed: external.undo)
         self._swap("resume", pause_reason="", paused_switch="")
         self.enqueue()
 
@@ -501,13 +503,15 @@ class Run(models.Model):
         """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are, and so is a run
         being undone, parked or not (TransitionRefused: a channel's kill switch holds its compensations, and one that
-        failed is decided on its card). Cancel and undo: runs.compensations."""
+        failed is decided on its card), but for an external run whose compensation failed (its undo is given up: no
+        card can try it again). Cancel and undo: runs.compensations."""
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
-            if run.undo_reason or run.status in (self.Status.COMPENSATING, self.Status.COMPENSATION_FAILED):
+            undoing = run.undo_reason or run.status in (self.Status.COMPENSATING, self.Status.COMPENSATION_FAILED)
+            if undoing and not (run.workflow == EXTERNAL_WORKFLOW and run.status == self.Status.COMPENSATION_FAILED):
                 raise TransitionRefused(
                     "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
                     "holds them; a compensation that failed is decided on its card)"

@@ -69,7 +69,7 @@ TRANSITIONS: dict[str, Transition] = {
     "resume": Transition(PARKED, _QUEUED),  # a decision, or the release of its kill switch
     "requeue_failed": Transition((_FAILED,), _QUEUED),  # the dead-letter queue's requeue
     # a person (a running run: its owner stops; an external run: its agent's session ends)
-    "cancel": Transition((_QUEUED, RunStatus.WAITING_HUMAN, RunStatus.PAUSED, RunStatus.EXTERNAL), RunStatus.CANCELLED),
+    "cancel": Transition((_QUEUED, *PARKED, RunStatus.EXTERNAL), RunStatus.CANCELLED),
     # a person's cancel and undo of a run no job drives (a running one: its owner undoes it)
     "undo": Transition((_QUEUED, RunStatus.WAITING_HUMAN, RunStatus.PAUSED), _QUEUED),
     # an external agent's run: its approved compensations are for its agent to run (external.undo)

@@ -153,5 +153,8 @@ def test_the_command_fails_on_a_new_breaking_migration_and_passes_it_once_marked
     call_command("lint_migrations")
     out = capsys.readouterr().out
     assert "core.0004_drop_prefix: contract migration (contract = True), accepted: Remove field prefix" in out
-    assert "3 migrations newer than the baseline checked against the expand/contract rule" in out
+    newer = len(
+        lint_migrations.new_migrations(MigrationLoader(None, ignore_no_migrations=True), lint_migrations.BASELINE)
+    )
+    assert f"{newer + 1} migrations newer than the baseline checked against the expand/contract rule" in out
     assert "1 of them contract steps" in out

@@ -194,8 +194,10 @@ def _reverse(ctx, key: str, refund: dict) -> dict:
 
 
 def _describe_refund(refund: dict) -> str:
-    amount = refund.get("amount_cents")
-    return f"the refund {refund.get('id')} of {amount} {refund.get('currency')} cents to {refund.get('customer_id')}"
+    amount = int(refund.get("amount_cents") or 0)
+    return (
+        f"the refund {refund.get('id')} of {amount / 100:.2f} {refund.get('currency')} to {refund.get('customer_id')}"
+    )
 
 
 # A refund can be reversed for 30 days, and a person confirms each reversal; an email can never be unsent.

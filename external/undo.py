@@ -170,14 +170,7 @@ def begin(run: Run, by, reason: str = "cancelled") -> Run:
             "nothing to undo: no executed action of the run declared a compensation (its result's `compensation`): "
             + "; ".join(f"{e.step} ({e.key}): {e.why_not() or 'already undone'}" for e in entries)
         )
-    AuditEntry.record(
-        "run.cancel",
-        actor=by,
-        target=f"run:{run.id}",
-        run_id=run.id,
-        trace_id=run.trace_id,
-        data={"status": run.status, "undo": True, **({"reason": reason} if reason != "cancelled" else {})},
-    )
+    run.audit_cancel(by, undo=True, **({"reason": reason} if reason != "cancelled" else {}))
     run.begin_external_undo(
         {"outcome": "undoing", "reason": reason, "undo": [e.key for e in pending], "by": _name(by)}, reason=reason
     )
@@ -254,19 +247,14 @@ def settle(run_id) -> None:
     recorded = _recorded(run)
     for entry in entries:
         if entry.outcome and recorded.get(entry.key) != entry.outcome:
-            _audit(
+            compensations.audit_outcome(
                 run,
-                "run.compensation",
-                {
-                    "effect": entry.key,
-                    "step": entry.step,
-                    "channel": entry.channel,
-                    "outcome": entry.outcome,
-                    "by": entry.undone_by,
-                    "request_id": entry.extra.get("request_id"),
-                    **({"error": entry.error} if entry.error else {}),
-                },
-                channel=entry.channel,
+                entry,
+                entry.outcome,
+                by=entry.undone_by,
+                actor="external.undo",
+                request_id=entry.extra.get("request_id"),
+                error=entry.error,
             )
     failed = [e for e in entries if e.outcome == "failed"]
     if failed:

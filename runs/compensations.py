@@ -268,14 +268,7 @@ def cancel_and_undo(run: Run, by) -> Run:
                 raise UndoRefused("external runs cannot be undone in this deployment")
             return external.begin(run, by)
         check_undo(run)
-        AuditEntry.record(
-            "run.cancel",
-            actor=by,
-            target=f"run:{run.id}",
-            run_id=run.id,
-            trace_id=run.trace_id,
-            data={"status": run.status, "undo": True},
-        )
+        run.audit_cancel(by, undo=True)
         if run.status == Run.Status.RUNNING:
             Run.objects.filter(pk=run.pk).update(cancel_requested=True, undo_reason="cancelled")
             run.cancel_requested, run.undo_reason = True, "cancelled"
@@ -405,25 +398,28 @@ def record(run: Run, entry: Entry, outcome: str, *, by: str = "", comment: str =
     with transaction.atomic():
         if run.owner:
             run.owned()
-        _audit(
-            run,
-            "run.compensation",
-            {
-                "effect": entry.key,
-                "step": entry.step,
-                "channel": entry.channel,
-                "outcome": outcome,
-                "by": by,
-                **({"comment": comment} if comment else {}),
-                **({"error": error} if error else {}),
-                **({"answer": answer} if answer is not None else {}),
-            },
-            channel=entry.channel,
-        )
+        audit_outcome(run, entry, outcome, by=by, comment=comment, error=error, answer=answer)
         entry.outcome, entry.undone_by, entry.error = outcome, by, error
         if outcome == "done" and run.owner:
             Run.objects.filter(pk=run.pk).update(attempt=0)  # the next compensation has its own attempts
             run.attempt = 0
+
+
+def audit_outcome(run: Run, entry: Entry, outcome: str, *, by: str = "", actor: str = "engine", **extra) -> None:
+    """The `run.compensation` audit entry of one compensation's outcome (`done`, `declined`, `by_hand`, `failed`),
+    in the caller's transaction: what the registry reads. `extra`: its comment, error, answer... (None and ""
+    are left out)."""
+    data = {"effect": entry.key, "step": entry.step, "channel": entry.channel, "outcome": outcome, "by": by}
+    data.update({name: value for name, value in extra.items() if value is not None and value != ""})
+    AuditEntry.record(
+        "run.compensation",
+        actor=actor,
+        target=f"run:{run.id}",
+        run_id=run.id,
+        trace_id=run.trace_id,
+        channel=entry.channel,
+        data=data,
+    )
 
 
 def failed_request(entry: Entry, error: str) -> ApprovalRequest:
@@ -448,19 +444,7 @@ def failed(run: Run, error: str) -> None:
     with transaction.atomic():
         run.undo_failed(error)
         if entry is not None:
-            _audit(
-                run,
-                "run.compensation",
-                {
-                    "effect": entry.key,
-                    "step": entry.step,
-                    "channel": entry.channel,
-                    "outcome": "failed",
-                    "by": "engine",
-                    "error": error,
-                },
-                channel=entry.channel,
-            )
+            audit_outcome(run, entry, "failed", by="engine", error=error)
             gates.backend().open(run, entry.seq, failed_request(entry, error))
 
 
@@ -485,16 +469,3 @@ def _describe(entry: Entry) -> str:
         except Exception:  # noqa: BLE001 - a description must never stop an undo
             pass
     return f"{entry.step} on {entry.channel} ({entry.key})"
-
-
-def _audit(run: Run, action: str, data: dict, channel: str = "") -> None:
-    """In the caller's transaction. The engine writes it; who decided is in `data["by"]`."""
-    AuditEntry.record(
-        action,
-        actor="engine",
-        target=f"run:{run.id}",
-        run_id=run.id,
-        trace_id=run.trace_id,
-        channel=channel,
-        data=data,
-    )

@@ -516,20 +516,24 @@ class Run(models.Model):
                     "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
                     "holds them; a compensation that failed is decided on its card)"
                 )
-            AuditEntry.record(
-                "run.cancel",
-                actor=by,
-                target=f"run:{run.id}",
-                run_id=run.id,
-                trace_id=run.trace_id,
-                data={"status": run.status},
-            )
+            run.audit_cancel(by)
             Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
                 run._swap("cancel", **run._finished({"outcome": "cancelled"}), waiting_for_slot_since=None)
                 run._close_cards("cancelled")
             return run
+
+    def audit_cancel(self, by, **data) -> None:
+        """The `run.cancel` entry of a person's cancel (`data`: `undo`, for a cancel and undo), in its transaction."""
+        AuditEntry.record(
+            "run.cancel",
+            actor=by,
+            target=f"run:{self.id}",
+            run_id=self.id,
+            trace_id=self.trace_id,
+            data={"status": self.status, **data},
+        )
 
     @staticmethod
     def _finished(result) -> dict:

@@ -446,6 +446,20 @@ def failed(run: Run, error: str) -> None:
         if entry is not None:
             audit_outcome(run, entry, "failed", by="engine", error=error)
             gates.backend().open(run, entry.seq, failed_request(entry, error))
+        else:  # before any compensation began: the undo as a whole (Try again runs it again)
+            channel = next((e.channel for e in to_undo(registry(run))), "payments")
+            gates.backend().open(
+                run,
+                run.cursor,
+                ApprovalRequest(
+                    channel=channel,
+                    kind=Kind.UNDO_FAILED,
+                    proposed={"undo": "", "error": error},
+                    summary=f"Undoing this run failed for good: {error}. Approve to try again.",
+                    rule_id="compensation-failed",
+                    risk="high",
+                ),
+            )
 
 
 def result_of(run: Run, entries: list[Entry]) -> dict:

@@ -523,14 +523,14 @@ def _fail(
     letter = {
         "error": error,
         "error_class": exc.__class__.__name__,
-        "traceback": "".join(traceback.format_exception(exc))[-20_000:],
+        "traceback": "".join(traceback.format_exception(exc)),
         "attempts": attempts,
         "step": step,
         "job_id": job.job_id,
     }
     if workflow is not None and compensations.wants_undo_on_failure(run, workflow):
-        with transaction.atomic():
-            run.start_undo("failed", cause=letter)
+        with transaction.atomic():  # the letter waits in the run's result (its traceback's end) until the undo ends
+            run.start_undo("failed", cause={**letter, "traceback": letter["traceback"][-20_000:]})
         log.warning("run failed for good: undoing what it did", error=error, step=step or None, policy=workflow.undo)
         return
     with transaction.atomic():

@@ -273,3 +273,19 @@ def test_the_registry_says_what_can_be_undone_until_when_and_what_cannot(demo):
     (refund,) = [e for e in entries if e["channel"] == "payments"]
     assert refund["can_undo"] is True and refund["needs_approval"] is True and refund["compensation"] is None
     assert refund["undo_until"] > timezone.now() + timedelta(days=29)
+
+
+def test_stop_and_undo_on_a_budget_card(demo):
+    run = _support_parked_at_the_email(demo)
+    Run.objects.filter(pk=run.pk).update(cost_limit=run.cost)  # spent: the next step asks for more
+    Approval.objects.get(run=run, status=Approval.Status.PENDING).decide(demo["reviewer"], "approve")
+    run = drive(run)
+    budget = _pending(run, "budget")
+    assert run.status == Run.Status.PAUSED
+    budget.decide(demo["reviewer"], "reject", comment="too expensive: undo it", undo=True)
+    run = drive(run)
+    assert run.undo_reason == "budget"
+    _pending(run, "undo").decide(demo["reviewer"], "approve")
+    run = drive(run)
+    assert run.status == Run.Status.COMPENSATED and len(_reversals(run)) == 1
+    assert run.result["cause"]["outcome"] == "stopped at cost limit"

@@ -158,6 +158,13 @@ class Run(models.Model):
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
 
+    @property
+    def cancellable(self) -> bool:
+        """Whether a cancel takes it (Run.cancel): not a run being undone, parked or not (an external run whose
+        compensation failed aside: no card can try it again). A finished run is left as it is."""
+        undoing = self.undo_reason or self.status in (RunStatus.COMPENSATING, RunStatus.COMPENSATION_FAILED)
+        return not undoing or (self.workflow == EXTERNAL_WORKFLOW and self.status == RunStatus.COMPENSATION_FAILED)
+
     def advance_job(self, delay: float | None = None) -> JobDeferrer:
         """This run's `advance_run` job (runs.tasks), configured by the task's name (a model does not import its
         tasks): at most one per run waits in the queue (queueing lock) and one runs at a time (lock)."""
@@ -510,8 +517,7 @@ class Run(models.Model):
             run = Run.objects.select_for_update().get(pk=self.pk)
             if run.is_finished:
                 return run
-            undoing = run.undo_reason or run.status in (self.Status.COMPENSATING, self.Status.COMPENSATION_FAILED)
-            if undoing and not (run.workflow == EXTERNAL_WORKFLOW and run.status == self.Status.COMPENSATION_FAILED):
+            if not run.cancellable:
                 raise TransitionRefused(
                     "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
                     "holds them; a compensation that failed is decided on its card)"

@@ -98,7 +98,7 @@ def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome
     for card in cards:
         for decision in card.decisions.all():
             decision.payload_json = _pretty(decision.payload)
-    can_cancel = not run.is_finished and run.status != Run.Status.COMPENSATING and may_operate_run(request.user, run)
+    can_cancel = not run.is_finished and run.cancellable and may_operate_run(request.user, run)
     effects = [entry.as_dict() for entry in compensations.registry(run)]
     return render(
         request,

@@ -24,7 +24,6 @@ from approvals.errors import CannotCheckEdit
 from approvals.models import Approval, DecisionLink, RejectReason
 from approvals.rules import DecisionKind
 from core import safe_input
-from runs.gates import Kind
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
@@ -185,12 +184,6 @@ class EditForm(forms.Form):
 
 
 MISSING_VERSION = "The card's version is missing: reload the card."
-# Cards answered yes or no, never edited (approvals.edits.NOT_EDITED), as the card page says it.
-NOT_EDITED = {
-    Kind.RECONCILE: "A reconcile card is approved or rejected, not edited.",
-    Kind.UNDO: "An undo card is approved (undo it) or rejected (leave it done), not edited.",
-    Kind.UNDO_FAILED: "A failed undo's card is approved (try again) or rejected (done by hand), not edited.",
-}
 CHOOSE = "Choose approve, edit or reject."
 
 
@@ -243,8 +236,8 @@ class DecideForm(forms.Form):
         if decision == DecisionKind.REJECT:
             self.decision_form = RejectForm(self.data)
         elif decision == DecisionKind.EDIT:
-            if self.card.kind in NOT_EDITED:
-                raise forms.ValidationError(NOT_EDITED[self.card.kind])
+            if (refusal := edits.NOT_EDITED.get(self.card.kind)) is not None:  # a card answered yes or no
+                raise forms.ValidationError(f"{refusal[:1].upper()}{refusal[1:]}.")
             self.decision_form = EditForm(self.card, self.data)  # CannotCheckEdit: raised as it is (409)
         valid = self.decision_form is not None and self.decision_form.is_valid()
         if valid and decision == DecisionKind.EDIT and cleaned["preview"]:

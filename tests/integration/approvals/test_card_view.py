@@ -485,7 +485,7 @@ def test_a_reconcile_card_is_approved_or_rejected_not_edited(client, agent, bob_
     before = snapshot(card)
     response = post(client, card, decision="edit", payload_json="{}")
     assert response.status_code == 422
-    assert "A reconcile card is approved or rejected, not edited." in response.content.decode()
+    assert "A reconcile card is approved (it happened) or rejected, not edited." in response.content.decode()
     assert snapshot(card) == before
 
 

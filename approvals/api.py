@@ -150,6 +150,10 @@ class DecisionIn(Schema):
                     "if": {"properties": {"decision": {"const": "reject"}}},
                     "then": {"required": ["comment"], "properties": {"comment": {"pattern": NOT_BLANK}}},
                 },
+                {  # reject and undo
+                    "if": {"required": ["undo"], "properties": {"undo": {"const": True}}},
+                    "then": {"properties": {"decision": {"const": "reject"}}},
+                },
             ]
         }
     )

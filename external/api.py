@@ -170,7 +170,10 @@ class ResultIn(Schema):
                 {"if": {"properties": {"ok": {"const": True}}}, "then": {"properties": {"error": {"type": "null"}}}},
                 {
                     "if": {"properties": {"ok": {"const": False}}},
-                    "then": {"required": ["error"], "properties": {"error": {"type": "string"}}},
+                    "then": {
+                        "required": ["error"],
+                        "properties": {"error": {"type": "string"}, "compensation": {"type": "null"}},
+                    },
                 },
             ]
         }

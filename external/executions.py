@@ -143,8 +143,8 @@ def report(
         receipt = request.receipt
         if receipt is None:
             raise NotConsumed("The approval was not consumed: there is no execution to report on.")
-        if compensation is not None and request.compensates_id is not None:
-            raise Invalid([{"loc": "compensation", "msg": "a compensation is not undone in its turn"}])
+        if compensation is not None and request.compensates_id is not None:  # the request's state, not the body's
+            raise Conflict("This request is a compensation: a compensation is not undone in its turn.")
         if receipt.status == Receipt.Status.DONE:
             if not same_outcome(receipt.response, outcome) or canonical(request.compensation) != canonical(
                 compensation

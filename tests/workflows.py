@@ -112,8 +112,8 @@ def ask_under_a_named_policy(ctx):
 
 # --- undo (runs.compensations) ----------------------------------------------------------------------------------
 # Two effects that can be undone, then a third that fails for good when the input's faults say so (`{"confirm":
-# ["fatal"]}`): under the policy `always`, the run is undone at once, in reverse order. The demo sandbox's systems
-# record every call (demo.sandbox), so a compensation made twice shows.
+# ["fatal"]}`: the CRM refuses the confirmation): under the policy `always`, the run is undone at once, in reverse
+# order. The demo sandbox's systems record every call (demo.sandbox), so a compensation made twice shows.
 
 
 def _reverse(ctx, key, refund):
@@ -153,10 +153,15 @@ def note(ctx):
     )
 
 
-@undo_chain.effect("email")
+@undo_chain.effect("crm")
 def confirm(ctx):
-    email = ctx.tools.email
-    return ctx.effect(lambda key: email.send(to="c@example.com", subject="Paid", body="Paid.", idempotency_key=key))
+    # The CRM can be asked whether a note was written (a kill between its receipt and its call is reconciled by
+    # the lookup, not a person), so a chaos run ends undone without anyone: its faults refuse it for good.
+    crm = ctx.tools.crm
+    return ctx.effect(
+        lambda key: crm.add_note(customer_id=ctx.input["customer_id"], text="confirmed", idempotency_key=key),
+        lookup=crm.lookup_note,
+    )
 
 
 # The same two effects, and a last step during which someone cancels the run and asks for an undo: the last

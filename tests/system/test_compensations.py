@@ -23,7 +23,7 @@ from tests.system.conftest import describe_runs, env_int, report, sandbox_stats
 from tests.worker import wait_with_logs, worker_logs
 
 CHAIN = {"customer_id": "cus_4242", "amount_cents": 700}
-# The third step's email is refused for good, after two effects: every time (a worker killed between a refused
+# The third step's note is refused by the CRM for good, after two effects: every time (a worker killed between a refused
 # call and its failure's record calls again, and the sandbox's n-th call gets the n-th fault of the list).
 FAILS_AT_THE_END = {"confirm": ["fatal"] * 10}
 

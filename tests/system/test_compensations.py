@@ -90,7 +90,7 @@ def test_a_worker_killed_in_the_middle_of_a_reversal_reverses_once(system):
     """The reversal is applied, then its worker is SIGKILLed before the answer (a `hang`): the next owner finds
     the compensation's receipt pending and asks the payment system (its lookup), which says it happened."""
     run_id = _submit(system, {**CHAIN, "faults": {**FAILS_AT_THE_END, "undo:pay": ["hang"]}})
-    wait_with_logs(lambda: _applied(run_id, "payments", "reverses") == 1, "the reversal", system.workers.all)
+    wait_with_logs(lambda: _applied(run_id, "payments", "reverses") == 1, "the reversal", system.workers.all, 60)
     for worker in system.workers.alive:
         worker.kill(signal.SIGKILL)
         worker.wait(10)

@@ -176,3 +176,10 @@ def cancel_and_undo_while_running(ctx):
 
     compensations.cancel_and_undo(Run.objects.get(pk=ctx.run.pk), None)
     return {"asked": True}
+
+
+# A payment whose compensation has no lookup: an ambiguous reversal is asked of a person (a reconcile card at the
+# payment's step), as any write without one.
+undo_without_lookup = register(Workflow("test_undo_without_lookup", undo="always"))
+undo_without_lookup.effect("payments", compensate=Compensation(call=_reverse))(pay)
+undo_without_lookup.effect("crm", name="confirm")(confirm)

@@ -363,3 +363,20 @@ def test_a_real_worker_fires_the_timer_from_the_database(start_worker):
     assert timer_jobs(card, status="succeeded").count() == 1
     assert AuditEntry.objects.filter(action="sla.safe_default").count() == 1
     assert sandbox.stats()["channels"]["payments"] == 0
+
+
+def test_a_failed_compensations_card_is_never_rejected_by_the_safe_default(demo):
+    """Rejecting it says "a person undid it by hand": the deadline escalates it instead, as a reconcile card."""
+    import tests.workflows  # noqa: F401, PLC0415 - registers test_undo_chain
+
+    payments(escalation_policy="safe_default")
+    faults = {"confirm": ["fatal"], "undo:pay": ["fatal"]}
+    run = drive(
+        submission.submit(workflow="test_undo_chain", input={"customer_id": "c1", "amount_cents": 5, "faults": faults})[
+            0
+        ]
+    )
+    card = Approval.objects.get(run=run, kind="undo_failed")
+    assert sla.apply_sla(card.pk, card.due_at + SECOND) == "escalate"
+    card.refresh_from_db()
+    assert card.status == Approval.Status.ESCALATED and not Decision.objects.filter(approval=card).exists()

@@ -289,3 +289,49 @@ def test_stop_and_undo_on_a_budget_card(demo):
     run = drive(run)
     assert run.status == Run.Status.COMPENSATED and len(_reversals(run)) == 1
     assert run.result["cause"]["outcome"] == "stopped at cost limit"
+
+
+# --- defects found in review, each seen failing on the code before its fix ------------------------------------------
+
+
+def _drive_until_parked_or_ended(run: Run, tries: int = 12) -> Run:
+    """Drive as the job and its retries would (a retried attempt raises, as it does in the worker)."""
+    for _ in range(tries):
+        try:
+            run = drive(run)
+        except Exception:  # noqa: BLE001 - a retry: the job's strategy would run it again
+            run.refresh_from_db()
+        if run.status not in (Run.Status.QUEUED, Run.Status.RUNNING, Run.Status.COMPENSATING):
+            return run
+    return run
+
+
+def test_an_ambiguous_compensation_without_a_lookup_is_reconciled_on_a_card_at_its_effects_step(demo):
+    faults = {"confirm": ["fatal"], "undo:pay": ["timeout"]}  # reversed, then the answer is lost
+    run = _drive_until_parked_or_ended(_submit("test_undo_without_lookup", {**CHAIN, "faults": faults}))
+    card = _pending(run, "reconcile")
+    assert (
+        run.status == Run.Status.WAITING_HUMAN and card.step_seq == 0 and card.proposed["receipt"].startswith("undo:")
+    )
+    card.decide(demo["reviewer"], "approve")  # it happened
+    run = drive(run)
+    assert run.status == Run.Status.COMPENSATED and len(_reversals(run)) == 1
+
+
+def test_a_failed_step_that_used_up_its_attempts_leaves_the_compensations_their_own(demo):
+    # `confirm` fails three times (5xx) and so for good; the first compensation's first 5xx is retried, not fatal.
+    faults = {"confirm": ["5xx"] * 10, "undo:note": ["5xx"]}
+    run = _drive_until_parked_or_ended(_submit("test_undo_chain", {**CHAIN, "faults": faults}))
+    assert run.status == Run.Status.COMPENSATED, run.error
+    assert [e["undo"] for e in run.result["effects"]] == ["done", "done"]
+
+
+def test_a_parked_undo_is_not_cancelled(demo):
+    run = _support_parked_at_the_email(demo)
+    compensations.cancel_and_undo(run, demo["ops"])
+    run = drive(run)
+    assert run.status == Run.Status.WAITING_HUMAN and run.undo_reason == "cancelled"  # the reversal's card
+    with pytest.raises(TransitionRefused, match="being undone"):
+        run.cancel(by=demo["ops"])
+    run.refresh_from_db()
+    assert run.status == Run.Status.WAITING_HUMAN and _pending(run, "undo")

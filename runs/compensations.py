@@ -295,11 +295,13 @@ def wants_undo_on_stop(run: Run, workflow, asked: bool) -> bool:
 ContextFor = Callable[[StepDef, int], Context]
 
 
-def drive(run: Run, workflow, context_for: ContextFor) -> str:
+def drive(run: Run, workflow, context_for: ContextFor, should_stop: Callable[[], bool] = lambda: False) -> str:
     """Undo `run` (its owner's job): returns "done" when every compensation ran or was declined or taken over by a
-    person (the engine ends the run compensated), or "declined" when a person answered that a failed run is not to
-    be undone (the engine dead-letters it). Raises Park (a card, or a kill switch), Wait (a breaker), and a
-    compensation's errors, which the engine retries; Fatal when one cannot be done (past its deadline)."""
+    person (the engine ends the run compensated), "declined" when a person answered that a failed run is not to
+    be undone (the engine dead-letters it), or "stopped" when its worker is shutting down (`should_stop`, asked
+    between compensations, as the engine asks between steps: the engine gives the run back to the queue). Raises
+    Park (a card, or a kill switch), Wait (a breaker), and a compensation's errors, which the engine retries;
+    Fatal when one cannot be done (past its deadline)."""
     if run.status == Run.Status.RUNNING:
         with transaction.atomic():
             run.start_undo()
@@ -311,6 +313,8 @@ def drive(run: Run, workflow, context_for: ContextFor) -> str:
     if run.undo_reason == "failed" and workflow.undo == "ask" and not _asked(run, pending):
         return "declined"
     for entry in pending:
+        if should_stop():
+            return "stopped"
         run.compensating = entry  # for the engine, should this compensation fail for good
         if _taken_over(run, entry):
             continue

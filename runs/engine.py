@@ -108,7 +108,7 @@ def _undo(run: Run, workflow: Workflow, job: JobInfo) -> None:
         return Context(run, step_def, seq, {}, model=None, tools=tools)
 
     try:
-        outcome = compensations.drive(run, workflow, context_for)
+        outcome = compensations.drive(run, workflow, context_for, job.should_stop)
     except Park as park:
         _park(run, run.cursor if park.seq is None else park.seq, park)
         log.info("undo parked", reason=park.reason)
@@ -129,6 +129,9 @@ def _undo(run: Run, workflow: Workflow, job: JobInfo) -> None:
             record_retry(run, exc=exc)
             raise
         _fail(run, exc, job)
+        return
+    if outcome == "stopped":
+        _release_for_shutdown(run)
         return
     if outcome == "declined":  # a person said a run that failed for good is not to be undone
         letter = (run.result or {}).get("cause") or {}
@@ -195,10 +198,7 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
             _stop(run, workflow, {"outcome": "cancelled"})
             return
         if job.should_stop():
-            with transaction.atomic():
-                run.release()
-                record_retry(run, "shutdown")
-            log.info("run requeued", reason="worker shutting down")
+            _release_for_shutdown(run)
             return
         step_def = workflow.step_at(run.cursor, outputs)
         if step_def is None:
@@ -208,6 +208,14 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
             return
         if not _run_step(run, workflow, step_def, outputs, unfinished):
             return
+
+
+def _release_for_shutdown(run: Run) -> None:
+    """Its worker is stopping: the run goes back to the queue between two steps (or compensations)."""
+    with transaction.atomic():
+        run.release()
+        record_retry(run, "shutdown")
+    log.info("run requeued", reason="worker shutting down")
 
 
 def _checkpoints(run: Run) -> tuple[dict, dict]:

@@ -19,7 +19,7 @@ from core.models import AuditEntry
 from demo.models import SandboxCall
 from jobs.models import DeadLetter
 from runs.models import Receipt, Run
-from tests.system.conftest import describe_runs, env_int, report, sandbox_stats
+from tests.system.conftest import GRACEFUL_TIMEOUT, describe_runs, env_int, report, sandbox_stats
 from tests.worker import wait_with_logs, worker_logs
 
 CHAIN = {"customer_id": "cus_4242", "amount_cents": 700}
@@ -99,6 +99,32 @@ def test_a_worker_killed_in_the_middle_of_a_reversal_reverses_once(system):
     assert run.status == Run.Status.COMPENSATED, run.error
     assert _applied(run_id, "payments", "reverses") == 1
     assert Receipt.objects.get(key__startswith="undo:", run_id=run_id, channel="payments").reconciled
+
+
+def test_a_worker_sigtermed_during_a_slow_compensation_finishes_it_and_hands_the_rest_on(system):
+    """SIGTERM while the note's removal is in a slow call: the worker lets that compensation finish, gives the run
+    back to the queue before the next one (as between steps) and exits within its graceful timeout; another worker
+    reverses the payment. Each compensation once."""
+    run_id = _submit(system, {**CHAIN, "faults": {**FAILS_AT_THE_END, "undo:note": ["latency:2000"]}})
+    wait_with_logs(
+        lambda: Receipt.objects.filter(
+            run_id=run_id, key__startswith="undo:", channel="crm", status="pending"
+        ).exists(),
+        "the note's removal to start",
+        system.workers.all,
+        60,
+    )
+    for worker in system.workers.alive:
+        worker.kill(signal.SIGTERM)
+    for worker in system.workers.all:
+        worker.wait(GRACEFUL_TIMEOUT + 5)
+    assert _applied(run_id, "crm", "removes") == 1  # finished by the worker that was stopping
+    assert Run.objects.get(pk=run_id).status == Run.Status.QUEUED, worker_logs(system.workers.all)
+    assert AuditEntry.objects.filter(run_id=run_id, action="run.retry", data__cause="shutdown").exists()
+    system.workers.start()
+    run = _settles_in(run_id, [Run.Status.COMPENSATED, Run.Status.COMPENSATION_FAILED], system)
+    assert run.status == Run.Status.COMPENSATED, run.error
+    assert _applied(run_id, "crm", "removes") == 1 and _applied(run_id, "payments", "reverses") == 1
 
 
 def test_chaos_every_completed_effect_is_compensated_exactly_once(system):

@@ -49,6 +49,7 @@ RUNS = env_int("DBRESTART_RUNS", 40)
 DOWN_SECONDS = float(os.environ.get("DBRESTART_DOWN_SECONDS", 2))
 BOUND_SECONDS = env_int("DBRESTART_BOUND_SECONDS", 90)
 WORKERS = 2
+UNDO_RUNS = 6  # runs being undone through the restart (test_an_undo_goes_on_once_through_a_postgres_restart)
 SUBMIT_SPACING = 0.25  # seconds between submissions: the load spans the restart
 FINISHED = ("succeeded", "failed", "cancelled")
 READY_MAX_AGE = 5  # /readyz wants a worker heartbeat this fresh: a 200 after the restart proves they resumed
@@ -541,3 +542,84 @@ def test_every_run_finishes_once_through_a_private_postgres_restart(private_post
 
 def test_every_run_finishes_once_through_a_restart_of_the_machines_postgres(system_postgres, tmp_path):
     restart_under_load(system_postgres, tmp_path)
+
+
+def test_an_undo_goes_on_once_through_a_postgres_restart(private_postgres, tmp_path):
+    """Runs being undone (runs.compensations: tests.workflows' test_undo_chain, whose last step fails for good)
+    while the database restarts in the middle of their slow compensations: every run ends `compensated`, each
+    compensation made once, with the same worker processes."""
+    database = private_postgres
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("DJANGO_ALLOW_ASYNC_UNSAFE", "TEST_DATABASE_NAME")},
+        **SYSTEM_ENV,
+        "DATABASE_URL": database.url,
+        "WORKFLOW_MODULES": "tests.workflows",
+    }
+    _manage(env, "migrate", "--noinput", "-v0")
+    _manage(env, "demo_setup", "-v0")
+    server = WebServer(env, tmp_path / "web.log")
+    workers = Workers(env, tmp_path)
+    try:
+        for _ in range(WORKERS):
+            workers.start()
+        pids = [worker.pid for worker in workers.all]
+        agent = Api(server.url, _manage(env, "create_api_token", "agent").strip(), "agent")
+        faults = {"confirm": ["fatal"] * 10, "undo:pay": ["latency:1500"], "undo:note": ["latency:1500"]}
+        run_ids = []
+        for i in range(UNDO_RUNS):
+            body = {
+                "workflow": "test_undo_chain",
+                "input": {"customer_id": f"c{i}", "amount_cents": 100, "faults": faults},
+            }
+            response = agent.post("/api/runs", body)
+            assert response.status == 202, response
+            run_ids.append(response.body["id"])
+        deadline = time.monotonic() + 60
+        pending_undo = "SELECT count(*) FROM runs_receipt WHERE key LIKE 'undo:%%' AND status = 'pending'"
+        while not _query(database.url, pending_undo)[0][0]:
+            assert time.monotonic() < deadline, f"no compensation started\n{workers.logs()}"
+            time.sleep(0.1)
+        database.stop()
+        time.sleep(DOWN_SECONDS)
+        database.start()
+        up = time.monotonic()
+        uuids = [uuid.UUID(run_id) for run_id in run_ids]
+        statuses: Counter = Counter()
+        while time.monotonic() - up < BOUND_SECONDS:
+            statuses = Counter(
+                dict(_query(database.url, "SELECT status, count(*) FROM runs_run WHERE id = ANY(%s) GROUP BY 1", uuids))
+            )
+            if statuses.get("compensated", 0) + statuses.get("compensation_failed", 0) == len(run_ids):
+                break
+            time.sleep(0.25)
+        undone = {
+            marker: Counter(
+                dict(
+                    _query(
+                        database.url,
+                        "SELECT run_id::text, count(*) FROM runs_sandboxcall WHERE applied AND payload ? %s"
+                        " AND run_id = ANY(%s::uuid[]) GROUP BY 1",
+                        marker,
+                        run_ids,
+                    )
+                )
+            )
+            for marker in ("reverses", "removes")
+        }
+        stats = json.loads(_manage(env, "sandbox_stats"))
+        report(
+            "undo through a database restart (private PostgreSQL)",
+            runs=len(run_ids),
+            statuses=dict(statuses),
+            reversals=sum(undone["reverses"].values()),
+            removals=sum(undone["removes"].values()),
+            sandbox=stats,
+            after_restart_s=time.monotonic() - up,
+        )
+        assert statuses == Counter({"compensated": len(run_ids)}), f"{dict(statuses)}\n{workers.logs()}"
+        assert all(undone["reverses"][r] == 1 and undone["removes"][r] == 1 for r in run_ids), undone
+        assert stats["duplicates"] == 0, stats
+        assert [worker.pid for worker in workers.all] == pids and len(workers.alive) == WORKERS, workers.logs()
+    finally:
+        workers.stop_all()
+        server.stop()

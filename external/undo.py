@@ -34,6 +34,8 @@ from runs.errors import UndoRefused
 from runs.gates import backend as gates_backend
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run
 
+ACTOR = "external.undo"  # who writes its audit entries
+
 # A compensation request's card, once closed without an execution: declined by a person (or by its deadline).
 _DECLINED = (Approval.Status.REJECTED, Approval.Status.EXPIRED)
 
@@ -170,7 +172,8 @@ def begin(run: Run, by, reason: str = "cancelled") -> Run:
             "nothing to undo: no executed action of the run declared a compensation (its result's `compensation`): "
             + "; ".join(f"{e.step} ({e.key}): {e.why_not() or 'already undone'}" for e in entries)
         )
-    run.audit_cancel(by, undo=True, **({"reason": reason} if reason != "cancelled" else {}))
+    undo = {"undo": True, **({"reason": reason} if reason != "cancelled" else {})}
+    run.audit("run.cancel", {"status": run.status, **undo}, actor=by)
     run.begin_external_undo(
         {"outcome": "undoing", "reason": reason, "undo": [e.key for e in pending], "by": _name(by)}, reason=reason
     )
@@ -252,7 +255,7 @@ def settle(run_id) -> None:
                 entry,
                 entry.outcome,
                 by=entry.undone_by,
-                actor="external.undo",
+                actor=ACTOR,
                 request_id=entry.extra.get("request_id"),
                 error=entry.error,
             )
@@ -261,14 +264,14 @@ def settle(run_id) -> None:
         error = "; ".join(f"undoing {e.step} ({e.key}) failed: {e.error}" for e in failed)[:5000]
         run.external_undo_failed(error)
         gates_backend().close_pending(run, "cancelled")
-        _audit(run, "run.compensation_failed", {"error": error, "effects": [e.key for e in failed]})
+        run.audit("run.compensation_failed", {"error": error, "effects": [e.key for e in failed]}, actor=ACTOR)
         return
     if any(not e.outcome for e in entries if e.extra.get("request_id")):
         return  # a compensation still waits for a person, or for its agent
     result = compensations.result_of(run, everything)
     result["reason"] = (run.result or {}).get("reason") or run.undo_reason
     run.end_external_undo(result)
-    _audit(run, "run.compensated", {"effects": result["effects"]})
+    run.audit("run.compensated", {"effects": result["effects"]}, actor=ACTOR)
 
 
 def _recorded(run: Run) -> dict[str, str]:
@@ -281,13 +284,6 @@ def _recorded(run: Run) -> dict[str, str]:
     ):
         found[data.get("effect", "")] = data.get("outcome", "")
     return found
-
-
-def _audit(run: Run, action: str, data: dict, channel: str = "") -> None:
-    AuditEntry.record(
-        action, actor="external.undo", target=f"run:{run.id}", run_id=run.id, trace_id=run.trace_id,
-        channel=channel, data=data,
-    )  # fmt: skip
 
 
 class ExternalUndo:

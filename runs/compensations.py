@@ -268,7 +268,7 @@ def cancel_and_undo(run: Run, by) -> Run:
                 raise UndoRefused("external runs cannot be undone in this deployment")
             return external.begin(run, by)
         check_undo(run)
-        run.audit_cancel(by, undo=True)
+        run.audit("run.cancel", {"status": run.status, "undo": True}, actor=by)
         if run.status == Run.Status.RUNNING:
             Run.objects.filter(pk=run.pk).update(cancel_requested=True, undo_reason="cancelled")
             run.cancel_requested, run.undo_reason = True, "cancelled"
@@ -415,15 +415,7 @@ def audit_outcome(run: Run, entry: Entry, outcome: str, *, by: str = "", actor: 
     are left out)."""
     data = {"effect": entry.key, "step": entry.step, "channel": entry.channel, "outcome": outcome, "by": by}
     data.update({name: value for name, value in extra.items() if value is not None and value != ""})
-    AuditEntry.record(
-        "run.compensation",
-        actor=actor,
-        target=f"run:{run.id}",
-        run_id=run.id,
-        trace_id=run.trace_id,
-        channel=entry.channel,
-        data=data,
-    )
+    run.audit("run.compensation", data, actor=actor, channel=entry.channel)
 
 
 def failed_request(entry: Entry, error: str) -> ApprovalRequest:

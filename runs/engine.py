@@ -27,7 +27,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from core.models import AuditEntry, Channel
+from core.models import Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
 from runs import compensations, gates, ownership, ratelimit
@@ -144,14 +144,7 @@ def _undo(run: Run, workflow: Workflow, job: JobInfo) -> None:
     reason, letter = run.undo_reason, (run.result or {}).get("cause") or {}
     with transaction.atomic():
         run.end_undo(compensations.result_of(run, entries))
-        AuditEntry.record(
-            "run.compensated",
-            actor="engine",
-            target=f"run:{run.id}",
-            run_id=run.id,
-            trace_id=run.trace_id,
-            data={"reason": reason, "effects": {e.key: e.outcome or e.why_not() for e in entries}},
-        )
+        run.audit("run.compensated", {"reason": reason, "effects": {e.key: e.outcome or e.why_not() for e in entries}})
         if reason == "failed":  # dead-lettered too, with what its undo did
             undone = "\n".join(f"  {e.step or e.key} on {e.channel}: {e.outcome or e.why_not()}" for e in entries)
             _dead_letter(run, {**letter, "traceback": f"{letter.get('traceback', '')}\nUndone:\n{undone}\n"})
@@ -561,14 +554,7 @@ def _dead_letter(run: Run, letter: dict) -> None:
         trace_id=run.trace_id,
         job_id=letter.get("job_id"),
     )
-    AuditEntry.record(
-        "run.dead_letter",
-        actor="engine",
-        target=f"run:{run.id}",
-        run_id=run.id,
-        trace_id=run.trace_id,
-        data={"error": letter.get("error", ""), "step": letter.get("step", "")},
-    )
+    run.audit("run.dead_letter", {"error": letter.get("error", ""), "step": letter.get("step", "")})
 
 
 def _wait_for_retry(run: Run, exc: BaseException, job: JobInfo) -> None:
@@ -592,14 +578,7 @@ def record_retry(run: Run, cause: str = "", exc: BaseException | None = None, **
         source = {"compute": "model", None: "engine"}.get(step["kind"], "tool")
         cause = f"{source}_{how}"
     with transaction.atomic():
-        AuditEntry.record(
-            "run.retry",
-            actor="engine",
-            target=f"run:{run.id}",
-            run_id=run.id,
-            trace_id=run.trace_id,
-            data={"cause": cause, **data},
-        )
+        run.audit("run.retry", {"cause": cause, **data})
 
 
 _RETRY_HOW = [("429", r"\b429\b"), ("5xx", r"\b5\d\d\b"), ("timeout", r"time(d )?out")]

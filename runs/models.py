@@ -522,7 +522,7 @@ class Run(models.Model):
                     "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
                     "holds them; a compensation that failed is decided on its card)"
                 )
-            run.audit_cancel(by)
+            run.audit("run.cancel", {"status": run.status}, actor=by)
             Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
@@ -530,15 +530,17 @@ class Run(models.Model):
                 run._close_cards("cancelled")
             return run
 
-    def audit_cancel(self, by, **data) -> None:
-        """The `run.cancel` entry of a person's cancel (`data`: `undo`, for a cancel and undo), in its transaction."""
+    def audit(self, action: str, data: dict, *, actor="engine", channel: str = "") -> None:
+        """An audit entry about this run (its target, id and trace), in the caller's transaction. `actor`: a user, or a
+        component's name."""
         AuditEntry.record(
-            "run.cancel",
-            actor=by,
+            action,
+            actor=actor,
             target=f"run:{self.id}",
             run_id=self.id,
             trace_id=self.trace_id,
-            data={"status": self.status, **data},
+            channel=channel,
+            data=data,
         )
 
     @staticmethod

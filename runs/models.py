@@ -80,6 +80,13 @@ class Run(models.Model):
         choices=[(r, r) for r in ("failed", "rejected", "cancelled", "budget")],
         help_text="Why the run's effects are being undone (runs.compensations); blank: they are not.",
     )
+    # A fork (runs.forks): the run it was forked from, at which step and why. It reuses the original's outputs
+    # before that step and shares its effects' receipts by key (`effects_of`: the original's id, which its
+    # effects' default keys start with), so nothing the original did is done again.
+    fork_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks")
+    fork_from_step = models.PositiveIntegerField(null=True, blank=True)
+    fork_reason = models.CharField(max_length=500, blank=True, default="", db_default="")
+    effects_of = models.UUIDField(null=True, blank=True)
     owner = models.CharField(
         max_length=200,
         blank=True,
@@ -686,6 +693,9 @@ class Step(models.Model):
     # An agent's steps (runs.agent): the prompt's version and a hash of the tools' schemas the turn was run with.
     prompt_version = models.CharField(max_length=64, blank=True)
     tools_version = models.CharField(max_length=64, blank=True)
+    # What the step's code drew from outside, in order (runs.tape): the model's answers, reads, effects' keys, time
+    # and ids, each with a hash of what was asked. Replay (runs.replay) feeds them back. NULL when it drew nothing.
+    tape = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
 

@@ -318,7 +318,10 @@ def _needs_a_person(args: OrderRefund, history: list[dict]) -> bool:
 def refund_order(ctx, args: OrderRefund) -> dict:
     """Refund (part of) one of the customer's orders, in the order's currency; amount in cents, no more than the
     order's total less what was already refunded. From a threshold up, a person approves it first."""
-    order = next((o for o in orders_of(args.customer_id) if o["id"] == args.order_id), None)
+    # The orders as they stand (what has been refunded so far changes): recorded, for a replay to see them as this
+    # call did (runs.replay).
+    orders = ctx.recorded("orders", orders_of, args.customer_id)
+    order = next((o for o in orders if o["id"] == args.order_id), None)
     if order is None:
         return {"error": f"the customer has no order {args.order_id}", "refunded": False}
     refundable = order["total_cents"] - order["refunded_cents"]

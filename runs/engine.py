@@ -364,6 +364,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             started_at=started_at,
             latency_ms=_ms(started),
             **(step_def.versions or {}),
+            tape=ctx.tape.stored(),
             finish=last,
             result=result,
         )

@@ -301,6 +301,7 @@ class Run(models.Model):
         latency_ms: float | None = None,
         prompt_version: str = "",
         tools_version: str = "",
+        tape: list | None = None,
         finish: bool = False,
         result=None,
     ):
@@ -361,6 +362,7 @@ class Run(models.Model):
                     "latency_ms": latency_ms,
                     "prompt_version": prompt_version,
                     "tools_version": tools_version,
+                    "tape": None if tape is None else json.dumps(tape, cls=DjangoJSONEncoder),
                     "started_at": started_at,
                 },
             )

@@ -4,19 +4,23 @@ through runs.workflow; the engine (runs.engine) and the agent loop (runs.agent) 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from runs import effects, gates
 from runs.effects import shadow_response
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
-from runs.gates import ApprovalRequest, Decision, GateSpec, Outcome
+from runs.gates import ApprovalRequest, Decision, GateSpec, Outcome, canonical_hash
 from runs.models import ModelUsage, Receipt, Run
+from runs.tape import Recorder, Tape, asked
 from runs.tools import AgentSpec
 
 StepFn = Callable[["Context"], Any]
@@ -100,7 +104,10 @@ class Usage:
 
 
 class Context:
-    """What a step sees: the run input, earlier steps' outputs, the model and tools, effects and gates."""
+    """What a step sees: the run input, earlier steps' outputs, the model and tools, effects and gates.
+
+    What the step draws from outside the run (model answers, tool reads, effects, gates, the time, ids) is recorded
+    on its tape (runs.tape), written with its checkpoint, for a replay to feed back (runs.replay)."""
 
     def __init__(self, run: Run, step: StepDef, seq: int, outputs: dict[str, Any], model, tools):
         self.run = run
@@ -108,8 +115,9 @@ class Context:
         self.seq = seq
         self.input: dict = run.input
         self.outputs = outputs
-        self.model = model
-        self.tools = tools
+        self.tape = Tape()
+        self.model = None if model is None else Recorder(model, self.tape, "model")
+        self.tools = None if tools is None else Recorder(tools, self.tape, "tools", systems=True)
         self.usage: Usage = getattr(model, "usage", None) or Usage()
         self.usage.counted_for = (run, step.name)
         self.last_effect_key: str | None = None
@@ -142,12 +150,25 @@ class Context:
         written. Kill switches apply as to any effect.
         """
         channel = self.step.channel
+        key = self._next_key(key, action)
+        self.tape.record("effect", canonical_hash(preview), keep=False, key=key)
+        self.tape.paused += 1  # the effect's tool calls are the effect's: its answer is its receipt's
+        try:
+            return self._effect(channel, key, call, lookup, preview)
+        finally:
+            self.tape.paused -= 1
+
+    def _next_key(self, key: str | None, action: str | None) -> str:
+        """The receipt key of the step's next effect: the n-th effect of a step gets its own default key, so two
+        effects of one step are two writes."""
         self._effects += 1
-        # The n-th effect of a step gets its own default key, so two effects of one step are two writes.
         key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}" + (
             f"#{self._effects}" if self._effects > 1 else ""
         )
         self.last_effect_key = key
+        return key
+
+    def _effect(self, channel, key, call, lookup, preview) -> dict:
         receipt = _open_receipt(
             self.run, self.seq, channel, key, step=self.step.name, preview=preview, undo=self.undoing is not None
         )
@@ -213,11 +234,39 @@ class Context:
         once it is taken; until then the run parks in `waiting_human`."""
         if request is None:
             request = ApprovalRequest(channel=self.step.channel, **fields)
+        self.tape.record("gate", request.args_hash(), keep=False)
         decision: Decision | None = gates.backend().decision(self.run, self.seq, request)
         if decision is None:
             raise Park(f"waiting for a decision on {request.channel}", request)
         check_decided_edit(self.step, request.proposed, decision)
         return decision.as_output()
+
+    def now(self) -> datetime:
+        """The time, as a step should read it: recorded, so that a replay sees the time the run saw."""
+        now = timezone.now()
+        self.tape.record("now", None, now.isoformat())
+        return now
+
+    def new_id(self) -> str:
+        """A new random id (hex), recorded, so that a replay draws the same one."""
+        value = uuid.uuid4().hex
+        self.tape.record("new_id", None, value)
+        return value
+
+    def recorded(self, name: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """`fn(*args, **kwargs)`, recorded: for anything else a step reads that is not the same twice (a read
+        without a tool client, a clock of its own). Its answer must be JSON; a replay feeds it back."""
+        answer = fn(*args, **kwargs)
+        self.tape.record(f"recorded.{name}", asked(args, kwargs), answer)
+        return answer
+
+
+def as_datetime(value: str) -> datetime:
+    """A recorded `ctx.now()`, read back."""
+    parsed = parse_datetime(value)
+    if parsed is None:
+        raise ValueError(f"not a recorded time: {value!r}")
+    return parsed
 
 
 def _open_receipt(

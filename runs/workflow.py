@@ -64,6 +64,8 @@ class Workflow:
     input_schema: type[BaseModel] | None = None
     steps: list[StepDef] = field(default_factory=list)
     undo: str = "ask"
+    # Version shims (`compatible`): (step or agent stage, the recorded versions its current code replays).
+    shims: list[tuple[str, dict]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.undo not in ("ask", "always", "never"):
@@ -155,6 +157,27 @@ class Workflow:
             return fn
 
         return decorator
+
+    def compatible(self, step: str, **versions: str) -> None:
+        """A version shim: runs recorded when `step` (a step, or an agent stage and all its steps) ran with
+        `versions` (prompt_version=, tools_version=) replay on the current code (runs.replay) as if recorded with
+        it. What the changed step asks its model or tools may differ; the recorded answers are fed back, and the
+        step must still produce what it recorded. Declare it when a change does not alter what old runs did (a
+        reworded prompt the recorded answers still fit), never to hide a change that does."""
+        if unknown := set(versions) - {"prompt_version", "tools_version"}:
+            raise ValueError(f"{self.name}.compatible: unknown version {', '.join(sorted(unknown))}")
+        if not versions:
+            raise ValueError(f"{self.name}.compatible: name the recorded versions it covers")
+        if not any(s.name == step for s in self.steps):
+            raise ValueError(f"{self.name}.compatible: no step or agent stage {step!r}")
+        self.shims.append((step, dict(versions)))
+
+    def shimmed(self, step: str, recorded: dict) -> bool:
+        """Whether a step recorded with `recorded` versions is declared compatible with its current code."""
+        return any(
+            (step == name or step.startswith(f"{name}.")) and all(recorded.get(k) == v for k, v in versions.items())
+            for name, versions in self.shims
+        )
 
     def step_at(self, seq: int, outputs: dict) -> StepDef | None:
         """The step at position `seq` of a run whose done steps' outputs are `outputs`, None past the last. A

@@ -6,35 +6,36 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runs', '0014_undo'),
+        ("runs", "0014_undo"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='run',
-            name='effects_of',
+            model_name="run",
+            name="effects_of",
             field=models.UUIDField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='run',
-            name='fork_from_step',
+            model_name="run",
+            name="fork_from_step",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='run',
-            name='fork_of',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='forks', to='runs.run'),
+            model_name="run",
+            name="fork_of",
+            field=models.ForeignKey(
+                blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name="forks", to="runs.run"
+            ),
         ),
         migrations.AddField(
-            model_name='run',
-            name='fork_reason',
-            field=models.CharField(blank=True, db_default='', default='', max_length=500),
+            model_name="run",
+            name="fork_reason",
+            field=models.CharField(blank=True, db_default="", default="", max_length=500),
         ),
         migrations.AddField(
-            model_name='step',
-            name='tape',
+            model_name="step",
+            name="tape",
             field=models.JSONField(blank=True, encoder=django.core.serializers.json.DjangoJSONEncoder, null=True),
         ),
     ]

@@ -101,19 +101,19 @@ WITH moved AS (
 ), step AS (
     INSERT INTO runs_step AS s (
         run_id, seq, name, kind, input, input_hash, output, status, attempt, error,
-        tokens_in, tokens_out, cost, latency_ms, prompt_version, tools_version, started_at, ended_at
+        tokens_in, tokens_out, cost, latency_ms, prompt_version, tools_version, tape, started_at, ended_at
     )
     SELECT moved.id, %(seq)s::integer, %(name)s::varchar, %(kind)s::varchar, %(input)s::jsonb,
         %(input_hash)s::varchar, %(output)s::jsonb, 'done', %(attempt)s::integer, '', %(tokens_in)s::integer,
         %(tokens_out)s::integer, %(cost)s::numeric, %(latency_ms)s::double precision, %(prompt_version)s::varchar,
-        %(tools_version)s::varchar, %(started_at)s::timestamptz, %(now)s::timestamptz
+        %(tools_version)s::varchar, %(tape)s::jsonb, %(started_at)s::timestamptz, %(now)s::timestamptz
     FROM moved
     ON CONFLICT (run_id, seq) DO UPDATE SET
         status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
         tokens_in = s.tokens_in + EXCLUDED.tokens_in, tokens_out = s.tokens_out + EXCLUDED.tokens_out,
         cost = s.cost + EXCLUDED.cost,
         latency_ms = EXCLUDED.latency_ms, prompt_version = EXCLUDED.prompt_version,
-        tools_version = EXCLUDED.tools_version, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
+        tools_version = EXCLUDED.tools_version, tape = EXCLUDED.tape, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
     RETURNING s.output
 )
 SELECT moved.cancel_requested, step.output, moved.undo_reason{lock} FROM moved, step

@@ -26,17 +26,21 @@ A step whose prompt or tools version differs from the recorded one is marked (`v
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.module_loading import import_string
 
 from runs import gates
@@ -51,6 +55,7 @@ from runs.workflow import Workflow
 # A run whose record still moves: its job may write the next step while a replay reads it.
 MOVING = (Run.Status.QUEUED, Run.Status.RUNNING, Run.Status.COMPENSATING)
 _VERSIONS = ("prompt_version", "tools_version")
+UNITS = {"d": "days", "h": "hours", "m": "minutes"}
 
 
 class NotReplayable(Exception):
@@ -193,7 +198,7 @@ def _replay_step(
     was = {k: row[k] for k in _VERSIONS if row[k]}
     now = {k: v for k, v in (step_def.versions or {}).items() if k in _VERSIONS}
     changed = {k: [was.get(k, ""), now.get(k, "")] for k in _VERSIONS if was.get(k, "") != now.get(k, "")}
-    shimmed = bool(changed) and workflow.shimmed(name, was)
+    shimmed = workflow.shimmed(name, was)
     # The input as recorded (its versions the recorded ones): what differs before the step runs.
     step_input = {"input": run.input, "outputs": outputs, **({"versions": was} if was else {})}
     if canonical_hash(step_input) != row["input_hash"]:
@@ -262,6 +267,7 @@ class Feed:
 
     def __init__(self, tape: list | None, *, lenient: bool, live: bool):
         self.entries = [e for e in tape or [] if e.get("call") != "gate"]
+        self.untaped = tape is None  # recorded before tapes, or it drew nothing
         self.lenient, self.live = lenient, live
         self.at = self.fed = 0
         self.asked_differently = False
@@ -276,7 +282,8 @@ class Feed:
 
     def _take(self, call: str, asked_hash: str | None, replayed: Any, **match) -> dict:
         if self.at >= len(self.entries):
-            raise Diverged(f"calls {call}, which the recorded step did not", recorded=None, replayed=replayed)
+            why = " (its record holds nothing it drew: recorded before replay, or it called nothing)"
+            raise Diverged(f"calls {call}, which the recorded step did not{why * self.untaped}", None, replayed)
         entry = self.entries[self.at]
         self.at += 1
         if entry["call"] != call:
@@ -288,7 +295,7 @@ class Feed:
                 raise Diverged(f"{call} with another {name}: {value}", {name: entry.get(name)}, {name: value})
         if entry.get("asked") != asked_hash:
             if not (self.lenient or self.live):
-                raise Diverged(f"asks {call} differently", _asked(entry), replayed)
+                raise Diverged(f"asks {call} differently", _asked(entry), _what_changed(entry, replayed))
             self.asked_differently = True
         self.fed += 1
         return entry
@@ -297,6 +304,20 @@ class Feed:
         if self.at < len(self.entries):
             entry = self.entries[self.at]
             raise Diverged(f"does not call {entry['call']}, which the recorded step called next", _asked(entry))
+
+
+def _what_changed(entry: dict, replayed: Any) -> Any:
+    """A chat asked differently: which of its messages changed (their text now; the record keeps their hashes)."""
+    if not isinstance(replayed, dict) or "parts" not in replayed or "parts" not in entry:
+        return replayed
+    was, now, messages = entry["parts"], replayed["parts"], replayed.get("messages") or []
+    changed = [i for i in range(max(len(was), len(now))) if i >= len(was) or i >= len(now) or was[i] != now[i]]
+    return {
+        "call": replayed["call"],
+        "messages": f"{len(now)} (recorded: {len(was)})",
+        "changed": [{"index": i, **messages[i]} for i in changed if i < len(messages)],
+        **({"tools": "the tools offered differ"} if not changed else {}),
+    }
 
 
 def _asked(entry: dict) -> dict:
@@ -400,6 +421,30 @@ def _configured(setting: str, run: Run, step: StepDef):
 
 
 # --- many runs --------------------------------------------------------------------------------------------------
+
+
+def parse_period(since: str, until: str | None = None, now: datetime | None = None) -> tuple[datetime, datetime]:
+    """A period from the command line: `since` a duration back from now (`7d`, `12h`, `30m`) or a date or time
+    (ISO 8601, UTC unless it says), `until` the same (now when None). ValueError says what is wrong."""
+    now = now or timezone.now()
+
+    def when(text: str, what: str) -> datetime:
+        if match := re.fullmatch(r"(\d{1,5})([dhm])", text.strip()):
+            amount, unit = int(match[1]), match[2]
+            return now - timedelta(**{UNITS[unit]: amount})
+        parsed = parse_datetime(text) or (
+            datetime.combine(day, datetime.min.time()) if (day := parse_date(text)) else None
+        )
+        if parsed is None:
+            raise ValueError(f"{what} {text!r}: give a duration back from now (7d, 12h, 30m) or an ISO date or time")
+        return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, dt_timezone.utc)
+
+    start = when(since, "since")
+    end = when(until, "until") if until else now
+    if start >= end:
+        raise ValueError(f"the period is empty: since {start.isoformat()} is not before until {end.isoformat()}")
+    return start, end
+
 
 
 @dataclass

@@ -79,14 +79,16 @@ FROM generate_series(%(first)s::bigint, %(last)s) AS i
 """
 
 
-def setup_django(database: str, pg_url: str) -> None:
+def setup_django(database: str, pg_url: str, name: str = "inbox") -> None:
+    """A new database for one benchmark (`bench_<name>_<pid>` on PostgreSQL 15, or an embedded one), migrated and
+    seeded by demo_setup, dropped at exit; Django set up on it."""
     for name in list(os.environ):
         if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
             del os.environ[name]
     if database == "pg15":
         import psycopg
 
-        dbname = f"bench_inbox_{os.getpid()}"
+        dbname = f"bench_{name}_{os.getpid()}"
         with psycopg.connect(f"{pg_url}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
             admin.execute(f'CREATE DATABASE "{dbname}"')
@@ -101,7 +103,7 @@ def setup_django(database: str, pg_url: str) -> None:
 
         atexit.register(drop)
     else:
-        pgdata = Path(tempfile.mkdtemp(prefix="bench-inbox-"))
+        pgdata = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
         atexit.register(shutil.rmtree, pgdata, True)  # runs after the embedded server's own stop handler
         os.environ["EMBEDDED_PGDATA"] = str(pgdata / "pgdata")
     os.environ.setdefault("LOG_LEVEL", "WARNING")  # no JSON line per request

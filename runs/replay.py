@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django.conf import settings
@@ -356,7 +356,9 @@ class Player:
         self._report.calls += 1
         usage = getattr(self._target, "usage", None)
         if isinstance(usage, Usage):
-            _count_usage(self._report.live_usage, usage.tokens_in, usage.tokens_out, usage.cost)
+            # Rounded as a step's cost is stored, so that the same calls cost the same as the record.
+            cost = usage.cost.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+            _count_usage(self._report.live_usage, usage.tokens_in, usage.tokens_out, cost)
             usage.tokens_in = usage.tokens_out = 0
             usage.cost = Decimal(0)
         if canonical_hash(as_stored(answer)) != canonical_hash(entry.get("answer")):

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import re
+from datetime import timedelta
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -261,3 +262,32 @@ def test_an_external_run_and_an_undeployed_version_are_refused(demo):
     run.refresh_from_db()
     with pytest.raises(replays.NotReplayable, match="external agent's run"):
         replays.replay(run)
+
+
+# --- a candidate with the live model (evaluate) --------------------------------------------------------------------
+
+
+def test_a_live_replay_asks_the_model_again_and_counts_its_cost(demo, counted_calls):
+    run = _finished_support_run(demo)
+    sandbox_rows = SandboxCall.objects.count()
+    counted_calls.clear()
+    report = replays.replay(run, live=True)
+    assert report.identical, report.summary()
+    turns = Step.objects.filter(run=run, name__contains=".turn", kind="compute").count()
+    assert counted_calls == ["ScriptedModel.chat"] * turns == ["ScriptedModel.chat"] * report.calls
+    assert report.live_usage == report.recorded_usage  # the same questions, the same scripted answers
+    assert SandboxCall.objects.count() == sandbox_rows  # what the model client wrote is rolled back
+
+
+def test_a_live_replay_of_a_longer_prompt_costs_more_and_a_batch_sums_it(demo, monkeypatch):
+    run = _finished_support_run(demo)
+    _with_prompt(monkeypatch, "support-2", shim=False)
+    report = replays.replay(run, live=True)
+    assert report.identical and all(
+        s.asked_differently for s in report.steps if ".turn" in s.name and s.kind == "compute"
+    )
+    assert report.live_usage["tokens_in"] > report.recorded_usage["tokens_in"]
+
+    batch = replays.replay_many("support_agent", run.created_at, run.created_at + timedelta(seconds=1), live=True)
+    assert (batch.runs, batch.identical, batch.calls) == (1, 1, report.calls)
+    assert batch.live_usage == report.live_usage

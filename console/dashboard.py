@@ -1,6 +1,7 @@
 """The monitoring dashboard (ops and admins), its form that forces a circuit breaker (ops), and /metrics
 (Prometheus text, console.prometheus). Both show the figures of console.monitoring, read from the database on
-each request."""
+each request. The page also shows the reviewer signals of the last 30 days (approvals.reviewers), read when the
+page loads, never by its 5-second poll."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from approvals import reviewers
 from console import alerts, charts, monitoring, prometheus
 from core.access import oversees
 from core.models import KILL_SWITCH_REASON_MAX, ReasonRequired
@@ -54,6 +56,9 @@ def render_dashboard(request: HtmxHttpRequest, status: int = 200, **extra):
     template = "console/dashboard.html"
     if request.htmx:
         template += "#figures"
+    else:
+        # Thirty days of decisions: read once per page load, not by the figures' poll.
+        context["reviewer_signals"] = reviewers.signals()
     return render(request, template, context, status=status)
 
 

@@ -340,6 +340,9 @@ if 0 < len(AUDIT_HMAC_KEY) < 32:
     raise ImproperlyConfigured("AUDIT_HMAC_KEY must be at least 32 characters (e.g. `openssl rand -hex 32`)")
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
+# The dashboard's reviewer signals (approvals.reviewers): a plain approval of a high-risk card faster than this is
+# counted as a rubber stamp, a fatigue signal shown to ops, never enforced.
+RUBBER_STAMP_SECONDS = env_int("RUBBER_STAMP_SECONDS", 10)
 
 # Approval SLAs (approvals.sla): the sweep that catches any open card past its deadline (the safety net
 # behind each card's own timer job), and the notifier that tells an escalation group about a card.

@@ -448,7 +448,6 @@ def parse_period(since: str, until: str | None = None, now: datetime | None = No
     return start, end
 
 
-
 @dataclass
 class Batch:
     """A replay of many runs: how many replay identically, where the others diverge."""

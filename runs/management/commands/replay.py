@@ -29,7 +29,10 @@ class Command(BaseCommand):
         parser.add_argument("--since", help="the period's start: 7d, 12h, 30m back from now, or an ISO date/time")
         parser.add_argument("--until", help="the period's end (default: now)")
         parser.add_argument(
-            "--on-version", dest="on_version", type=int, help="replay on this deployed version of the workflow (default: each run's own)"
+            "--on-version",
+            dest="on_version",
+            type=int,
+            help="replay on this deployed version of the workflow (default: each run's own)",
         )
         parser.add_argument("--json", action="store_true", help="print the report as JSON")
 

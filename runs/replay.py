@@ -31,8 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -439,7 +438,7 @@ def parse_period(since: str, until: str | None = None, now: datetime | None = No
         )
         if parsed is None:
             raise ValueError(f"{what} {text!r}: give a duration back from now (7d, 12h, 30m) or an ISO date or time")
-        return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, dt_timezone.utc)
+        return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
 
     start = when(since, "since")
     end = when(until, "until") if until else now

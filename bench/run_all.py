@@ -134,6 +134,14 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
             "/healthz and /audit/ on an empty log",
         ),
         (
+            "replay",
+            f"replay: a 50-step run on the deployed code, {latency_on}",
+            ["bench/replay.py", *latency_db, "--steps", "50", "--repeat", str(n(20, 2))],
+            {},
+            "the same run executed once by the engine in the same process (its model, reads and effects are the"
+            " demo's in-process fakes)",
+        ),
+        (
             "recovery",
             "recovery and memory of a worker",
             ["bench/worker_life.py", "--memory-runs", f"{n(1000, 20)},{n(10_000, 60)}"],

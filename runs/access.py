@@ -69,6 +69,15 @@ def run_for(user, pk: uuid.UUID | str, *, to_operate: bool = False) -> Run:
     return run
 
 
+def replayable_by(user, pk: uuid.UUID | str) -> Run:
+    """The run `pk` for a replay (runs.replay): ops and admins, who see every run. A replay calls and changes
+    nothing, but re-executes the run's code on what it recorded: an operator's diagnosis, not a reviewer's."""
+    run = run_for(user, pk)
+    if not oversees(user):
+        raise Forbidden("Only ops and admins may replay a run.")
+    return run
+
+
 # --- circuit breakers ------------------------------------------------------------------------------------------
 
 

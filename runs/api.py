@@ -15,8 +15,9 @@ from pydantic import ValidationError as PydanticError
 from core import safe_input
 from core.api import ERRORS
 from runs import compensations, submission
+from runs import replay as replays
 from runs import workflow as workflows
-from runs.access import run_for
+from runs.access import replayable_by, run_for
 from runs.errors import IdempotencyConflict, InvalidInput, TransitionRefused, UndoRefused, UnknownWorkflow
 from runs.models import Run, Step
 
@@ -290,3 +291,37 @@ def cancel_run(request, run_id: uuid.UUID):
     except (UndoRefused, TransitionRefused) as exc:
         raise HttpError(409, str(exc)) from None
     return run_out(run)
+
+
+class ReplayOut(Schema):
+    run: uuid.UUID
+    workflow: str
+    version: int = Field(description="The deployed version of the workflow it was replayed on.")
+    recorded_version: int
+    identical: bool
+    summary: str
+    steps: list[dict] = Field(
+        description="Each step replayed identically: seq, name, kind, answers fed back (fed),"
+        " versions changed ({name: [recorded, current]}), shimmed."
+    )
+    divergence: dict | None = Field(description="The first divergence: seq, step, reason, recorded, replayed.")
+    calls: int = Field(description="Calls made outside: 0 for a replay.")
+    ms: float
+
+
+@router.post(
+    "/runs/{run_id}/replay",
+    response={200: ReplayOut, **ERRORS},
+    summary="Replay a run on the code deployed now",
+    description="Runs the run's workflow on the deployed code, fed back from its record (model answers, reads, "
+    "effects' receipts, cards' decisions, time and ids) instead of calling anything, and reports whether it replays "
+    "identically or its first divergence (docs/replay.md). Nothing is called, sent or changed. Ops and admins; 409 "
+    "for a run that cannot be replayed (queued, running or being undone; an external agent's; its workflow version "
+    "not deployed).",
+)
+def replay_run(request, run_id: uuid.UUID):
+    run = replayable_by(request.user, run_id)
+    try:
+        return replays.replay(run).as_dict()
+    except replays.NotReplayable as exc:
+        raise HttpError(409, str(exc)) from None

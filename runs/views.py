@@ -14,12 +14,13 @@ from django.db.models import Model, Prefetch, Q, QuerySet
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from core.access import may_operate_channel
+from core.access import may_operate_channel, oversees
 from core.models import Channel
 from core.views import HtmxHttpRequest
 from runs import compensations
+from runs import replay as replays
 from runs import workflow as workflows
-from runs.access import may_operate_run, run_for, visible_runs
+from runs.access import may_operate_run, replayable_by, run_for, visible_runs
 from runs.errors import TransitionRefused, UndoRefused
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 from runs.workflow import UnknownWorkflow
@@ -81,9 +82,16 @@ def run_detail(request: HtmxHttpRequest, pk):
     return render_run(request, run_for(request.user, pk))
 
 
-def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome_form: dict | None = None):
+def render_run(
+    request: HtmxHttpRequest,
+    run: Run,
+    *,
+    status: int = 200,
+    outcome_form: dict | None = None,
+    replay: dict | None = None,
+):
     """The run's page (`status`: 200, or the refusal of a form posted from it, shown again with `outcome_form`:
-    the step, outcome and text a person tried to record)."""
+    the step, outcome and text a person tried to record; `replay`: the report of "Replay on current code")."""
     steps = list(Step.objects.filter(run=run).order_by("seq"))
     for step in steps:
         step.input_json, step.output_json = _pretty(step.input), _pretty(step.output)
@@ -115,6 +123,8 @@ def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome
             "undo_refusal": undo_refusal(run, effects) if can_cancel else "",
             "recordable": outcomes_to_record(request.user, run, steps),
             "outcome_form": outcome_form or {},
+            "can_replay": oversees(request.user) and run.workflow != EXTERNAL_WORKFLOW,
+            "replay": replay,
         },
         status=status,
     )
@@ -284,3 +294,20 @@ def run_cancel(request: HtmxHttpRequest, pk):
         else:
             messages.info(request, "Cancellation requested: the run stops after its current step.")
     return redirect("run", pk=run.pk)
+
+
+@require_POST
+def run_replay(request: HtmxHttpRequest, pk):
+    """Replay on current code (runs.replay), for ops and admins: the run's page with the report, side by side with
+    the record where it diverges. Nothing is called, sent or changed; a run that cannot be replayed says why."""
+    run = replayable_by(request.user, pk)
+    try:
+        report = replays.replay(run)
+    except replays.NotReplayable as exc:
+        messages.error(request, f"Not replayed: {exc}.")
+        return redirect("run", pk=run.pk)
+    shown = report.as_dict()
+    if report.divergence is not None:
+        shown["recorded_json"] = _pretty(report.divergence.recorded)
+        shown["replayed_json"] = _pretty(report.divergence.replayed)
+    return render_run(request, run, replay=shown)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evals.records import OUTCOMES
+from evals.rules import ACTIONS
 
 WIDTH, BAR_HEIGHT, GAP, LABEL = 480, 26, 12, 110
 LABELS = {"auto_approve": "auto-approve", "refuse": "refuse", "ask": "ask a person"}
@@ -33,7 +34,9 @@ def matrix_bars(matrix: dict) -> tuple[list[Bar], int]:
     peak = max((sum(row.values()) for row in matrix.values()), default=0) or 1
     scale = (WIDTH - LABEL - 50) / peak
     bars = []
-    for i, (action, row) in enumerate(matrix.items()):
+    # In the candidate's order of actions: a jsonb object comes back with its keys in its own order.
+    rows = [(action, matrix[action]) for action in ACTIONS if action in matrix]
+    for i, (action, row) in enumerate(rows):
         x, segments = float(LABEL), []
         for outcome in OUTCOMES:
             width = row.get(outcome, 0) * scale

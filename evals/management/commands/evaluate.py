@@ -19,7 +19,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from evals.errors import EvaluationRefused
 from evals.models import Evaluation
-from evals.rules import period
+from evals.rules import ACTIONS, period
+from evals.templatetags.evals_format import duration
 
 
 def _rule_given(options) -> bool:
@@ -125,15 +126,16 @@ def summary(evaluation: Evaluation) -> str:
         "",
         f"{'candidate / people':20s} {'approved':>9s} {'edited':>9s} {'rejected':>9s}",
     ]
-    for action, row in f["matrix"].items():
+    for action in ACTIONS:
+        row = f["matrix"][action]
         lines.append(f"{action:20s} {row['approved']:9d} {row['edited']:9d} {row['rejected']:9d}")
     agreement = f["agreement"]
     lines += [
         "",
         f"Agreement: {'n/a' if agreement is None else f'{agreement:.1%}'} "
         f"({f['agreed']} of the {f['candidate_decided']} cards it would have decided itself)",
-        f"Time saved: {_duration(f['time_saved']['total_seconds'])} over {f['time_saved']['cards']} cards "
-        f"(median {_duration(f['time_saved']['median_seconds'])} each)",
+        f"Time saved: {duration(f['time_saved']['total_seconds'])} over {f['time_saved']['cards']} cards "
+        f"(median {duration(f['time_saved']['median_seconds'])} each)",
         f"Dangerous (auto-approved, but a person rejected or edited): {f['dangerous']['count']}",
     ]
     lines += [_card_line(card) for card in f["dangerous"]["cards"]]
@@ -150,10 +152,3 @@ def _card_line(card: dict) -> str:
         f"  card {card['card']} ({card['workflow']} on {card['channel']}{amount}) {card['outcome']} by "
         f"{', '.join(card['decided_by'])}{why}"
     )
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "n/a"
-    hours, rest = divmod(round(seconds), 3600)
-    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s"

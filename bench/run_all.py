@@ -142,6 +142,13 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
             " demo's in-process fakes)",
         ),
         (
+            "replay",
+            "evaluate: a candidate rule over 10,000 recorded cards",
+            ["bench/evaluate.py", "--cards", str(n(10_000, 300)), "--rounds", str(n(5, 1))],
+            {},
+            "none: the promise is under 10 s (issue 28)",
+        ),
+        (
             "recovery",
             "recovery and memory of a worker",
             ["bench/worker_life.py", "--memory-runs", f"{n(1000, 20)},{n(10_000, 60)}"],

@@ -18,6 +18,7 @@ from core.access import Denied
 from core.api import ERRORS
 from core.models import ApiToken
 from core.safe_input import UnsafeJson
+from evals.api import router as evals_router
 from external import api as external_api
 from external.api import router as external_router
 from runs.api import router as runs_router
@@ -149,6 +150,7 @@ def _mount_app_routers() -> None:
     api.add_router("/", channels_router)
     api.add_router("/", breakers_router)
     api.add_router("/", external_router)
+    api.add_router("/", evals_router)
     api.add_router("/", webhooks_router)  # signed, no bearer token (auth=None on its route)
 
 

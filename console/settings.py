@@ -125,6 +125,7 @@ INSTALLED_APPS = [
     "approvals",
     "external",
     "slackapp",
+    "evals",  # offline evaluations of candidate approval rules (docs/evaluate.md)
     "console",
 ]
 # The demo (the `refund` workflow, its fake external systems and scripted model): development and tests only.

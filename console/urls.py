@@ -13,6 +13,7 @@ from approvals import views as approval_views
 from console import audit, channels, dashboard, passwords, views
 from console.api import api
 from console.env import env_bool
+from evals import views as eval_views
 from external import views as external_views
 from runs import views as run_views
 from slackapp import views as slack_views
@@ -49,6 +50,8 @@ urlpatterns = [
     path("metrics", dashboard.metrics, name="metrics"),
     path("dashboard/", dashboard.dashboard, name="dashboard"),
     path("dashboard/breakers/", dashboard.force_breaker, name="breaker-force"),
+    path("evaluations/", eval_views.evaluation_list, name="evaluations"),
+    path("evaluations/<int:pk>/", eval_views.evaluation_detail, name="evaluation"),
     path("channels/", channels.channel_list, name="channels"),
     path("channels/kill-switch/", channels.global_kill_switch, name="global-kill-switch"),
     path("channels/<slug:name>/kill-switch/", channels.channel_kill_switch, name="channel-kill-switch"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMED = re.compile(r"docs/[A-Za-z0-9_.-]+\.md")
-SOURCES = ("console", "core", "jobs", "runs", "approvals", "external", "slackapp", "demo", "tests", "bench")
+SOURCES = ("console", "core", "jobs", "runs", "approvals", "external", "slackapp", "evals", "demo", "tests", "bench")
 
 
 def test_the_readme_links_every_guide():

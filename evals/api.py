@@ -1,0 +1,90 @@
+"""The evaluations through the API (ops and admins, evals.access; anyone else 404): list them, read one, and make
+one (`POST /api/evaluations`: saved and audited as `manage.py evaluate` does). docs/evaluate.md."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ninja import Field, Router, Schema, Status
+
+from core.api import ERRORS
+from evals.access import check_may_evaluate, evaluation_for
+from evals.errors import CandidateInvalid, EmptyPeriod, PeriodInvalid
+from evals.models import Evaluation
+from evals.rules import period
+
+router = Router(tags=["evaluations"])
+
+
+class EvaluationIn(Schema):
+    candidate: dict[str, Any] = Field(
+        description="The candidate approval rule (docs/evaluate.md): `{name?, rules: [{if: {...}, then}], otherwise?, "
+        "quorum?}`. One the candidate language refuses is a 400 listing each error with its path."
+    )
+    since: str = Field(max_length=40, description="Start of the period: an age (30d, 12h, 2w, 90m) or an ISO date.")
+    until: str | None = Field(default=None, max_length=40, description="End of the period; default now.")
+    name: str = Field(default="", max_length=200, description="Default: the candidate's name.")
+
+
+class EvaluationSummaryOut(Schema):
+    id: int
+    kind: str
+    name: str
+    period_start: datetime
+    period_end: datetime
+    created_by: str | None
+    created_at: datetime
+    headline: dict[str, Any] = Field(description="agreement, dangerous, time_saved_seconds and the other counts.")
+
+
+class EvaluationOut(EvaluationSummaryOut):
+    candidate: dict[str, Any]
+    figures: dict[str, Any] = Field(description="Every figure (docs/evaluate.md, what the figures mean).")
+
+
+def _out(evaluation: Evaluation) -> dict:
+    return {
+        "id": evaluation.pk,
+        "kind": evaluation.kind,
+        "name": evaluation.name,
+        "period_start": evaluation.period_start,
+        "period_end": evaluation.period_end,
+        "created_by": evaluation.created_by.get_username() if evaluation.created_by else None,
+        "created_at": evaluation.created_at,
+        "headline": evaluation.headline,
+        "candidate": evaluation.candidate,
+        "figures": evaluation.figures,
+    }
+
+
+@router.get("/evaluations", response={200: list[EvaluationSummaryOut], **ERRORS}, summary="The evaluations")
+def list_evaluations(request):
+    check_may_evaluate(request.user)
+    return [_out(e) for e in Evaluation.objects.select_related("created_by")[:100]]
+
+
+@router.get("/evaluations/{evaluation_id}", response={200: EvaluationOut, **ERRORS}, summary="One evaluation")
+def get_evaluation(request, evaluation_id: int):
+    return _out(evaluation_for(request.user, evaluation_id))
+
+
+@router.post(
+    "/evaluations",
+    response={201: EvaluationOut, **ERRORS},
+    summary="Evaluate a candidate approval rule over a period",
+    description="Saved and audited. 400: the candidate or the period does not read (each error with its path); "
+    "409: no card was decided by a person in the period (nothing saved).",
+)
+def create_evaluation(request, body: EvaluationIn):
+    check_may_evaluate(request.user)
+    try:
+        since, until = period(body.since, body.until)
+        evaluation = Evaluation.of_rule(body.candidate, since, until, name=body.name, by=request.user)
+    except CandidateInvalid as exc:
+        return Status(400, {"error": "bad_request", "detail": exc.errors})
+    except PeriodInvalid as exc:
+        return Status(400, {"error": "bad_request", "detail": str(exc)})
+    except EmptyPeriod as exc:
+        return Status(409, {"error": "conflict", "detail": str(exc)})
+    return Status(201, _out(evaluation))

@@ -18,13 +18,9 @@ temporary folder (EMBEDDED_PGDATA). Migrated from scratch and seeded by demo_set
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.fill_defaults import default_missing  # noqa: E402
+from bench.inbox import setup_django  # noqa: E402
 
 RUNS = """
 INSERT INTO runs_run (id, workflow, workflow_version, input, status, created_by_id, created_at, updated_at,
@@ -93,43 +90,6 @@ CANDIDATE = {
 }
 
 
-def setup_django(database: str, pg_url: str) -> None:
-    for name in list(os.environ):
-        if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
-            del os.environ[name]
-    if database == "pg15":
-        import psycopg
-
-        dbname = f"bench_evaluate_{os.getpid()}"
-        with psycopg.connect(f"{pg_url}/postgres", autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
-            admin.execute(f'CREATE DATABASE "{dbname}"')
-        os.environ["DATABASE_URL"] = f"{pg_url}/{dbname}"
-
-        def drop() -> None:
-            from django.db import connections
-
-            connections.close_all()
-            with psycopg.connect(f"{pg_url}/postgres", autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
-
-        atexit.register(drop)
-    else:
-        pgdata = Path(tempfile.mkdtemp(prefix="bench-evaluate-"))
-        atexit.register(shutil.rmtree, pgdata, True)
-        os.environ["EMBEDDED_PGDATA"] = str(pgdata / "pgdata")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    os.environ["DJANGO_SETTINGS_MODULE"] = "console.settings"
-    os.environ.setdefault("DEMO_TRAFFIC", "0")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    call_command("demo_setup", verbosity=0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cards", type=int, default=10_000)
@@ -137,7 +97,7 @@ def main() -> None:
     parser.add_argument("--database", choices=("pg15", "embedded"), default="pg15")
     parser.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432")
     args = parser.parse_args()
-    setup_django(args.database, args.pg_url)
+    setup_django(args.database, args.pg_url, name="evaluate")
 
     from django.contrib.auth.models import User
     from django.db import connection
@@ -163,6 +123,14 @@ def main() -> None:
     took = time.perf_counter() - started
     print(f"{args.database}: PostgreSQL {version}; filled {args.cards:,} cards in {took:.1f} s")
 
+    from evals import records
+
+    reads = []  # the baseline: the same cards and decisions read, nothing evaluated or saved
+    for _ in range(args.rounds):
+        now = timezone.now()
+        started = time.perf_counter()
+        records.recorded_cards(now - timedelta(days=30), now)
+        reads.append(time.perf_counter() - started)
     times = []
     for _ in range(args.rounds):
         now = timezone.now()
@@ -179,6 +147,7 @@ def main() -> None:
         f"refused but approved {f['refused_approved']['count']:,}; quorum short {f['quorum_short']['count']:,}"
     )
     print(f"evaluate + save, {args.rounds} rounds: median {statistics.median(times):.3f} s, worst {max(times):.3f} s")
+    print(f"baseline, the cards and decisions read alone: median {statistics.median(reads):.3f} s")
     assert f["total"] == args.cards, "every card of the fill is in the period"
     print(
         "BENCH_JSON "

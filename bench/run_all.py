@@ -146,7 +146,7 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
             "evaluate: a candidate rule over 10,000 recorded cards",
             ["bench/evaluate.py", "--cards", str(n(10_000, 300)), "--rounds", str(n(5, 1))],
             {},
-            "none: the promise is under 10 s (issue 28)",
+            "the same cards and their decisions read alone (evals.records.recorded_cards), nothing evaluated or saved",
         ),
         (
             "recovery",

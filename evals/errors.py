@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from core.periods import PeriodInvalid  # noqa: F401 - a period that does not read (the commands' and API's too)
+
 
 class EvaluationRefused(ValueError):
     """An evaluation that cannot be made: nothing is saved."""
@@ -13,10 +15,6 @@ class CandidateInvalid(EvaluationRefused):
     def __init__(self, errors: list[str]):
         self.errors = list(errors)
         super().__init__("the candidate is invalid: " + "; ".join(self.errors))
-
-
-class PeriodInvalid(EvaluationRefused):
-    """A period that does not read, or ends before it starts."""
 
 
 class EmptyPeriod(EvaluationRefused):

@@ -26,20 +26,17 @@ A step whose prompt or tools version differs from the recorded one is marked (`v
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DatabaseError, connection, transaction
-from django.utils import timezone
-from django.utils.dateparse import parse_date, parse_datetime
 from django.utils.module_loading import import_string
 
 from runs import gates
@@ -54,7 +51,6 @@ from runs.workflow import Workflow
 # A run whose record still moves: its job may write the next step while a replay reads it.
 MOVING = (Run.Status.QUEUED, Run.Status.RUNNING, Run.Status.COMPENSATING)
 _VERSIONS = ("prompt_version", "tools_version")
-UNITS = {"d": "days", "h": "hours", "m": "minutes"}
 
 
 class NotReplayable(Exception):
@@ -422,29 +418,6 @@ def _configured(setting: str, run: Run, step: StepDef):
 
 
 # --- many runs --------------------------------------------------------------------------------------------------
-
-
-def parse_period(since: str, until: str | None = None, now: datetime | None = None) -> tuple[datetime, datetime]:
-    """A period from the command line: `since` a duration back from now (`7d`, `12h`, `30m`) or a date or time
-    (ISO 8601, UTC unless it says), `until` the same (now when None). ValueError says what is wrong."""
-    now = now or timezone.now()
-
-    def when(text: str, what: str) -> datetime:
-        if match := re.fullmatch(r"(\d{1,5})([dhm])", text.strip()):
-            amount, unit = int(match[1]), match[2]
-            return now - timedelta(**{UNITS[unit]: amount})
-        parsed = parse_datetime(text) or (
-            datetime.combine(day, datetime.min.time()) if (day := parse_date(text)) else None
-        )
-        if parsed is None:
-            raise ValueError(f"{what} {text!r}: give a duration back from now (7d, 12h, 30m) or an ISO date or time")
-        return parsed if timezone.is_aware(parsed) else timezone.make_aware(parsed, UTC)
-
-    start = when(since, "since")
-    end = when(until, "until") if until else now
-    if start >= end:
-        raise ValueError(f"the period is empty: since {start.isoformat()} is not before until {end.isoformat()}")
-    return start, end
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from django.core.serializers.json import DjangoJSONEncoder
 
-from evals.errors import EvaluationRefused
+from evals.errors import EvaluationRefused, PeriodInvalid
 from evals.models import Evaluation
 from evals.rules import ACTIONS, period
 from evals.templatetags.evals_format import duration
@@ -93,7 +93,7 @@ class Command(BaseCommand):
         try:
             since, until = period(options["since"], options["until"])
             evaluation = evaluate(options, since, until)
-        except EvaluationRefused as exc:
+        except (EvaluationRefused, PeriodInvalid) as exc:
             raise CommandError(str(exc)) from None
         if not options["no_save"]:
             evaluation.save_audited()

@@ -8,6 +8,7 @@ import json
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from core.periods import period
 from runs import replay as replays
 from runs import workflow as workflows
 from runs.errors import UnknownWorkflow
@@ -50,7 +51,7 @@ class Command(BaseCommand):
                 return
             if not since:
                 raise CommandError("--workflow needs --since (e.g. --since 7d)")
-            start, end = replays.parse_period(since, until)
+            start, end = period(since, until)
             batch = replays.replay_many(workflow, start, end, version=version)
         except (ValueError, replays.NotReplayable) as exc:
             raise CommandError(str(exc)) from None

@@ -139,7 +139,7 @@ def test_the_command_replays_one_run_and_a_period(demo):
         (("00000000-0000-0000-0000-000000000000",), "no run 00000000"),
         (("not-a-uuid",), "no run not-a-uuid"),
         (("--workflow", "refund"), "--workflow needs --since"),
-        (("--workflow", "refund", "--since", "yesterday"), "since 'yesterday': give a duration"),
+        (("--workflow", "refund", "--since", "yesterday"), "since: 'yesterday' is neither an age"),
         (("--workflow", "refund", "--since", "1h"), "no run of refund was created between"),
         (("--workflow", "nope", "--since", "1h"), "unknown workflow 'nope'"),
         (("--workflow", "refund", "--since", "1h", "--on-version", "9"), "has no version 9"),

@@ -20,7 +20,8 @@ router = Router(tags=["evaluations"])
 class EvaluationIn(Schema):
     candidate: dict[str, Any] = Field(
         description="The candidate approval rule (docs/evaluate.md): `{name?, rules: [{if: {...}, then}], otherwise?, "
-        "quorum?}`. One the candidate language refuses is a 400 listing each error with its path."
+        "quorum?}`; or a workflow or prompt version (docs/replay.md): `{workflow, version, model?: replayed|live}`. "
+        "One that does not read is a 400 listing each error with its path."
     )
     since: str = Field(max_length=40, description="Start of the period: an age (30d, 12h, 2w, 90m) or an ISO date.")
     until: str | None = Field(default=None, max_length=40, description="End of the period; default now.")
@@ -72,7 +73,7 @@ def get_evaluation(request, evaluation_id: int):
 @router.post(
     "/evaluations",
     response={201: EvaluationOut, **ERRORS},
-    summary="Evaluate a candidate approval rule over a period",
+    summary="Evaluate a candidate (an approval rule, or a workflow version) over a period",
     description="Saved and audited. 400: the candidate or the period does not read (each error with its path); "
     "409: no card was decided by a person in the period (nothing saved).",
 )
@@ -80,7 +81,11 @@ def create_evaluation(request, body: EvaluationIn):
     check_may_evaluate(request.user)
     try:
         since, until = period(body.since, body.until)
-        evaluation = Evaluation.of_rule(body.candidate, since, until, name=body.name, by=request.user)
+        if "workflow" in body.candidate:  # a workflow or prompt version (evals.versions)
+            evaluation = Evaluation.of_version(body.candidate, since, until, name=body.name, by=request.user)
+            evaluation.save_audited()
+        else:
+            evaluation = Evaluation.of_rule(body.candidate, since, until, name=body.name, by=request.user)
     except CandidateInvalid as exc:
         return Status(400, {"error": "bad_request", "detail": exc.errors})
     except PeriodInvalid as exc:

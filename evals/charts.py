@@ -29,6 +29,22 @@ class Bar:
     segments: list[Segment]
 
 
+def version_bars(figures: dict) -> tuple[list[Bar], int]:
+    """A version's chart: a bar of the runs that replay identically, then one per step where runs diverge."""
+    rows = [("identical", "identical", figures.get("identical", 0))]
+    rows += sorted(
+        (("diverged", f"diverged at {step}", n) for step, n in (figures.get("diverged_at") or {}).items()),
+        key=lambda row: -row[2],
+    )
+    peak = max((n for *_, n in rows), default=0) or 1
+    scale = (WIDTH - LABEL - 50) / peak
+    bars = [
+        Bar(kind, label[:40], n, i * (BAR_HEIGHT + GAP), [Segment(kind, n, float(LABEL), round(n * scale, 1))])
+        for i, (kind, label, n) in enumerate(rows)
+    ]
+    return bars, len(bars) * (BAR_HEIGHT + GAP)
+
+
 def matrix_bars(matrix: dict) -> tuple[list[Bar], int]:
     """The bars of `matrix` (figures["matrix"]), scaled to the largest, and the chart's height."""
     peak = max((sum(row.values()) for row in matrix.values()), default=0) or 1

@@ -11,7 +11,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, transaction
 
 from core.models import AuditEntry
-from evals import records
+from evals import records, versions
 from evals.rules import Candidate
 
 
@@ -67,6 +67,23 @@ class Evaluation(models.Model):
             evaluation.save_audited()
         return evaluation
 
+    @classmethod
+    def of_version(cls, raw_candidate, since: datetime, until: datetime, *, name: str = "", by=None) -> Evaluation:
+        """Evaluate a workflow or prompt version (evals.versions) over the runs created in [since, until), not saved
+        (save_audited). Raises CandidateInvalid or EmptyPeriod."""
+        candidate = versions.read(raw_candidate)
+        figures = versions.evaluate(candidate, since, until)
+        default = f"{candidate['workflow']} v{candidate['version']}, model {candidate['model']}"
+        return cls(
+            kind=cls.Kind.VERSION,
+            name=(name or candidate["name"] or default)[:200],
+            candidate={k: v for k, v in candidate.items() if k != "name" or v},
+            period_start=since,
+            period_end=until,
+            figures=figures,
+            created_by=by,
+        )
+
     def save_audited(self) -> None:
         """Save it with its audit entry, in one transaction."""
         with transaction.atomic():
@@ -88,6 +105,14 @@ class Evaluation(models.Model):
     def headline(self) -> dict:
         """The figures a list shows and two evaluations are compared on."""
         f = self.figures
+        if self.kind == self.Kind.VERSION:
+            return {
+                "runs": f.get("runs"),
+                "identical": f.get("identical"),
+                "diverged": f.get("diverged"),
+                "changed_proposals": f.get("changed_proposals"),
+                "cost_delta": (f.get("delta") or {}).get("cost"),
+            }
         return {
             "decided_by_person": f.get("decided_by_person"),
             "candidate_decided": f.get("candidate_decided"),

@@ -27,7 +27,10 @@ def evaluation_list(request):
 @require_GET
 def evaluation_detail(request, pk: int):
     evaluation = evaluation_for(request.user, pk)
-    bars, height = charts.matrix_bars(evaluation.figures.get("matrix", {}))
+    if evaluation.kind == Evaluation.Kind.VERSION:
+        bars, height = charts.version_bars(evaluation.figures)
+    else:
+        bars, height = charts.matrix_bars(evaluation.figures.get("matrix", {}))
     context = {
         "evaluation": evaluation,
         "f": evaluation.figures,

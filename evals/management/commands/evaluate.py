@@ -3,9 +3,10 @@
     manage.py evaluate --rule candidate.json --since 30d
     manage.py evaluate --rule '{"rules": [...]}' --since 2026-11-01 --until 2026-12-01 --json --no-save
     manage.py evaluate --auto-approve-under 5000 --channel payments --currency EUR --since 30d
+    manage.py evaluate --workflow support_agent --candidate-version 2 [--model replayed|live] --since 7d
 
 Which candidate was given picks its kind (`CANDIDATE_KINDS`): each kind adds its own options and builds its own
-evaluation, so that another kind (a workflow version: --workflow/--version/--model) is one more entry, not a
+evaluation, so that another kind (a workflow version: --workflow/--candidate-version/--model) is one more entry, not a
 rewrite. Bad input is a CommandError with the reason, and nothing is saved.
 """
 
@@ -59,9 +60,21 @@ def _evaluate_rule(options, since, until) -> Evaluation:
     return Evaluation.of_rule(_rule_candidate(options), since, until, name=options["name"], save=False)
 
 
+def _version_given(options) -> bool:
+    return options["workflow"] is not None
+
+
+def _evaluate_version(options, since, until) -> Evaluation:
+    if options["candidate_version"] is None:
+        raise CommandError("--workflow needs --candidate-version: the deployed version to evaluate")
+    candidate = {"workflow": options["workflow"], "version": options["candidate_version"], "model": options["model"]}
+    return Evaluation.of_version(candidate, since, until, name=options["name"])
+
+
 # Which candidate a run of the command was given: (is it given?, how to evaluate it). One entry per kind.
 CANDIDATE_KINDS = {
     Evaluation.Kind.RULE: (_rule_given, _evaluate_rule),
+    Evaluation.Kind.VERSION: (_version_given, _evaluate_version),
 }
 
 
@@ -79,6 +92,18 @@ class Command(BaseCommand):
         )
         rule.add_argument("--channel", default="", help="With --auto-approve-under: only this channel's cards.")
         rule.add_argument("--currency", default="", help="With --auto-approve-under: only cards in this currency.")
+        version = parser.add_argument_group("a workflow or prompt version (docs/replay.md)")
+        version.add_argument("--workflow", help="Replay this workflow's runs of the period on a candidate version.")
+        version.add_argument(
+            "--candidate-version", type=int, metavar="N", help="The candidate: a deployed version of --workflow."
+        )
+        version.add_argument(
+            "--model",
+            choices=("replayed", "live"),
+            default="replayed",
+            help="replayed (default): the recorded model answers are fed back; live: the configured model is asked "
+            "again (its tokens and cost counted).",
+        )
         parser.add_argument("--since", required=True, help="Start of the period: an age (30d, 12h, 2w) or ISO date.")
         parser.add_argument("--until", help="End of the period (ISO date or datetime, or an age); default now.")
         parser.add_argument("--name", default="", help="The evaluation's name (default: the candidate's).")
@@ -88,7 +113,10 @@ class Command(BaseCommand):
     def handle(self, *args, **options):
         given = [kind for kind, (is_given, _) in CANDIDATE_KINDS.items() if is_given(options)]
         if len(given) != 1:
-            raise CommandError("give one candidate: --rule FILE_OR_JSON or --auto-approve-under MINOR_UNITS")
+            raise CommandError(
+                "give one candidate: --rule FILE_OR_JSON, --auto-approve-under MINOR_UNITS, or --workflow NAME "
+                "--candidate-version N"
+            )
         _, evaluate = CANDIDATE_KINDS[given[0]]
         try:
             since, until = period(options["since"], options["until"])
@@ -118,6 +146,8 @@ def as_json(evaluation: Evaluation) -> dict:
 def summary(evaluation: Evaluation) -> str:
     """The evaluation as a person reads it in a terminal."""
     f = evaluation.figures
+    if evaluation.kind == Evaluation.Kind.VERSION:
+        return _version_summary(evaluation, f)
     lines = [
         f"Evaluation {evaluation.pk or '(not saved)'}: {evaluation.name}",
         f"Period: {evaluation.period_start:%Y-%m-%d %H:%M} to {evaluation.period_end:%Y-%m-%d %H:%M} UTC",
@@ -152,3 +182,24 @@ def _card_line(card: dict) -> str:
         f"  card {card['card']} ({card['workflow']} on {card['channel']}{amount}) {card['outcome']} by "
         f"{', '.join(card['decided_by'])}{why}"
     )
+
+
+def _version_summary(evaluation: Evaluation, f: dict) -> str:
+    lines = [
+        f"Evaluation {evaluation.pk or '(not saved)'}: {evaluation.name}",
+        f"Period: {evaluation.period_start:%Y-%m-%d %H:%M} to {evaluation.period_end:%Y-%m-%d %H:%M} UTC",
+        f"Runs replayed: {f['runs']}; identical: {f['identical']}; diverged: {f['diverged']}; not replayable: "
+        f"{f['unreplayable_runs']}",
+    ]
+    lines += [f"  diverged at {step}: {n}" for step, n in sorted(f["diverged_at"].items(), key=lambda x: -x[1])]
+    lines += [f"  because it {reason}: {n}" for reason, n in sorted(f["reasons"].items(), key=lambda x: -x[1])]
+    lines.append(f"Changed gate proposals: {f['changed_proposals']}")
+    if "delta" in f:
+        was, now = f["recorded_usage"], f["live_usage"]
+        lines.append(
+            f"Model ({f['calls']} calls): tokens {was['tokens_in']}+{was['tokens_out']} recorded, "
+            f"{now['tokens_in']}+{now['tokens_out']} now; cost {was['cost']} recorded, {now['cost']} now "
+            f"(delta {f['delta']['cost']})"
+        )
+    lines += [f"  run {e['run']} diverges at {e['seq']} ({e['step']}): {e['reason']}" for e in f["examples"]]
+    return "\n".join(lines)

@@ -166,6 +166,13 @@ class Run(models.Model):
         return self.status in self.FINISHED
 
     @property
+    def effects_root(self):
+        """The run whose id its effects' default receipt keys start with (runs.steps.Context.effect): its own, or for
+        a fork the original's (`effects_of`), so that an effect the original already made is found done, not
+        made again."""
+        return self.effects_of or self.id
+
+    @property
     def cancellable(self) -> bool:
         """Whether a cancel takes it (Run.cancel): not a run being undone, parked or not (an external run whose
         compensation failed aside: no card can try it again). A finished run is left as it is."""
@@ -773,6 +780,7 @@ class Receipt(models.Model):
     """The idempotency record of one side effect: written before the call, completed after it."""
 
     Status = ReceiptStatus
+    UNDO_PREFIX = "undo:"  # a compensation's key: the prefix, then its effect's key (runs.compensations)
 
     key = models.CharField(max_length=300, unique=True)
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="receipts")

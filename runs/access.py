@@ -69,6 +69,20 @@ def run_for(user, pk: uuid.UUID | str, *, to_operate: bool = False) -> Run:
     return run
 
 
+def may_fork_run(user) -> bool:
+    """Fork a run (runs.forks): ops and admins, who see every run. A fork acts again on what a run did, on a person's
+    say: not its creator's (an agent's token) nor a reviewer's."""
+    return oversees(user)
+
+
+def run_to_fork(user, pk: uuid.UUID | str) -> Run:
+    """The run `pk` for a fork: NotVisible when the user may not see it, Forbidden when they may see but not fork it."""
+    run = run_for(user, pk)
+    if not may_fork_run(user):
+        raise Forbidden("Only ops and admins may fork a run.")
+    return run
+
+
 # --- circuit breakers ------------------------------------------------------------------------------------------
 
 

@@ -17,10 +17,10 @@ from django.views.decorators.http import require_GET, require_POST
 from core.access import may_operate_channel
 from core.models import Channel
 from core.views import HtmxHttpRequest
-from runs import compensations
+from runs import compensations, forks
 from runs import workflow as workflows
-from runs.access import may_operate_run, run_for, visible_runs
-from runs.errors import TransitionRefused, UndoRefused
+from runs.access import may_fork_run, may_operate_run, run_for, run_to_fork, visible_runs
+from runs.errors import ForkRefused, TransitionRefused, UndoRefused
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 from runs.workflow import UnknownWorkflow
 
@@ -115,9 +115,28 @@ def render_run(request: HtmxHttpRequest, run: Run, *, status: int = 200, outcome
             "undo_refusal": undo_refusal(run, effects) if can_cancel else "",
             "recordable": outcomes_to_record(request.user, run, steps),
             "outcome_form": outcome_form or {},
+            "fork": fork_panel(request.user, run, steps),
         },
         status=status,
     )
+
+
+def fork_panel(user, run: Run, steps: list[Step]) -> dict:
+    """What the page shows of forks (runs.forks): the run it was forked from, the runs forked from it, and for ops
+    and admins the steps it may be forked from (each recorded step whose steps before are done; the core says on the
+    press whether the rest allows it), none while its record still moves."""
+    fork_steps = []
+    if may_fork_run(user) and run.workflow != EXTERNAL_WORKFLOW and run.status not in forks.MOVING:
+        for step in steps:
+            fork_steps.append(step)
+            if step.status != Step.Status.DONE:
+                break
+    return {
+        "of": run.fork_of,
+        "forks": list(run.forks.order_by("created_at", "pk")),
+        "steps": fork_steps,
+        "max_reason": forks.MAX_REASON,
+    }
 
 
 def undo_refusal(run: Run, effects: list[dict]) -> str:
@@ -284,3 +303,22 @@ def run_cancel(request: HtmxHttpRequest, pk):
         else:
             messages.info(request, "Cancellation requested: the run stops after its current step.")
     return redirect("run", pk=run.pk)
+
+
+@require_POST
+def run_fork(request: HtmxHttpRequest, pk):
+    """Fork the run from the posted step for the posted reason (runs.forks), then show the fork; refused with nothing
+    made, and said why, on the run's page."""
+    run = run_to_fork(request.user, pk)
+    try:
+        from_step = int(request.POST.get("from_step", ""))
+    except ValueError:
+        messages.error(request, "Not forked: choose the step to fork from.")
+        return redirect("run", pk=run.pk)
+    try:
+        child = forks.fork(run, from_step, request.POST.get("reason", ""), request.user)
+    except ForkRefused as exc:
+        messages.error(request, f"Not forked: {exc}.")
+        return redirect("run", pk=run.pk)
+    messages.success(request, f"Forked from step {from_step}: this run reuses the original's steps before it.")
+    return redirect("run", pk=child.pk)

@@ -190,7 +190,9 @@ def test_a_step_the_run_does_not_have_is_refused_naming_its_steps(demo):
 
 def test_a_run_whose_record_still_moves_is_refused(demo):
     queued = submission.submit(workflow="refund", input=REFUND)[0]
-    Step.objects.create(run=queued, seq=0, name="classify", kind="compute", input_hash="x", started_at=queued.created_at)
+    Step.objects.create(
+        run=queued, seq=0, name="classify", kind="compute", input_hash="x", started_at=queued.created_at
+    )
     _refused(queued, 0, "the run is queued: its record still moves")
     for status, owner in ((Run.Status.RUNNING, "a-job"), (Run.Status.COMPENSATING, "a-job")):
         Run.objects.filter(pk=queued.pk).update(status=status, owner=owner, undo_reason="cancelled")
@@ -203,7 +205,9 @@ def test_an_external_agents_run_is_refused(demo):
     _refused(run, 0, "external agent's run cannot be forked")
 
 
-@pytest.mark.parametrize(("reason", "match"), [("", "needs a reason"), ("   ", "needs a reason"), ("x" * 501, "too long")])
+@pytest.mark.parametrize(
+    ("reason", "match"), [("", "needs a reason"), ("   ", "needs a reason"), ("x" * 501, "too long")]
+)
 def test_a_bad_reason_is_refused(demo, reason, match):
     _refused(_paid_refund(demo), GATE, match, reason=reason)
 

@@ -316,12 +316,7 @@ class ForkIn(Schema):
     "runs live from it on the code deployed now; the effects this run made are shared by receipt key, never made "
     "again (docs/fork.md). 409, nothing made, for a step the run does not have, a run whose record still moves "
     "(queued, running, compensating), an external agent's run, or a fork past its compensation point. Ops and "
-    "admins only (403).",
-    openapi_extra={
-        "responses": {
-            "201": {"headers": {"Location": {"description": "The fork's URL.", "schema": {"type": "string"}}}}
-        }
-    },
+    "admins only (403). The fork's URL is in the 201's `Location` header.",
 )
 def fork_run(request, run_id: uuid.UUID, body: ForkIn, response: HttpResponse):
     run = run_to_fork(request.user, run_id)

@@ -43,6 +43,7 @@ urlpatterns = [
     path("runs/<uuid:pk>/", run_views.run_detail, name="run"),
     path("runs/<uuid:pk>/cancel", run_views.run_cancel, name="run-cancel"),
     path("runs/<uuid:pk>/replay", run_views.run_replay, name="run-replay"),
+    path("runs/<uuid:pk>/fork", run_views.run_fork, name="run-fork"),
     # The outcome of an external agent's execution, recorded by a person (external.views): audited.
     path("runs/<uuid:pk>/steps/<int:seq>/outcome", external_views.record_outcome, name="run-record-outcome"),
     path("healthz", views.healthz, name="healthz"),

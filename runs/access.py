@@ -69,12 +69,19 @@ def run_for(user, pk: uuid.UUID | str, *, to_operate: bool = False) -> Run:
     return run
 
 
-def replayable_by(user, pk: uuid.UUID | str) -> Run:
-    """The run `pk` for a replay (runs.replay): ops and admins, who see every run. A replay calls and changes
-    nothing, but re-executes the run's code on what it recorded: an operator's diagnosis, not a reviewer's."""
+def may_replay_or_fork(user) -> bool:
+    """Replay a run (runs.replay) or fork it (runs.forks): ops and admins, who see every run. A replay re-executes
+    the run's code on its record, an operator's diagnosis; a fork acts again on what a run did, on a person's say:
+    neither is its creator's (an agent's token) nor a reviewer's."""
+    return oversees(user)
+
+
+def run_for_ops(user, pk: uuid.UUID | str, what: str) -> Run:
+    """The run `pk` to replay or fork (`what`): NotVisible when the user may not see it, Forbidden when they may see
+    but not replay or fork it."""
     run = run_for(user, pk)
-    if not oversees(user):
-        raise Forbidden("Only ops and admins may replay a run.")
+    if not may_replay_or_fork(user):
+        raise Forbidden(f"Only ops and admins may {what} a run.")
     return run
 
 

@@ -7,6 +7,7 @@ import uuid
 from datetime import datetime
 from decimal import Decimal
 
+from django.http import HttpResponse
 from ninja import Field, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
@@ -14,11 +15,11 @@ from pydantic import ValidationError as PydanticError
 
 from core import safe_input
 from core.api import ERRORS
-from runs import compensations, submission
+from runs import compensations, forks, submission
 from runs import replay as replays
 from runs import workflow as workflows
-from runs.access import replayable_by, run_for
-from runs.errors import IdempotencyConflict, InvalidInput, TransitionRefused, UndoRefused, UnknownWorkflow
+from runs.access import run_for, run_for_ops
+from runs.errors import ForkRefused, IdempotencyConflict, InvalidInput, TransitionRefused, UndoRefused, UnknownWorkflow
 from runs.models import Run, Step
 
 router = Router(tags=["runs"])
@@ -115,6 +116,10 @@ class RunOut(Schema):
         description="Why the run is being (or was) undone: failed, rejected, cancelled, budget; empty when it is not."
     )
     effects: list[EffectOut] = Field(description="Its completed effects, what can still be undone and what undid them.")
+    fork_of: uuid.UUID | None = Field(description="The run this one was forked from (runs.forks); null: none.")
+    fork_from_step: int | None = Field(description="The original's step this fork runs live from; null: not a fork.")
+    fork_reason: str = Field(description="Why it was forked; empty when it is not a fork.")
+    forks: list[uuid.UUID] = Field(description="The runs forked from this one, oldest first.")
     trace_id: str
     cost: Decimal
     tokens_in: int
@@ -151,6 +156,8 @@ def run_out(run: Run) -> dict:
                 "error",
                 "pause_reason",
                 "undo_reason",
+                "fork_from_step",
+                "fork_reason",
                 "trace_id",
                 "cost",
                 "tokens_in",
@@ -159,6 +166,8 @@ def run_out(run: Run) -> dict:
                 "updated_at",
             )
         },
+        "fork_of": run.fork_of_id,
+        "forks": list(run.forks.order_by("created_at", "pk").values_list("pk", flat=True)),
         "current_step": current,
         "steps_done": sum(1 for s in steps if s.status == Step.Status.DONE),
         "steps": steps,
@@ -320,8 +329,35 @@ class ReplayOut(Schema):
     "not deployed).",
 )
 def replay_run(request, run_id: uuid.UUID):
-    run = replayable_by(request.user, run_id)
+    run = run_for_ops(request.user, run_id, "replay")
     try:
         return replays.replay(run).as_dict()
     except replays.NotReplayable as exc:
         raise HttpError(409, str(exc)) from None
+
+
+class ForkIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    from_step: int = Field(ge=0, le=2_147_483_647, description="The recorded step the fork runs live from.")
+    reason: str = Field(min_length=1, max_length=forks.MAX_REASON, description="Why: kept on the fork and audited.")
+
+
+@router.post(
+    "/runs/{run_id}/fork",
+    response={201: RunOut, **ERRORS},
+    summary="Fork a run from one of its steps (ops)",
+    description="A new run, linked to this one (`fork_of`), that reuses its recorded outputs before `from_step` and "
+    "runs live from it on the code deployed now; the effects this run made are shared by receipt key, never made "
+    "again (docs/fork.md). 409, nothing made, for a step the run does not have, a run whose record still moves "
+    "(queued, running, compensating), an external agent's run, or a fork past its compensation point. Ops and "
+    "admins only (403). The fork's URL is in the 201's `Location` header.",
+)
+def fork_run(request, run_id: uuid.UUID, body: ForkIn, response: HttpResponse):
+    run = run_for_ops(request.user, run_id, "fork")
+    try:
+        child = forks.fork(run, body.from_step, body.reason, request.user)
+    except ForkRefused as exc:
+        raise HttpError(409, str(exc)) from None
+    response["Location"] = f"/api/runs/{child.id}"
+    return Status(201, run_out(child))

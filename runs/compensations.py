@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 POLICIES = ("ask", "always", "never")  # Workflow.undo: what a failure for good does to a run that can be undone
-UNDO_PREFIX = "undo:"  # a compensation's receipt key: the prefix, then its effect's key
+UNDO_PREFIX = Receipt.UNDO_PREFIX  # a compensation's receipt key: the prefix, then its effect's key
 
 
 @dataclass

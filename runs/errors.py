@@ -71,6 +71,11 @@ class UndoRefused(Exception):
     in a state to be undone): nothing was done; the message says why (runs.compensations)."""
 
 
+class ForkRefused(Exception):
+    """A fork that cannot be made as asked (runs.forks): a step the run does not have, a run whose record still moves
+    or whose effects were undone past that step, a bad reason. Nothing was written; the message says why."""
+
+
 # Errors of submitting a run.
 
 

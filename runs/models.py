@@ -50,6 +50,8 @@ class Run(models.Model):
     FINISHED = FINISHED
     PARKED = PARKED
     OWNED = OWNED
+    # Its record still moves (a job may write its next step): neither replayed nor forked (runs.replay, runs.forks).
+    MOVING = (RunStatus.QUEUED, *OWNED)
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     workflow = models.CharField(max_length=100)
@@ -164,6 +166,13 @@ class Run(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
+
+    @property
+    def effects_root(self):
+        """The run whose id its effects' default receipt keys start with (runs.steps.Context.effect): its own, or for
+        a fork the original's (`effects_of`), so that an effect the original already made is found done, not
+        made again."""
+        return self.effects_of or self.id
 
     @property
     def cancellable(self) -> bool:
@@ -773,6 +782,7 @@ class Receipt(models.Model):
     """The idempotency record of one side effect: written before the call, completed after it."""
 
     Status = ReceiptStatus
+    UNDO_PREFIX = "undo:"  # a compensation's key: the prefix, then its effect's key (runs.compensations)
 
     key = models.CharField(max_length=300, unique=True)
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="receipts")

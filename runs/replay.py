@@ -48,8 +48,6 @@ from runs.steps import Context, StepDef, Usage, as_datetime, check_decided_edit
 from runs.tape import asked, parts_of
 from runs.workflow import Workflow
 
-# A run whose record still moves: its job may write the next step while a replay reads it.
-MOVING = (Run.Status.QUEUED, Run.Status.RUNNING, Run.Status.COMPENSATING)
 _VERSIONS = ("prompt_version", "tools_version")
 
 
@@ -126,7 +124,7 @@ class Report:
 def check_replayable(run: Run) -> None:
     if run.workflow == EXTERNAL_WORKFLOW:
         raise NotReplayable("an external agent's run has no workflow code here to replay: its agent holds it")
-    if run.status in MOVING:
+    if run.status in Run.MOVING:
         raise NotReplayable(f"the run is {run.status}: replay it once it waits for a person or has ended")
 
 
@@ -386,9 +384,10 @@ class ReplayContext(Context):
     def gate(self, request: ApprovalRequest | None = None, **fields) -> dict:
         if request is None:
             request = ApprovalRequest(channel=self.step.channel, **fields)
-        decision = gates.backend().decision(self.run, self.seq, request)
+        owner = _card_owner(self.run, self.seq)
+        decision = gates.backend().decision(owner, self.seq, request)
         if decision is None:
-            card = gates.backend().decided(self.run, self.seq)
+            card = gates.backend().decided(owner, self.seq)
             if card is None:
                 raise self._diverged("asks a person, where the recorded run did not", None, request.proposed)
             raise self._diverged(
@@ -409,6 +408,14 @@ class ReplayContext(Context):
     def _diverged(self, reason: str, recorded: Any = None, replayed: Any = None) -> Diverged:
         self.feed.diverged = self.feed.diverged or Diverged(reason, recorded, replayed)
         return self.feed.diverged
+
+
+def _card_owner(run: Run, seq: int) -> Run:
+    """The run whose card decided step `seq`: a fork's steps before the one it was forked from are its original's
+    (runs.forks copied them), and so were their cards."""
+    while run.fork_of_id is not None and run.fork_from_step is not None and seq < run.fork_from_step:
+        run = run.fork_of
+    return run
 
 
 def _configured(setting: str, run: Run, step: StepDef):

@@ -162,8 +162,8 @@ class Context:
         """The receipt key of the step's next effect: the n-th effect of a step gets its own default key, so two
         effects of one step are two writes."""
         self._effects += 1
-        key = key or f"{self.run.id}:{self.seq}:{action or self.step.name}" + (
-            f"#{self._effects}" if self._effects > 1 else ""
+        key = key or self._default_key(
+            f"{self.seq}:{action or self.step.name}" + (f"#{self._effects}" if self._effects > 1 else "")
         )
         self.last_effect_key = key
         return key
@@ -204,6 +204,18 @@ class Context:
         except Exception as exc:  # noqa: BLE001 - whatever else happened, the write may have been applied
             raise Ambiguous(f"{channel} call {key} ended with {exc.__class__.__name__}: {exc}") from exc
         return receipt.complete(response)
+
+    def _default_key(self, suffix: str) -> str:
+        """An effect's default receipt key: its run's effects root (Run.effects_root), its step's seq and action. A
+        fork shares the original's root, so an effect the original made at the same step is found done and not made
+        again; one the original's undo compensated since is no longer there to share, and the fork makes it anew
+        under its own id."""
+        root = self.run.effects_root
+        if root != self.run.id and self.undoing is None:
+            undone = Receipt.objects.filter(key=f"{Receipt.UNDO_PREFIX}{root}:{suffix}", status=Receipt.Status.DONE)
+            if undone.exists():
+                root = self.run.id
+        return f"{root}:{suffix}"
 
     def _reconciled_by_a_person(self, receipt) -> dict | None:
         request = ApprovalRequest(

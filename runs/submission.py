@@ -54,17 +54,14 @@ def submit(
     request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput; an unknown
     workflow, UnknownWorkflow (runs.errors)."""
     definition = workflows.get(workflow)  # raises UnknownWorkflow
-    definition.validate_input(input)  # raises InvalidInput: nothing is written
-    run = Run(
-        workflow=definition.name,
-        workflow_version=definition.version,
-        input=input,
+    run = new_run(
+        definition,
+        input,
         tenant=tenant,
         priority=priority,
         idempotency_key=idempotency_key,
         created_by=created_by,
         cost_limit=cost_limit,
-        max_attempts=settings.RUN_MAX_ATTEMPTS,
     )
     try:
         # The run and its job in one statement: its own transaction in autocommit; inside a caller's, a
@@ -87,6 +84,20 @@ def submit(
             f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
         )
     return existing, False
+
+
+def new_run(definition, input: dict, **fields) -> Run:
+    """The unsaved run of `definition` on `input`, as every run is made (`submit`, and a fork: runs.forks): the input
+    checked against the workflow's schema (InvalidInput, nothing written), the deployed version, the attempts
+    allowed now. Saved with its first job by `insert_with_first_job`."""
+    definition.validate_input(input)  # raises InvalidInput: nothing is written
+    return Run(
+        workflow=definition.name,
+        workflow_version=definition.version,
+        input=input,
+        max_attempts=settings.RUN_MAX_ATTEMPTS,
+        **fields,
+    )
 
 
 class OutcomeUnknown(OperationalError):

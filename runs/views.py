@@ -14,14 +14,14 @@ from django.db.models import Model, Prefetch, Q, QuerySet
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from core.access import may_operate_channel, oversees
+from core.access import may_operate_channel
 from core.models import Channel
 from core.views import HtmxHttpRequest
-from runs import compensations
+from runs import compensations, forks
 from runs import replay as replays
 from runs import workflow as workflows
-from runs.access import may_operate_run, replayable_by, run_for, visible_runs
-from runs.errors import TransitionRefused, UndoRefused
+from runs.access import may_operate_run, may_replay_or_fork, run_for, run_for_ops, visible_runs
+from runs.errors import ForkRefused, TransitionRefused, UndoRefused
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
 from runs.workflow import UnknownWorkflow
 
@@ -123,11 +123,30 @@ def render_run(
             "undo_refusal": undo_refusal(run, effects) if can_cancel else "",
             "recordable": outcomes_to_record(request.user, run, steps),
             "outcome_form": outcome_form or {},
-            "can_replay": oversees(request.user) and run.workflow != EXTERNAL_WORKFLOW,
+            "can_replay": may_replay_or_fork(request.user) and run.workflow != EXTERNAL_WORKFLOW,
             "replay": replay,
+            "fork": fork_panel(request.user, run, steps),
         },
         status=status,
     )
+
+
+def fork_panel(user, run: Run, steps: list[Step]) -> dict:
+    """What the page shows of forks (runs.forks): the run it was forked from, the runs forked from it, and for ops
+    and admins the steps it may be forked from (each recorded step whose steps before are done; the core says on the
+    press whether the rest allows it), none while its record still moves."""
+    fork_steps = []
+    if may_replay_or_fork(user) and run.workflow != EXTERNAL_WORKFLOW and run.status not in Run.MOVING:
+        for step in steps:
+            fork_steps.append(step)
+            if step.status != Step.Status.DONE:
+                break
+    return {
+        "of": run.fork_of,
+        "forks": list(run.forks.order_by("created_at", "pk")),
+        "steps": fork_steps,
+        "max_reason": forks.MAX_REASON,
+    }
 
 
 def undo_refusal(run: Run, effects: list[dict]) -> str:
@@ -300,7 +319,7 @@ def run_cancel(request: HtmxHttpRequest, pk):
 def run_replay(request: HtmxHttpRequest, pk):
     """Replay on current code (runs.replay), for ops and admins: the run's page with the report, side by side with
     the record where it diverges. Nothing is called, sent or changed; a run that cannot be replayed says why."""
-    run = replayable_by(request.user, pk)
+    run = run_for_ops(request.user, pk, "replay")
     try:
         report = replays.replay(run)
     except replays.NotReplayable as exc:
@@ -311,3 +330,22 @@ def run_replay(request: HtmxHttpRequest, pk):
         shown["recorded_json"] = _pretty(report.divergence.recorded)
         shown["replayed_json"] = _pretty(report.divergence.replayed)
     return render_run(request, run, replay=shown)
+
+
+@require_POST
+def run_fork(request: HtmxHttpRequest, pk):
+    """Fork the run from the posted step for the posted reason (runs.forks), then show the fork; refused with nothing
+    made, and said why, on the run's page."""
+    run = run_for_ops(request.user, pk, "fork")
+    try:
+        from_step = int(request.POST.get("from_step", ""))
+    except ValueError:
+        messages.error(request, "Not forked: choose the step to fork from.")
+        return redirect("run", pk=run.pk)
+    try:
+        child = forks.fork(run, from_step, request.POST.get("reason", ""), request.user)
+    except ForkRefused as exc:
+        messages.error(request, f"Not forked: {exc}.")
+        return redirect("run", pk=run.pk)
+    messages.success(request, f"Forked from step {from_step}: this run reuses the original's steps before it.")
+    return redirect("run", pk=child.pk)

@@ -17,7 +17,7 @@ from demo import sandbox
 from demo import workflows as demo_workflows
 from demo.models import SandboxCall
 from runs import replay as replays
-from runs import submission
+from runs import forks, submission
 from runs.models import Receipt, Run, Step
 from tests import replay_workflows
 from tests.engine_helpers import REFUND, drive
@@ -291,3 +291,14 @@ def test_a_live_replay_of_a_longer_prompt_costs_more_and_a_batch_sums_it(demo, m
     batch = replays.replay_many("support_agent", run.created_at, run.created_at + timedelta(seconds=1), live=True)
     assert (batch.runs, batch.identical, batch.calls) == (1, 1, report.calls)
     assert batch.live_usage == report.live_usage
+
+
+def test_a_fork_replays_identically_its_copied_gates_from_its_originals_cards(demo):
+    original = drive(submission.submit(workflow="refund", input=REFUND)[0])
+    Approval.objects.get(run=original).decide(demo["reviewer"], "approve")
+    original = drive(original)
+    fork = drive(forks.fork(original, 4, "pay again? no: the receipts say it was paid", demo["ops"]))
+    assert fork.status == Run.Status.SUCCEEDED, fork.error
+    report = replays.replay(fork)
+    assert report.identical, report.summary()
+    assert [s.name for s in report.steps] == [s.name for s in Step.objects.filter(run=original).order_by("seq")]

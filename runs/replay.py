@@ -29,7 +29,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
@@ -61,6 +61,7 @@ class Diverged(BaseException):  # noqa: N818 - not an error of the step's: a ste
     def __init__(self, reason: str, recorded: Any = None, replayed: Any = None):
         super().__init__(reason)
         self.reason, self.recorded, self.replayed = reason, recorded, replayed
+        self.versions: dict = {}  # the step's versions that changed (set by the step's replay)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Divergence:
     reason: str
     recorded: Any = None
     replayed: Any = None
+    versions: dict = field(default_factory=dict)  # {name: [recorded, current]} where they differ
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Report:
     steps: list[StepReplay] = field(default_factory=list)
     divergence: Divergence | None = None
     calls: int = 0  # calls made outside (live model calls only: a replay makes none)
+    versions_changed: bool = False  # a step replayed (identical or not) has another prompt or tools version
     live: bool = False
     recorded_usage: dict = field(default_factory=lambda: {"tokens_in": 0, "tokens_out": 0, "cost": "0"})
     live_usage: dict = field(default_factory=lambda: {"tokens_in": 0, "tokens_out": 0, "cost": "0"})
@@ -169,7 +172,7 @@ def _replay(run: Run, workflow: Workflow, recorded: list[dict], report: Report) 
         try:
             result = _replay_step(run, workflow, step_def, row, outputs, report)
         except Diverged as d:
-            report.divergence = Divergence(seq, row["name"], d.reason, d.recorded, d.replayed)
+            report.divergence = Divergence(seq, row["name"], d.reason, d.recorded, d.replayed, d.versions)
             return
         report.steps.append(result)
         outputs[row["name"]] = row["output"]
@@ -179,7 +182,7 @@ def _replay(run: Run, workflow: Workflow, recorded: list[dict], report: Report) 
 def _replay_step(
     run: Run, workflow: Workflow, step_def: StepDef | None, row: dict, outputs: dict, report: Report
 ) -> StepReplay:
-    seq, name = row["seq"], row["name"]
+    name = row["name"]
     if step_def is None:
         raise Diverged("the workflow ends before this step", recorded={"step": name}, replayed=None)
     if (step_def.name, step_def.kind) != (name, row["kind"]):
@@ -192,6 +195,18 @@ def _replay_step(
     now = {k: v for k, v in (step_def.versions or {}).items() if k in _VERSIONS}
     changed = {k: [was.get(k, ""), now.get(k, "")] for k in _VERSIONS if was.get(k, "") != now.get(k, "")}
     shimmed = workflow.shimmed(name, was)
+    report.versions_changed = report.versions_changed or bool(changed)
+    try:
+        return _run_step(run, step_def, row, outputs, report, changed, shimmed, was)
+    except Diverged as d:
+        d.versions = changed
+        raise
+
+
+def _run_step(
+    run: Run, step_def: StepDef, row: dict, outputs: dict, report: Report, changed: dict, shimmed: bool, was: dict
+) -> StepReplay:
+    seq, name = row["seq"], row["name"]
     # The input as recorded (its versions the recorded ones): what differs before the step runs.
     step_input = {"input": run.input, "outputs": outputs, **({"versions": was} if was else {})}
     if canonical_hash(step_input) != row["input_hash"]:
@@ -451,7 +466,7 @@ class Batch:
     def add(self, report: Report) -> None:
         self.runs += 1
         self.calls += report.calls
-        self.versions_changed += any(s.versions for s in report.steps)
+        self.versions_changed += report.versions_changed
         for mine, theirs in ((self.recorded_usage, report.recorded_usage), (self.live_usage, report.live_usage)):
             _count_usage(mine, theirs["tokens_in"], theirs["tokens_out"], theirs["cost"])
         if report.identical:
@@ -465,7 +480,8 @@ class Batch:
             self.examples.append({"run": report.run, "seq": d.seq, "step": d.step, "reason": d.reason})
 
     def as_dict(self) -> dict:
-        out = asdict(self)
+        # Not dataclasses.asdict: it rebuilds a Counter from its (key, count) pairs, counting the pairs.
+        out = {f.name: dict(v) if isinstance(v := getattr(self, f.name), Counter) else v for f in fields(self)}
         out["diverged"] = sum(self.diverged_at.values())
         out["unreplayable_runs"] = sum(self.unreplayable.values())
         return json.loads(json.dumps(out, cls=DjangoJSONEncoder))

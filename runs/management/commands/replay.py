@@ -78,6 +78,8 @@ class Command(BaseCommand):
             )
         if (d := report.divergence) is not None:
             self.stdout.write(f"  {d.seq:>3} {d.step:<45} DIVERGES: {d.reason}")
+            for name, (was, now) in d.versions.items():
+                self.stdout.write(f"      {name} changed: {was or '-'} -> {now or '-'}")
             self.stdout.write("      recorded: " + _shown(d.recorded))
             self.stdout.write("      replayed: " + _shown(d.replayed))
         self.stdout.write(f"  {report.ms:.0f} ms, {report.calls} calls made outside")

@@ -16,8 +16,8 @@ from demo import model as demo_model
 from demo import sandbox
 from demo import workflows as demo_workflows
 from demo.models import SandboxCall
-from runs import replay as replays
 from runs import forks, submission
+from runs import replay as replays
 from runs.models import Receipt, Run, Step
 from tests import replay_workflows
 from tests.engine_helpers import REFUND, drive

@@ -44,30 +44,15 @@ class EvaluationOut(EvaluationSummaryOut):
     figures: dict[str, Any] = Field(description="Every figure (docs/evaluate.md, what the figures mean).")
 
 
-def _out(evaluation: Evaluation) -> dict:
-    return {
-        "id": evaluation.pk,
-        "kind": evaluation.kind,
-        "name": evaluation.name,
-        "period_start": evaluation.period_start,
-        "period_end": evaluation.period_end,
-        "created_by": evaluation.created_by.get_username() if evaluation.created_by else None,
-        "created_at": evaluation.created_at,
-        "headline": evaluation.headline,
-        "candidate": evaluation.candidate,
-        "figures": evaluation.figures,
-    }
-
-
 @router.get("/evaluations", response={200: list[EvaluationSummaryOut], **ERRORS}, summary="The evaluations")
 def list_evaluations(request):
     check_may_evaluate(request.user)
-    return [_out(e) for e in Evaluation.objects.select_related("created_by")[:100]]
+    return [Evaluation.as_dict(e) for e in Evaluation.objects.select_related("created_by")[:100]]
 
 
 @router.get("/evaluations/{evaluation_id}", response={200: EvaluationOut, **ERRORS}, summary="One evaluation")
 def get_evaluation(request, evaluation_id: int):
-    return _out(evaluation_for(request.user, evaluation_id))
+    return Evaluation.as_dict(evaluation_for(request.user, evaluation_id))
 
 
 @router.post(
@@ -92,4 +77,4 @@ def create_evaluation(request, body: EvaluationIn):
         return Status(400, {"error": "bad_request", "detail": str(exc)})
     except EmptyPeriod as exc:
         return Status(409, {"error": "conflict", "detail": str(exc)})
-    return Status(201, _out(evaluation))
+    return Status(201, Evaluation.as_dict(evaluation))

@@ -101,6 +101,21 @@ class Evaluation(models.Model):
                 },
             )
 
+    def as_dict(self) -> dict:
+        """The evaluation as the API and `manage.py evaluate --json` give it."""
+        return {
+            "id": self.pk,
+            "kind": self.kind,
+            "name": self.name,
+            "period_start": self.period_start,
+            "period_end": self.period_end,
+            "created_by": self.created_by.get_username() if self.created_by else None,
+            "created_at": self.created_at,
+            "headline": self.headline,
+            "candidate": self.candidate,
+            "figures": self.figures,
+        }
+
     @property
     def headline(self) -> dict:
         """The figures a list shows and two evaluations are compared on."""

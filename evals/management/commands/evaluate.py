@@ -126,21 +126,9 @@ class Command(BaseCommand):
         if not options["no_save"]:
             evaluation.save_audited()
         if options["json"]:
-            self.stdout.write(json.dumps(as_json(evaluation), cls=DjangoJSONEncoder, indent=2))
+            self.stdout.write(json.dumps(evaluation.as_dict(), cls=DjangoJSONEncoder, indent=2))
         else:
             self.stdout.write(summary(evaluation))
-
-
-def as_json(evaluation: Evaluation) -> dict:
-    return {
-        "id": evaluation.pk,
-        "kind": evaluation.kind,
-        "name": evaluation.name,
-        "candidate": evaluation.candidate,
-        "period_start": evaluation.period_start,
-        "period_end": evaluation.period_end,
-        "figures": evaluation.figures,
-    }
 
 
 def summary(evaluation: Evaluation) -> str:

@@ -15,7 +15,6 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
-from approvals.models import Approval
 from core.models import AuditEntry
 from demo import workflows as demo_workflows
 from evals.errors import CandidateInvalid, EmptyPeriod
@@ -23,20 +22,13 @@ from evals.models import Evaluation
 from runs import submission
 from runs import workflow as workflows
 from runs.models import Run
-from tests.engine_helpers import drive
+from tests.engine_helpers import SUPPORT, approve_until
 from tests.integration.runs.test_undo_api import bearer
-
-SUPPORT = {"customer_id": "cus_1042", "message": "Refund ord_10421 please, 20 EUR", "order_id": "ord_10421"}
 
 
 def _finished(demo, customer: str) -> Run:
-    run = drive(submission.submit(workflow="support_agent", input={**SUPPORT, "customer_id": customer})[0])
-    for _ in range(6):
-        card = Approval.objects.filter(run=run, status=Approval.Status.PENDING).first()
-        if card is None:
-            break
-        card.decide(demo["reviewer"], "approve")
-        run = drive(run)
+    run = submission.submit(workflow="support_agent", input={**SUPPORT, "customer_id": customer})[0]
+    run = approve_until(run, demo["reviewer"])
     assert run.status == Run.Status.SUCCEEDED, run.error
     return run
 

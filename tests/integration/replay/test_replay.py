@@ -20,19 +20,11 @@ from runs import forks, submission
 from runs import replay as replays
 from runs.models import Receipt, Run, Step
 from tests import replay_workflows
-from tests.engine_helpers import REFUND, drive
-
-SUPPORT = {"customer_id": "cus_1042", "message": "Refund ord_10421 please, 20 EUR", "order_id": "ord_10421"}
+from tests.engine_helpers import REFUND, SUPPORT, approve_until, drive
 
 
 def _finished_support_run(demo) -> Run:
-    run = drive(submission.submit(workflow="support_agent", input=SUPPORT)[0])
-    for _ in range(6):
-        card = Approval.objects.filter(run=run, status=Approval.Status.PENDING).first()
-        if card is None:
-            break
-        card.decide(demo["reviewer"], "approve")
-        run = drive(run)
+    run = approve_until(submission.submit(workflow="support_agent", input=SUPPORT)[0], demo["reviewer"])
     assert run.status == Run.Status.SUCCEEDED, (run.status, run.result)
     return run
 

@@ -19,7 +19,7 @@ from runs.errors import TransitionRefused, UndoRefused
 from runs.models import Receipt, Run
 from runs.tools import tool
 from runs.workflow import Compensation, Workflow
-from tests.engine_helpers import REFUND, SMALL_REFUND, drive
+from tests.engine_helpers import REFUND, SMALL_REFUND, drive, support_parked_at_the_email
 
 CHAIN = {"customer_id": "cus_7", "amount_cents": 700}
 
@@ -124,20 +124,7 @@ def test_the_policy_ask_then_a_gated_reversal_then_compensated(demo):
 
 
 def _support_parked_at_the_email(demo) -> Run:
-    run = drive(
-        _submit(
-            "support_agent",
-            {"customer_id": "cus_1042", "message": "Refund ord_10421 please, 20 EUR", "order_id": "ord_10421"},
-        )
-    )
-    for _ in range(3):  # the refund's card (from the threshold up), then the email's
-        card = Approval.objects.filter(run=run, status=Approval.Status.PENDING).first()
-        if card is not None and card.proposed.get("subject"):
-            return run
-        if card is not None:
-            card.decide(demo["reviewer"], "approve")
-        run = drive(run)
-    raise AssertionError(f"no email card: {run.status} {run.result}")
+    return support_parked_at_the_email(demo)
 
 
 def test_reject_and_undo_on_a_later_card_reverses_the_refund_once_after_a_persons_yes(demo):

@@ -19,7 +19,7 @@ from demo.models import SandboxCall
 from runs import compensations, forks, submission
 from runs.errors import ForkRefused
 from runs.models import EXTERNAL_WORKFLOW, Receipt, Run, Step
-from tests.engine_helpers import REFUND, drive, queued_jobs
+from tests.engine_helpers import REFUND, drive, queued_jobs, support_parked_at_the_email
 
 GATE = 3  # refund: classify, lookup_customer, draft_refund, approve_refund (the gate), issue_refund, notify_customer
 REASON = "the policy now forbids this refund without a second look"
@@ -128,20 +128,7 @@ def test_a_fork_of_a_fork_shares_the_first_runs_effects(demo):
 
 
 def _support_parked_at_the_email(demo) -> Run:
-    run = drive(
-        submission.submit(
-            workflow="support_agent",
-            input={"customer_id": "cus_1042", "message": "Refund ord_10421 please, 20 EUR", "order_id": "ord_10421"},
-        )[0]
-    )
-    for _ in range(3):  # the refund's card (from the threshold up), then the email's
-        card = Approval.objects.filter(run=run, status=Approval.Status.PENDING).first()
-        if card is not None and card.proposed.get("subject"):
-            return run
-        if card is not None:
-            card.decide(demo["reviewer"], "approve")
-        run = drive(run)
-    raise AssertionError(f"no email card: {run.status} {run.result}")
+    return support_parked_at_the_email(demo)
 
 
 def _email_step(run: Run) -> Step:

@@ -31,8 +31,6 @@ from runs.models import EXTERNAL_WORKFLOW, Run, Step
 
 MAX_REASON = 500  # Run.fork_reason
 
-# Statuses in which a run's record still changes under its job: a fork would copy a moving picture.
-
 # The step columns a fork copies, as recorded (tokens and cost are the original's: not copied).
 _COPIED = (
     "seq",

@@ -183,6 +183,7 @@ class DecisionIn(Schema):
     )
     undo: bool = Field(
         False,
+        strict=True,  # `{"undo": 1}` is a 422, as the document says, not a reject and undo
         description="Reject and undo (a rejection of an action or budget card only): what the run did is undone "
         "too. 422 with any other decision; 409, nothing done, when the card's run has nothing it can undo.",
     )

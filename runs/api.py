@@ -244,8 +244,12 @@ def get_run(request, run_id: uuid.UUID):
 
 
 class CancelIn(Schema):
+    # Strict, as the document says: `{"undo": 0}` or an unknown field is a 422, not a plain cancel.
+    model_config = ConfigDict(extra="forbid")
+
     undo: bool = Field(
         False,
+        strict=True,
         description="Cancel and undo: what the run did is compensated too, in reverse order (runs.compensations). "
         "409, nothing done, when it has nothing it can undo or an effect is past its compensation's deadline.",
     )
@@ -339,8 +343,12 @@ def replay_run(request, run_id: uuid.UUID):
 class ForkIn(Schema):
     model_config = ConfigDict(extra="forbid")
 
-    from_step: int = Field(ge=0, le=2_147_483_647, description="The recorded step the fork runs live from.")
-    reason: str = Field(min_length=1, max_length=forks.MAX_REASON, description="Why: kept on the fork and audited.")
+    from_step: int = Field(
+        ge=0, le=2_147_483_647, strict=True, description="The recorded step the fork runs live from."
+    )
+    reason: str = Field(
+        min_length=1, max_length=forks.MAX_REASON, strict=True, description="Why: kept on the fork and audited."
+    )
 
 
 @router.post(

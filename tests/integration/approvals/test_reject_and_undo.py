@@ -81,6 +81,16 @@ def test_undo_with_an_approval_is_refused(client, demo, reviewer):
     assert card.status == Approval.Status.PENDING and not Decision.objects.filter(approval=card).exists()
 
 
+@pytest.mark.parametrize("undo", [1, "true"])
+def test_an_undo_that_is_not_a_boolean_is_422_and_nothing_is_decided(client, demo, reviewer, undo):
+    # Taken for a reject and undo before (pydantic's lax booleans; found by the API fuzzer on the cancel, 2026-12-06).
+    run, card = parked()
+    response = decide(client, card, reviewer, decision="reject", comment="no", undo=undo)
+    assert response.status_code == 422, response.content
+    card.refresh_from_db()
+    assert card.status == Approval.Status.PENDING and not Decision.objects.filter(approval=card).exists()
+
+
 def test_reject_and_undo_with_nothing_to_undo_is_409_and_the_card_stays_pending(client, demo, reviewer):
     run, card = parked("test_undo_nothing_yet")
     before = AuditEntry.objects.count()

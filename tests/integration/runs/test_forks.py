@@ -293,7 +293,14 @@ def test_the_api_refuses_with_409_403_404_and_422_making_nothing(client, demo):
     assert post_fork(client, run.id, bearer(demo["outsider"]), {"from_step": GATE, "reason": "r"}).status_code == 404
     unknown = "00000000-0000-0000-0000-000000000000"
     assert post_fork(client, unknown, ops, {"from_step": GATE, "reason": "r"}).status_code == 404
-    for body in ({"from_step": -1, "reason": "r"}, {"from_step": 1, "reason": ""}, {"from_step": 1}, {"reason": "r"}):
+    for body in (
+        {"from_step": -1, "reason": "r"},
+        {"from_step": 1, "reason": ""},
+        {"from_step": 1},
+        {"reason": "r"},
+        {"from_step": "1", "reason": "r"},  # the document says an integer: a string is not taken for one
+        {"from_step": 1, "reason": 7},
+    ):
         assert post_fork(client, run.id, ops, body).status_code == 422, body
     assert post_fork(client, run.id, ops, {"from_step": 1, "reason": "r", "extra": 1}).status_code == 422
     assert post_fork(client, run.id, ops, {"from_step": 1, "reason": "x" * 501}).status_code == 422

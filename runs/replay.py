@@ -49,6 +49,9 @@ from runs.tape import asked, parts_of
 from runs.workflow import Workflow
 
 _VERSIONS = ("prompt_version", "tools_version")
+# PostgreSQL's errors for a write in a read-only transaction, and for any statement after it (a step that caught the
+# first went on): the replay's refusal of a write.
+REFUSED_WRITE = ("25006", "25P02")
 
 
 class NotReplayable(Exception):
@@ -147,15 +150,12 @@ def replay(run: Run, workflow: Workflow | None = None, *, live: bool = False) ->
         .order_by("seq")
         .values("seq", "name", "kind", "input_hash", "output", "tape", *_VERSIONS, "tokens_in", "tokens_out", "cost")
     )
-    try:
-        with transaction.atomic():
-            if not live:
-                with connection.cursor() as cursor:
-                    cursor.execute("SET TRANSACTION READ ONLY")
-            _replay(run, workflow, recorded, report)
-            transaction.set_rollback(True)
-    except DatabaseError as exc:  # only from a write the step's code attempted, the transaction now aborted
-        report.divergence = report.divergence or Divergence(len(report.steps), "", f"writes to the database: {exc}")
+    with transaction.atomic():
+        if not live:
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION READ ONLY")
+        _replay(run, workflow, recorded, report)
+        transaction.set_rollback(True)  # whatever was written (live: a model client's own records) is undone
     report.ms = round((time.perf_counter() - started) * 1000, 2)
     return report
 
@@ -173,6 +173,12 @@ def _replay(run: Run, workflow: Workflow, recorded: list[dict], report: Report) 
             result = _replay_step(run, workflow, step_def, row, outputs, report)
         except Diverged as d:
             report.divergence = Divergence(seq, row["name"], d.reason, d.recorded, d.replayed, d.versions)
+            return
+        except DatabaseError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) not in REFUSED_WRITE:
+                raise  # not the replay's refusal: the database failed (an outage is an outage, not a divergence)
+            # A write the step's code attempted, refused by the read-only transaction, which is rolled back.
+            report.divergence = Divergence(seq, row["name"], f"writes to the database: {exc}")
             return
         report.steps.append(result)
         outputs[row["name"]] = row["output"]

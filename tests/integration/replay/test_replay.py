@@ -212,6 +212,7 @@ def test_a_step_that_writes_to_the_database_is_refused_and_nothing_is_written(db
     assert run.status == Run.Status.SUCCEEDED
     before = SandboxCall.objects.count()
     report = replays.replay(run)
+    assert (report.divergence.seq, report.divergence.step) == (0, "count_on_the_side")
     assert report.divergence.reason.startswith("writes to the database: cannot execute INSERT in a read-only")
     assert SandboxCall.objects.count() == before
 

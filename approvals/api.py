@@ -171,7 +171,7 @@ class DecisionIn(Schema):
         "(not a patch: a field left out is removed). Required for an edit; ignored otherwise. It must fit the "
         "card: its proposal's shape and the fields a person may change; else 422 naming the fields.",
     )
-    version: int = Field(description="The card's `version` as read: 409 when it has changed since.")
+    version: int = Field(strict=True, description="The card's `version` as read: 409 when it has changed since.")
     # Shadow cards only: whether the reviewer, who did the action by hand, agrees with the agent (required there).
     agreement: Literal["agree", "disagree"] | None = Field(
         None, description="Required on a card with `shadow: true`; refused (422) on any other card."

@@ -140,7 +140,8 @@ def global_kill_switch(request: HtmxHttpRequest):
 
 
 class KillSwitchIn(Schema):
-    engaged: bool
+    # Strict, as the document says (a boolean): `0.0` or "false" is a 422, never taken for a release.
+    engaged: bool = Field(strict=True)
     reason: str = Field(
         max_length=KILL_SWITCH_REASON_MAX,
         description="Why, for engaging and releasing alike: what the next person on call reads. Not blank.",

@@ -78,7 +78,11 @@ class RequestIn(Schema):
         "console's own address; no redirect is followed.",
     )
     expires_in: int | None = Field(
-        None, ge=MIN_EXPIRES_IN, le=MAX_EXPIRES_IN, description="Seconds until it expires (default: the channel's SLA)."
+        None,
+        strict=True,
+        ge=MIN_EXPIRES_IN,
+        le=MAX_EXPIRES_IN,
+        description="Seconds until it expires (default: the channel's SLA).",
     )
     on_expiry: Literal["reject", "escalate"] = Field(
         "reject", description="At expiry: rejected, or escalated once as the channel says and then rejected."
@@ -182,7 +186,7 @@ class ResultIn(Schema):
     # What the parser takes as any valid JSON (console.api.FREE_JSON_FIELDS): the rest of the body keeps the rules.
     FREE_JSON: ClassVar[frozenset[str]] = frozenset({"result"})
 
-    ok: bool
+    ok: bool = Field(strict=True)  # a boolean, as the document says: `1` or "true" is a 422
     result: Any = Field(
         None,
         description="What the action returned: any valid JSON, recorded exactly (integers of any size up to "

@@ -47,7 +47,7 @@ class RunIn(Schema):
     input: dict = Field(description="The workflow's input: it must fit the workflow's input schema.")
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
     tenant: str = Field("default", min_length=1, max_length=100)
-    priority: int = Field(0, ge=-100, le=100)
+    priority: int = Field(0, ge=-100, le=100, strict=True)
     cost_limit: str | None = Field(
         None,
         pattern=COST_LIMIT_PATTERN,
@@ -257,7 +257,7 @@ class CancelIn(Schema):
 
 def cancel_body(request) -> CancelIn:
     """The cancel's body, which is optional: none (or one that is not JSON, as a form post or an empty one) is a
-    plain cancel, as it always was; a JSON body must be CancelIn (422 naming the field otherwise)."""
+    plain cancel, as it always was; a JSON body must be CancelIn, an object (422 naming the field otherwise)."""
     if not request.body or request.content_type != "application/json":
         return CancelIn()
     try:
@@ -266,9 +266,7 @@ def cancel_body(request) -> CancelIn:
         raise ValidationError(exc.errors()) from None
     except ValueError:
         raise HttpError(400, "Cannot parse request body") from None
-    if data is None:
-        return CancelIn()
-    if not isinstance(data, dict):
+    if not isinstance(data, dict):  # `null` too: the document says an object, or no body at all
         raise ValidationError([{"type": "dict_type", "loc": "body", "msg": "Input should be a valid dictionary"}])
     try:
         return CancelIn.model_validate(data)

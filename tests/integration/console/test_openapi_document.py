@@ -64,6 +64,9 @@ KILL_SWITCH_BODIES = {
     "a NUL in the reason": {"engaged": True, "reason": "dri\x00ll"},
     "an integer beyond 2**53 in an extra field": {"engaged": True, "reason": "drill", "n": 2**53 + 1},
     "a float beyond 2**53 in an extra field": {"engaged": True, "reason": "drill", "n": -1.39e16},
+    # Taken for a boolean before (pydantic's lax mode), a release: the API fuzzer's finding, 2026-12-06.
+    "engaged as a number": {"engaged": 0.0, "reason": "drill"},
+    "engaged as a string": {"engaged": "true", "reason": "drill"},
 }
 
 
@@ -116,6 +119,7 @@ RUN_BODIES = {
     "a NUL in a key of an extra field": {"workflow": "refund", "input": REFUND, "x": {"\x00": 1}},
     "an integer beyond 2**53 in an extra field": {"workflow": "refund", "input": REFUND, "x": [2**53 + 1]},
     "a float beyond 2**53 in an extra field": {"workflow": "refund", "input": REFUND, "x": 1.5e16},
+    "a priority as a string": {"workflow": "refund", "input": REFUND, "priority": "5"},
 }
 
 
@@ -163,6 +167,7 @@ DECISION_BODIES = {
     "a rejection without a comment": {"decision": "reject"},
     "a rejection with a blank comment": {"decision": "reject", "comment": "\u2028 "},
     "a version beyond 2**53": {"decision": "approve", "version": 2**60},
+    "a version as a string": {"decision": "approve", "version": "1"},
     "a NUL in a key of the payload": {"decision": "edit", "payload": {"\x00": 1}},
 }
 
@@ -211,6 +216,8 @@ RESULT_BODIES = {
     "a failure with an empty error": {"ok": False, "error": ""},
     "a success with an error": {"ok": True, "error": "boom"},
     "a NUL in a failure's error": {"ok": False, "error": "a\x00"},
+    "ok as a number": {"ok": 1, "result": 1},
+    "ok as a string": {"ok": "true", "result": 1},
 }
 
 

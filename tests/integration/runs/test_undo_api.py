@@ -148,8 +148,8 @@ def test_cancel_and_undo_needs_the_right_to_cancel(client, demo):
 @pytest.mark.parametrize(
     "body",
     [{"undo": "perhaps"}, ["undo"], {"undo": 0}, {"undo": "true"}, {"k": None, "undo": False}],
-    # An integer, a string and an unknown field were taken as a plain cancel before (the API fuzzer's finding,
-    # 2026-12-06): the document says a boolean and nothing else.
+    # An integer, a string, an unknown field and `null` were taken as a plain cancel before (the API fuzzer's
+    # findings, 2026-12-06): the document says an object whose `undo` is a boolean, and nothing else.
     ids=["not a boolean", "not an object", "an integer", "a string", "an unknown field"],
 )
 def test_a_bad_cancel_body_is_422(client, demo, ops, body):
@@ -157,6 +157,13 @@ def test_a_bad_cancel_body_is_422(client, demo, ops, body):
     response = cancel(client, run, ops, body)
     assert response.status_code == 422, response.content
     assert response.json()["error"] == "invalid"
+    assert Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN
+
+
+def test_a_null_cancel_body_is_422(client, demo, ops):
+    run = parked()
+    response = client.post(f"/api/runs/{run.pk}/cancel", data="null", content_type="application/json", headers=ops)
+    assert response.status_code == 422, response.content
     assert Run.objects.get(pk=run.pk).status == Run.Status.WAITING_HUMAN
 
 

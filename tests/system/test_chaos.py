@@ -89,8 +89,12 @@ def test_it_finishes_every_run_exactly_once_while_workers_are_killed(system, sig
     long: crashes and graceful shutdowns overlap."""
     rng = random.Random(SEED)
     inputs = [chaos_input(i, rng) for i in range(RUNS)]
-    # Runs the CRM refuses for good (`fatal`: no retry), spread among the others.
-    refused_inputs = [{**chaos_input(RUNS + i, rng), "faults": {"lookup_customer": ["fatal"]}} for i in range(REFUSED)]
+    # Runs the CRM refuses for good (`fatal`: no retry), spread among the others. Refused at every call: the sandbox's
+    # n-th call gets the n-th fault, and a worker killed between the refused call (its row committed) and the
+    # failure's record leaves the next owner a second call, which a one-fault list let through (CI, 2026-12-06: one
+    # refused run succeeded and paid).
+    refused = {"lookup_customer": ["fatal"] * 10}
+    refused_inputs = [{**chaos_input(RUNS + i, rng), "faults": refused} for i in range(REFUSED)]
     for i, run_input in enumerate(refused_inputs):
         inputs.insert((i + 1) * len(inputs) // (REFUSED + 1), run_input)
     # Workers that enforce a small per-tenant cap, so that runs also wait for a slot of their tenant.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -116,7 +117,12 @@ def test_a_worker_keeps_its_run_lock_through_a_call_longer_than_the_idle_timeout
     # Both workers past their start-up (jobs.worker's _register): its probe closes a connection of the pool, whose
     # backend, sampled here while it leaves, would read as a session that ended (seen once, on a loaded machine).
     wait_with_logs(lambda: all(w.ready for w in system.workers.all), "both workers to start", system.workers.all)
-    before = worker_backends(idle_role)
+    # The sessions there in two samples 0.5 s apart, while the call is in flight (4 s): a backend leaving as the
+    # first is taken (the start-up probe's, once more in CI on 2026-12-06) is not one the call must keep, and one
+    # the idle timeout would end (1 s) is in both and still ends before the call does.
+    first = worker_backends(idle_role)
+    time.sleep(0.5)
+    before = {pid: name for pid, name in worker_backends(idle_role).items() if first.get(pid) == name}
 
     settles_as(run, Run.Status.SUCCEEDED, system.workers.all, timeout=SETTLE)
     after = worker_backends(idle_role)

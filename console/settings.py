@@ -339,6 +339,10 @@ METRICS_TOKEN = env_str("METRICS_TOKEN")
 AUDIT_HMAC_KEY = env_str("AUDIT_HMAC_KEY")
 if 0 < len(AUDIT_HMAC_KEY) < 32:
     raise ImproperlyConfigured("AUDIT_HMAC_KEY must be at least 32 characters (e.g. `openssl rand -hex 32`)")
+# Personal data (core/pii.py): AES-256-GCM keys, base64 of 32 bytes each, comma-separated; the first seals new
+# subjects' keys, every one opens (rotation: put the new key first, keep the old ones). Outside development a
+# workflow or request that marks personal data is refused without one; development has a fixed key of its own.
+PII_KEYS = env_str("PII_KEYS")
 # How long a job may wait in the queue: the dashboard warns past it and alerts past twice it.
 QUEUE_SLA_SECONDS = env_float("QUEUE_SLA_SECONDS", 60)
 # The dashboard's reviewer signals (approvals.reviewers): a plain approval of a high-risk card faster than this is

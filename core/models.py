@@ -69,6 +69,7 @@ class Channel(models.Model):
             ("operate_channel", "Can engage and release this channel's kill switch"),
             ("request_channel", "Can ask for approvals on this channel (an external agent's token)"),
             ("act_unreviewed", "Can act on this channel without a person's approval (an external agent's token)"),
+            ("view_pii", "Can reveal the personal data on this channel's cards (each reveal is audited)"),
         ]
         constraints = [
             models.CheckConstraint(
@@ -638,3 +639,47 @@ class AuditEntry(models.Model):
             problem = chain.check(entry.hashed_fields(), entry.hash, entry.pk)
             if problem is not None:
                 yield entry, problem
+
+
+# --- personal data by reference (core/pii.py, docs/personal-data.md) -----------------------------------------------
+
+
+class PiiSubject(models.Model):
+    """A data subject (a customer, named by the field a schema's `x-pii-subject` names) and their own data key,
+    wrapped (AES-GCM) by the PII_KEYS key `key_id`. Erasure deletes the wrapped key: every value sealed under it is
+    unreadable at once, wherever its reference was copied (crypto-shredding)."""
+
+    subject = models.CharField(max_length=200, unique=True)
+    key_id = models.CharField(max_length=16, blank=True)
+    wrapped_key = models.BinaryField(null=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    erased_at = models.DateTimeField(null=True, blank=True)
+    erased_by = models.CharField(max_length=150, blank=True)
+
+    class Meta:
+        constraints = [
+            # A subject has a key, or was erased and has none: never both, never neither.
+            models.CheckConstraint(
+                condition=models.Q(wrapped_key__isnull=True, erased_at__isnull=False)
+                | models.Q(wrapped_key__isnull=False, erased_at__isnull=True),
+                name="core_piisubject_key_xor_erased",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.subject
+
+
+class PiiValue(models.Model):
+    """One personal value, sealed (nonce + AES-GCM ciphertext, bound to its id and subject) under its subject's
+    key. Everything else holds its reference, `pii:<id hex>`."""
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    subject = models.ForeignKey(PiiSubject, on_delete=models.PROTECT, related_name="values")
+    field = models.CharField(max_length=200, help_text="Where the value came from: `input.email`, a read's field.")
+    run_id = models.UUIDField(null=True, blank=True, db_index=True)
+    sealed = models.BinaryField(editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"pii:{self.id.hex}"

@@ -12,7 +12,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -54,6 +54,8 @@ class Send:
     params: Mapping[str, Any] | None = None
     # A long poll holds the answer back this many seconds: the read timeout is extended by as much.
     held_for: float = 0
+    # The approval request the call is about, for its trace (`_tracing.Traces`): `ask:<channel>:<key>`, `id:<id>`.
+    trace_key: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -113,14 +115,15 @@ def send(request: Send, policy: RetryPolicy, *, idempotent: bool) -> Flow[httpx.
 def request_approval(body: dict[str, Any], policy: RetryPolicy) -> Flow[ApprovalRequest]:
     # Safe to repeat: the idempotency key gives back the same request, whether or not the first one arrived. The
     # answer is the request's whole state (its decision and execution included), as GET would give it.
-    response = yield from send(Send("POST", PATH, json=body), policy, idempotent=True)
+    trace_key = f"ask:{body.get('channel')}:{body.get('idempotency_key')}"
+    response = yield from send(Send("POST", PATH, json=body, trace_key=trace_key), policy, idempotent=True)
     return ApprovalRequest.from_json(_json(response))
 
 
 def get(request_id: str, wait: int, policy: RetryPolicy) -> Flow[ApprovalRequest]:
     if not 0 <= wait <= MAX_WAIT:
         raise ValueError(f"wait must be 0 to {MAX_WAIT} seconds, not {wait}.")
-    request = Send("GET", _path(request_id), params={"wait": wait}, held_for=wait)
+    request = Send("GET", _path(request_id), params={"wait": wait}, held_for=wait, trace_key=_about(request_id))
     response = yield from send(request, policy, idempotent=True)
     return ApprovalRequest.from_json(_json(response))
 
@@ -148,13 +151,15 @@ def consume(request_id: str, digest: str, policy: RetryPolicy, nonce: str | None
     connection broke, a 5xx that may have come after the write) is sent again like any call that is safe to
     repeat. A process that died after its go makes a new nonce when it runs again, and gets AlreadyConsumed."""
     body = {"arguments_digest": digest, "nonce": nonce or uuid.uuid4().hex}
-    response = yield from send(Send("POST", _path(request_id, "consume"), json=body), policy, idempotent=True)
+    request = Send("POST", _path(request_id, "consume"), json=body, trace_key=_about(request_id))
+    response = yield from send(request, policy, idempotent=True)
     return Go.from_json(_json(response))
 
 
 def report(request_id: str, body: dict[str, Any], policy: RetryPolicy) -> Flow[Execution]:
     # Safe to repeat: the same result sent again is taken as the same (200), another one is a 409.
-    response = yield from send(Send("POST", _path(request_id, "result"), json=body), policy, idempotent=True)
+    request = Send("POST", _path(request_id, "result"), json=body, trace_key=_about(request_id))
+    response = yield from send(request, policy, idempotent=True)
     data = _json(response)
     if not isinstance(data, Mapping) or "execution" not in data:
         raise UnexpectedResponse("The result's answer has no execution.", data)
@@ -234,3 +239,7 @@ def _json(response: httpx.Response) -> Any:
 
 def _path(request_id: str, *rest: str) -> str:
     return "/".join((PATH, quote(str(request_id), safe=""), *rest))
+
+
+def _about(request_id: str) -> str:
+    return f"id:{request_id}"

@@ -12,7 +12,7 @@ from typing import Any, Literal, cast
 
 import httpx
 
-from hitl_client import _protocol
+from hitl_client import _protocol, _tracing
 from hitl_client._protocol import Call, Flow, RetryPolicy, Send, Sleep, T
 from hitl_client.models import ApprovalRequest, Execution, Go
 
@@ -103,6 +103,7 @@ class _Base:
     def __init__(self, *, timeout: float, retries: int, backoff: float, max_backoff: float) -> None:
         self._timeout = timeout
         self._policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max_backoff)
+        self._traces = _tracing.Traces()
 
     def _headers(self, token: str) -> dict[str, str]:
         if not token:
@@ -123,6 +124,8 @@ class _Base:
         return {
             "params": op.params,
             "json": op.json,
+            # Made per call (and per retry): each is a span of its own at the console, in the request's trace.
+            "headers": self._traces.headers(op.trace_key),
             "timeout": httpx.Timeout(self._timeout, read=self._timeout + op.held_for),
         }
 
@@ -248,7 +251,9 @@ class Client(_Base):
 
     def _do(self, op: Send | Sleep | Call) -> Any:
         if isinstance(op, Send):
-            return self._http.request(op.method, op.path, **self._request_kwargs(op))
+            response = self._http.request(op.method, op.path, **self._request_kwargs(op))
+            self._traces.answered(op.trace_key, response)
+            return response
         if isinstance(op, Sleep):
             time.sleep(op.seconds)
             return None
@@ -359,7 +364,9 @@ class AsyncClient(_Base):
 
     async def _do(self, op: Send | Sleep | Call) -> Any:
         if isinstance(op, Send):
-            return await self._http.request(op.method, op.path, **self._request_kwargs(op))
+            response = await self._http.request(op.method, op.path, **self._request_kwargs(op))
+            self._traces.answered(op.trace_key, response)
+            return response
         if isinstance(op, Sleep):
             await asyncio.sleep(op.seconds)
             return None

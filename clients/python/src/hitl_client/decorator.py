@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, cast
 
-from hitl_client import _protocol
+from hitl_client import _protocol, _tracing
 from hitl_client._protocol import Call, Flow, RetryPolicy
 from hitl_client.client import Approval, AsyncClient, Client, OnExpiry, Risk, approval_request_body, result_body
 from hitl_client.digest import arguments_digest
@@ -111,7 +111,8 @@ def require_approval(
 
             @functools.wraps(function)
             async def asks_first_async(*args: Any, **kwargs: Any) -> Any:
-                return await client._run(_approved_call(spec, policy, args, kwargs))
+                with _tracing.gate(spec.action, spec.channel) as gate:
+                    return await client._run(_approved_call(spec, policy, args, kwargs, gate))
 
             return asks_first_async  # type: ignore[return-value]
 
@@ -119,7 +120,8 @@ def require_approval(
 
         @functools.wraps(function)
         def asks_first(*args: Any, **kwargs: Any) -> Any:
-            return client._run(_approved_call(spec, policy, args, kwargs))
+            with _tracing.gate(spec.action, spec.channel) as gate:
+                return client._run(_approved_call(spec, policy, args, kwargs, gate))
 
         return asks_first  # type: ignore[return-value]
 
@@ -189,13 +191,17 @@ class _Spec:
         return self.schema
 
 
-def _approved_call(spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Flow[Any]:
+def _approved_call(
+    spec: _Spec, policy: RetryPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], gate: _tracing.Gate
+) -> Flow[Any]:
     request = yield from _protocol.request_approval(spec.body(args, kwargs), policy)
+    gate.saw(request)
     # A request already consumed (an earlier run of this call got its go) is never executed again.
     if request.execution.status is not ExecutionStatus.NOT_STARTED:
         return _recorded_outcome(request)
     if not request.decided:
         request = yield from _protocol.wait(request.id, spec.timeout, spec.poll, policy)
+        gate.saw(request)
 
     def fits(arguments: dict[str, Any]) -> None:
         try:

@@ -43,7 +43,7 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command, Interrupt, StateSnapshot, interrupt
 from pydantic import BaseModel
 
-from hitl_client import _protocol
+from hitl_client import _protocol, _tracing
 from hitl_client._protocol import Call, Flow
 from hitl_client.adapters._session import is_shadow
 from hitl_client.client import AsyncClient, Client, OnExpiry, Risk, approval_request_body
@@ -236,7 +236,8 @@ class ApprovalToolNode(ToolNode):
             return cast(ToolMessageOrCommand, execute(request))
         assert isinstance(self._client, Client)  # _func refused an AsyncClient
         try:
-            return self._client._run(self._run_approved(approval, request, execute))
+            with _tracing.gate(approval.action, self._channel) as gate:
+                return self._client._run(self._run_approved(approval, request, execute, gate))
         except HitlError as exc:
             return _failed(run, exc, request.tool_call)
 
@@ -259,17 +260,19 @@ class ApprovalToolNode(ToolNode):
                 return asyncio.run_coroutine_threadsafe(awaited(request), loop).result()
 
         try:
-            return await self._arun(self._run_approved(approval, request, execute))
+            with _tracing.gate(approval.action, self._channel) as gate:
+                return await self._arun(self._run_approved(approval, request, execute, gate))
         except HitlError as exc:
             return _failed(run, exc, request.tool_call)
 
     def _run_approved(
-        self, approval: ApprovalRequest, request: ToolCallRequest, execute: Execute
+        self, approval: ApprovalRequest, request: ToolCallRequest, execute: Execute, gate: _tracing.Gate
     ) -> Flow[ToolMessageOrCommand]:
         """The decided call, as the client's `run_approved` runs an action (once, with the approved arguments,
         its outcome reported), told to the model as ToolNode tells it: the tool's message, or what the console
-        decided or recorded."""
+        decided or recorded. `gate`: the call's span, told the request and its decision."""
         call = request.tool_call
+        gate.saw(approval)
 
         def run_tool(**approved: Any) -> Any:
             # As ToolNode runs it (argument validation, injected arguments, handle_tool_errors), with what ran.
@@ -286,6 +289,7 @@ class ApprovalToolNode(ToolNode):
                 unreported=(GraphBubbleUp,),
             )
         except Declined as declined:
+            gate.saw(declined.request)
             return _declined(declined.request, call)
         except (ActionFailed, OutcomeUnknown) as before:
             # The go was given before (this thread's earlier process, or its own answer lost): never a second run.

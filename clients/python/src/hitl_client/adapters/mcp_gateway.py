@@ -56,6 +56,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
+from hitl_client import _tracing
 from hitl_client.adapters._session import Session
 from hitl_client.client import AsyncClient, OnExpiry, Risk
 from hitl_client.digest import arguments_digest
@@ -337,7 +338,10 @@ class Gateway:
         # An identical call that arrives while this key is being asked or run waits for it, then gets its
         # recorded outcome: two calls never race for one go (the loser would read "outcome unknown").
         async with lock:
-            outcome = await self._ask_and_forward(ctx, tool, arguments, key)
+            # The span of the gated call (without OpenTelemetry, nothing): the ask, the wait, the go, the forward
+            # and the report inside it, in its trace.
+            with _tracing.gate(name, self.channel) as gate:
+                outcome = await self._ask_and_forward(ctx, tool, arguments, key, gate)
         if outcome.settled and counted is not None:
             base, n = counted
             self._counters.settled[base] = max(self._counters.settled.get(base, 0), n)
@@ -370,7 +374,12 @@ class Gateway:
         return f"{base}:{n}", (base, n)
 
     async def _ask_and_forward(
-        self, ctx: ServerRequestContext[Any], tool: types.Tool, arguments: dict[str, Any], key: str
+        self,
+        ctx: ServerRequestContext[Any],
+        tool: types.Tool,
+        arguments: dict[str, Any],
+        key: str,
+        gate: _tracing.Gate,
     ) -> _Outcome:
         name = tool.name
         described = self._describe(ctx, tool, arguments)
@@ -400,7 +409,9 @@ class Gateway:
             request = await self._session.ask(
                 self.channel, name, arguments, key, {**described, "schema": described["schema"] or None}
             )
+            gate.saw(request)
             decided = request if request.decided else await self._wait(ctx, request)
+            gate.saw(decided)
             value = await guarded(**arguments)
         except Declined as exc:
             declined = _error(_declined(name, exc.request))

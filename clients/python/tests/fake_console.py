@@ -99,6 +99,8 @@ class FakeConsole:
     reviewer: Callable[[FakeRequest], None] | None = None
     faults: list[Fault] = field(default_factory=list)
     seen: list[tuple[str, str]] = field(default_factory=list)
+    # The headers of every call, in the order of `seen` (the trace context each carried).
+    seen_headers: list[httpx.Headers] = field(default_factory=list)
     # A console that hashed the arguments another way (\u escapes) than the contract says.
     ensure_ascii: bool = False
     # A console whose go carries other arguments than the approved ones.
@@ -189,6 +191,7 @@ class FakeConsole:
 
     def handler(self, http: httpx.Request) -> httpx.Response:
         self.seen.append((http.method, http.url.path))
+        self.seen_headers.append(http.headers)
         fault = self._fault_for(http)
         if fault == "drop_request":
             raise httpx.ConnectError("connection refused", request=http)

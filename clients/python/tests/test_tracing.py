@@ -17,6 +17,7 @@ from conftest import BASE_URL, run_coroutine
 from fake_console import FakeConsole
 
 from hitl_client import AsyncClient, Client, arguments_digest, require_approval
+from hitl_client._tracing import Traces
 
 REFUND = {"order_id": "o-42", "amount_cents": 500}
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-01")
@@ -164,3 +165,18 @@ def test_the_client_works_without_opentelemetry():
     parsed = [TRACEPARENT.fullmatch(header or "") for header in seen["traceparents"]]
     assert len(parsed) == 4 and all(parsed)
     assert len({match.group(1) for match in parsed if match}) == 1
+
+
+def test_a_client_remembers_a_bounded_number_of_requests():
+    """A long-running agent asks about many requests: the oldest ones' traces are forgotten (a later call about one
+    starts a trace of its own), the newest kept."""
+    traces = Traces(size=2)
+
+    def trace_of(key: str) -> str:
+        return traces.headers(key)["traceparent"].split("-")[1]
+
+    first = trace_of("id:a")
+    assert trace_of("id:a") == first
+    second, _ = trace_of("id:b"), trace_of("id:c")
+    assert trace_of("id:b") == second
+    assert trace_of("id:a") != first

@@ -94,21 +94,21 @@ class Traces:
     def _trace_of(self, trace_key: str | None) -> str:
         if trace_key is None:
             return _random_hex(16)
-        with self._lock:
-            trace_id = self._ids.get(trace_key)
-            if trace_id is not None:
-                self._ids.move_to_end(trace_key)
-                return trace_id
-        trace_id = _random_hex(16)
-        self._remember(trace_key, trace_id)
+        with self._lock:  # one check-and-set: two threads asking about one request get one trace
+            trace_id = self._ids.get(trace_key) or _random_hex(16)
+            self._keep(trace_key, trace_id)
         return trace_id
 
     def _remember(self, trace_key: str, trace_id: str) -> None:
         with self._lock:
-            self._ids.setdefault(trace_key, trace_id)
-            self._ids.move_to_end(trace_key)
-            while len(self._ids) > self._size:
-                self._ids.popitem(last=False)
+            self._keep(trace_key, self._ids.get(trace_key, trace_id))
+
+    def _keep(self, trace_key: str, trace_id: str) -> None:
+        """Under the lock: the key is the newest, and the oldest beyond the size are forgotten."""
+        self._ids[trace_key] = trace_id
+        self._ids.move_to_end(trace_key)
+        while len(self._ids) > self._size:
+            self._ids.popitem(last=False)
 
 
 def _random_hex(size: int) -> str:

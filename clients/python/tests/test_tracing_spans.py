@@ -222,3 +222,33 @@ def test_langgraph_gates_a_call_in_a_span(client: Client, console: FakeConsole, 
         if path.endswith(("/consume", "/result"))
     ]
     assert inside == [(ours.trace_id, ours.span_id)] * 2
+
+
+@pytest.mark.parametrize("framework", ["openai_agents", "pydantic_ai"])
+def test_a_run_with_approvals_gates_the_approved_call_in_a_span(framework: str, console: FakeConsole, spans):
+    pytest.importorskip("openai")
+    from approval_runs import ADAPTERS, Model, Refunds  # noqa: PLC0415 - the frameworks' extras are optional
+
+    adapter = ADAPTERS[framework]()
+    asked = {"order_id": SECRET_ORDER, "amount_cents": SECRET_AMOUNT}
+    refunds, model = Refunds(adapter), Model([("refund_order", asked)])
+    console.approves_while_waiting(edit={**asked, "amount_cents": 300})
+
+    adapter.run(console, adapter.agent(model, refunds.tool()))
+
+    assert refunds.made == [(SECRET_ORDER, 300)]
+    span = gated(spans, "refund_order")
+    assert dict(span.attributes or {}) == {
+        "hitl.tool.name": "refund_order",
+        "hitl.channel": "payments",
+        "hitl.approval_request.id": console.only().id,
+        "hitl.decision": "edited",
+    }
+    no_arguments_in(span, SECRET_ORDER, SECRET_AMOUNT)
+    ours = span.get_span_context()
+    inside = [
+        traced
+        for (method, path), traced in zip(console.seen, called(console), strict=True)
+        if path.endswith(("/consume", "/result"))
+    ]
+    assert inside == [(ours.trace_id, ours.span_id)] * 2

@@ -1,4 +1,4 @@
-"""W3C trace context for the client's calls, and the span around a gated tool call (docs/external-agents.md).
+"""W3C trace context for the client's calls, and the span around a gated tool call (README, "Tracing").
 
 Every call carries a `traceparent`, so that the console's spans of one approval request form one trace, joined to
 the agent's own when it has one:

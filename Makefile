@@ -104,7 +104,7 @@ test-client-matrix: $(CLIENT_MATRIX:%=.venv-client-%/.installed)
 	rm -rf .venv-client-$*
 	$(PYTHON) -m venv .venv-client-$*
 	.venv-client-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-client-$*/bin/python -m pip install --quiet -c $< 'clients/python[openai-agents,langgraph,pydantic-ai,mcp]' pytest
+	.venv-client-$*/bin/python -m pip install --quiet -c $< 'clients/python[openai-agents,langgraph,pydantic-ai,mcp,otel]' opentelemetry-sdk pytest
 	@touch $@
 
 # ruff (style, and imports at the top: PLC0415), then import-linter: the floors of pyproject.toml's

@@ -13,7 +13,7 @@ from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 from pydantic import ValidationError as PydanticError
 
-from core import safe_input
+from core import safe_input, tracing
 from core.api import ERRORS
 from runs import compensations, forks, submission
 from runs import replay as replays
@@ -216,6 +216,14 @@ def _defs_inlined(schema: dict) -> dict:
     openapi_extra={"x-workflow-input-schemas": _workflow_inputs()},
 )
 def create_run(request, body: RunIn):
+    # The run's root span, continuing the caller's `traceparent`: the run's trace (core.tracing).
+    with tracing.server_span(
+        "POST /api/runs", request.headers, {"http.request.method": "POST", "http.route": "/api/runs"}
+    ):
+        return _create_run(request, body)
+
+
+def _create_run(request, body: RunIn):
     token = getattr(request, "api_token", None)
     if token is not None and not token.allows_tenant(body.tenant):
         raise HttpError(403, f"This token may not start runs for tenant {body.tenant!r}.")

@@ -131,7 +131,7 @@ class Approval(models.Model):
     decided_at = models.DateTimeField(null=True, blank=True)
     # The card's place in its run's trace (core.tracing): the W3C traceparent of the span that opened it, then, once
     # decided, of its `approval.wait` span (which the resumed step links to). Blank with tracing off.
-    trace_parent = models.CharField(max_length=55, blank=True, default="")
+    trace_parent = models.CharField(max_length=55, blank=True, default="", db_default="")
 
     class Meta:
         ordering = ["due_at"]

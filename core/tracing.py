@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -40,22 +41,26 @@ _propagator = TraceContextTextMapPropagator()
 _incoming: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("hitl_incoming_trace", default=None)
 
 
-def configured(environ: Mapping[str, str] = os.environ) -> bool:
+def configured() -> bool:
     """Whether the environment asks for traces: an OTLP endpoint or an exporter, and the exporter is not `none`."""
-    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter == "none" or environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    exporter = _exporter_name()
+    if exporter == "none" or os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    endpoint = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     return bool(exporter or endpoint)
 
 
-def setup(exporter: Any = None, *, environ: Mapping[str, str] = os.environ) -> bool:
+def _exporter_name() -> str:
+    return os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+
+
+def setup(exporter: Any = None) -> bool:
     """Turn tracing on for this process when the environment asks for it (or with `exporter`, a SpanExporter that a
     test passes: spans are then exported as each ends). Idempotent; True when on."""
     global ENABLED, _tracer, _provider
     if ENABLED:
         return True
-    if exporter is None and not configured(environ):
+    if exporter is None and not configured():
         return False
     # The SDK is imported only when traces are on: a process without them never loads it.
     from opentelemetry.sdk.resources import Resource  # noqa: PLC0415 - loaded only when tracing is on
@@ -66,11 +71,11 @@ def setup(exporter: Any = None, *, environ: Mapping[str, str] = os.environ) -> b
         SimpleSpanProcessor,
     )
 
-    named = environ.get("OTEL_SERVICE_NAME") or "service.name=" in environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
     provider = TracerProvider(resource=Resource.create({} if named else {"service.name": SERVICE_NAME}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    elif environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "console":
+    elif _exporter_name() == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415 - only when on
@@ -273,3 +278,9 @@ def add_span_id(logger: Any, method: str, event: dict) -> dict:
         if found.is_valid:
             event.setdefault("span_id", f"{found.span_id:016x}")
     return event
+
+
+def trace_url(trace_id: str) -> str:
+    """The trace's page in a tracing UI (TRACE_URL_TEMPLATE, `{trace_id}` replaced); "" when none is configured."""
+    template = settings.TRACE_URL_TEMPLATE
+    return template.replace("{trace_id}", trace_id) if template and trace_id else ""

@@ -120,7 +120,8 @@ class RunOut(Schema):
     fork_from_step: int | None = Field(description="The original's step this fork runs live from; null: not a fork.")
     fork_reason: str = Field(description="Why it was forked; empty when it is not a fork.")
     forks: list[uuid.UUID] = Field(description="The runs forked from this one, oldest first.")
-    trace_id: str
+    trace_id: str = Field(description="The run's trace id (W3C): in its log lines, dead letter and spans.")
+    trace_url: str = Field(description="The trace in a tracing UI (TRACE_URL_TEMPLATE); empty: none configured.")
     cost: Decimal
     tokens_in: int
     tokens_out: int
@@ -166,6 +167,7 @@ def run_out(run: Run) -> dict:
                 "updated_at",
             )
         },
+        "trace_url": tracing.trace_url(run.trace_id),
         "fork_of": run.fork_of_id,
         "forks": list(run.forks.order_by("created_at", "pk").values_list("pk", flat=True)),
         "current_step": current,

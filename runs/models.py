@@ -116,6 +116,7 @@ class Run(models.Model):
         max_length=55,
         blank=True,
         default=new_trace_parent,
+        db_default="",
         help_text="The W3C traceparent of the run's root span (the request that created it): its steps' parent.",
     )
     priority = models.IntegerField(default=0)

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('approvals', '0014_undo_cards'),
+        ("approvals", "0014_undo_cards"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='approval',
-            name='trace_parent',
-            field=models.CharField(blank=True, default='', max_length=55),
+            model_name="approval",
+            name="trace_parent",
+            field=models.CharField(blank=True, db_default="", default="", max_length=55),
         ),
     ]

@@ -19,8 +19,11 @@ from opentelemetry.trace import SpanKind
 from approvals.models import Approval
 from core import tracing
 from core.models import ApiToken
-from runs.models import Run
-from tests.engine_helpers import SUPPORT, drive
+from runs import submission
+from runs.errors import Ambiguous
+from runs.models import Run, Step
+from tests.engine_helpers import SMALL_REFUND, SUPPORT, drive
+from tests.unit.test_webhook_signing import SECRET, signed
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -276,3 +279,58 @@ def test_an_external_agents_approval_request_joins_the_agents_trace(
     assert polled.status_code == 200 and polled.json()["status"] == "approved"
     (poll,) = [s for s in spans.get_finished_spans() if s.name == "GET /api/approval-requests/{request_id}"]
     assert hex_trace(poll) == CALLER_TRACE
+
+
+def test_a_signed_webhook_delivery_roots_its_runs_trace_in_the_senders(client, demo, spans, settings):
+    settings.WEBHOOK_SECRETS = {"demo": [SECRET]}
+    data = json.dumps(SMALL_REFUND).encode()
+    response = client.post(
+        "/api/webhooks/demo",
+        data=data,
+        content_type="application/json",
+        headers={**signed(data), "traceparent": TRACEPARENT},
+    )
+    assert response.status_code == 202, response.content
+    run = Run.objects.get(pk=response.json()["id"])
+    (served,) = [s for s in spans.get_finished_spans() if s.name == "POST /api/webhooks/{source}"]
+    assert served.attributes["hitl.webhook.source"] == "demo" and f"{served.parent.span_id:016x}" == CALLER_SPAN
+    assert (run.trace_id, run.trace_parent) == (CALLER_TRACE, f"00-{CALLER_TRACE}-{served.context.span_id:016x}-01")
+
+
+def _outcomes(spans) -> dict:
+    return {
+        s.attributes["hitl.channel"]: s.attributes["hitl.effect.outcome"]
+        for s in spans.get_finished_spans()
+        if s.name == "effect.call"
+    }
+
+
+def test_an_effect_done_before_is_replayed_from_its_receipt(demo, spans):
+    run = drive(submission.submit(workflow="refund", input=SMALL_REFUND)[0])
+    assert _outcomes(spans) == {"payments": "new", "email": "new"}
+    spans.clear()
+    # The payment step again, as if its checkpoint had been lost after the receipt was written.
+    Step.objects.filter(run=run, name__in=["issue_refund", "notify_customer"]).delete()
+    Run.objects.filter(pk=run.pk).update(status="queued", cursor=4, finished_at=None)
+    assert drive(run).status == Run.Status.SUCCEEDED
+    assert _outcomes(spans) == {"payments": "replayed", "email": "replayed"}
+
+
+def test_an_ambiguous_effect_is_reconciled_and_its_failed_attempt_marked(demo, spans):
+    faults = {**SMALL_REFUND, "faults": {"issue_refund": ["timeout"]}}
+    run, _ = submission.submit(workflow="refund", input=faults)
+    with pytest.raises(Ambiguous):
+        drive(run)
+    (failed,) = [s for s in spans.get_finished_spans() if s.name == "effect.call"]
+    assert failed.attributes["error.type"] == "Ambiguous" and "hitl.effect.outcome" not in failed.attributes
+    (step,) = [
+        s for s in spans.get_finished_spans() if s.name == "run.step" and s.attributes["hitl.step"] == "issue_refund"
+    ]
+    assert step.attributes["error.type"] == "Ambiguous" and step.attributes["hitl.attempt"] == 1
+    spans.clear()
+    assert drive(run, attempts=1).status == Run.Status.SUCCEEDED
+    assert _outcomes(spans)["payments"] == "reconciled"
+    (retried,) = [
+        s for s in spans.get_finished_spans() if s.name == "run.step" and s.attributes["hitl.step"] == "issue_refund"
+    ]
+    assert retried.attributes["hitl.attempt"] == 2

@@ -333,7 +333,9 @@ class Approval(models.Model):
                 "hitl.edited": any(d.decision == DecisionKind.EDIT for d in decisions),
                 "hitl.decided_by": str(actor.pk) if actor is not None else "system",
             },
-            parent=self.trace_parent,
+            # A card opened outside any span (a budget card, or by a process with traces off): under its run's root.
+            parent=self.trace_parent
+            or tracing.parent_of(self.run.trace_parent, self.run.trace_id, self.run.pk.hex[:16]),
             start_time=self.created_at,
         )
         self.trace_parent = tracing.traceparent_of(wait)

@@ -22,7 +22,7 @@ from core.models import ApiToken
 from runs import submission
 from runs.errors import Ambiguous
 from runs.models import Run, Step
-from tests.engine_helpers import SMALL_REFUND, SUPPORT, drive
+from tests.engine_helpers import REFUND, SMALL_REFUND, SUPPORT, drive
 from tests.unit.test_webhook_signing import SECRET, signed
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -334,3 +334,16 @@ def test_an_ambiguous_effect_is_reconciled_and_its_failed_attempt_marked(demo, s
         s for s in spans.get_finished_spans() if s.name == "run.step" and s.attributes["hitl.step"] == "issue_refund"
     ]
     assert retried.attributes["hitl.attempt"] == 2
+
+
+def test_a_card_opened_outside_any_span_waits_under_its_runs_root(demo, spans, django_capture_on_commit_callbacks):
+    """A budget card (opened between steps), or one opened by a process with traces off: its wait is still in the
+    run's trace."""
+    run = drive(submission.submit(workflow="refund", input=REFUND)[0])
+    card = Approval.objects.get(run=run, status=Approval.Status.PENDING)
+    Approval.objects.filter(pk=card.pk).update(trace_parent="")
+    card.refresh_from_db()
+    with django_capture_on_commit_callbacks(execute=True):
+        card.decide(demo["reviewer"], "approve")
+    (wait,) = [s for s in spans.get_finished_spans() if s.name == "approval.wait"]
+    assert hex_trace(wait) == run.trace_id and f"{wait.parent.span_id:016x}" == run.pk.hex[:16]

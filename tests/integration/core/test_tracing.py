@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind
 from approvals.models import Approval
 from core import tracing
 from core.models import ApiToken
+from jobs.models import DeadLetter
 from runs import submission
 from runs.errors import Ambiguous
 from runs.models import Run, Step
@@ -347,3 +348,16 @@ def test_a_card_opened_outside_any_span_waits_under_its_runs_root(demo, spans, d
         card.decide(demo["reviewer"], "approve")
     (wait,) = [s for s in spans.get_finished_spans() if s.name == "approval.wait"]
     assert hex_trace(wait) == run.trace_id and f"{wait.parent.span_id:016x}" == run.pk.hex[:16]
+
+
+def test_a_dead_letter_links_to_its_runs_trace(client, demo, settings):
+    run = drive(submission.submit(workflow="refund", input={**SMALL_REFUND, "faults": {"issue_refund": ["fatal"]}})[0])
+    letter = DeadLetter.objects.get(run_id=run.pk)
+    assert letter.trace_id == run.trace_id
+    client.force_login(demo["admin"])
+    settings.TRACE_URL_TEMPLATE = "https://tempo.example/trace/{trace_id}"
+    page = client.get(f"/admin/jobs/deadletter/{letter.pk}/change/").content.decode()
+    assert f'href="https://tempo.example/trace/{run.trace_id}"' in page
+    settings.TRACE_URL_TEMPLATE = ""
+    page = client.get(f"/admin/jobs/deadletter/{letter.pk}/change/").content.decode()
+    assert run.trace_id in page and "tempo.example" not in page

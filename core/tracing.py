@@ -271,11 +271,12 @@ def server_span(name: str, headers: Mapping[str, str], attributes: Mapping[str, 
 
 
 def add_span_id(logger: Any, method: str, event: dict) -> dict:
-    """A structlog processor: the current span's id on each log line written inside one (the trace id is bound per
-    run, runs.engine). Off: one check of a bool."""
+    """A structlog processor: the current span's id on each log line written inside one, and its trace id where none
+    is bound (a run's is, runs.engine: the same id). Off: one check of a bool."""
     if ENABLED:
         found = trace.get_current_span().get_span_context()
         if found.is_valid:
+            event.setdefault("trace_id", f"{found.trace_id:032x}")
             event.setdefault("span_id", f"{found.span_id:016x}")
     return event
 

@@ -241,6 +241,7 @@ def test_a_log_line_inside_a_span_carries_its_span_id(spans):
     with tracing.span("x") as started:
         event = tracing.add_span_id(None, "info", {"event": "e"})
     assert event["span_id"] == f"{started.get_span_context().span_id:016x}"
+    assert event["trace_id"] == f"{started.get_span_context().trace_id:032x}"
     assert "span_id" not in tracing.add_span_id(None, "info", {"event": "e"})
 
 

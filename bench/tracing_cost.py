@@ -3,8 +3,8 @@
     .venv/bin/python bench/tracing_cost.py [--database pg15|embedded] [--runs 1000] [--workers 1] [--rounds 2]
 
 Batches of bench/throughput_workers.py (runs of 5 no-op compute steps, `bench_noop5`, on freshly started production
-workers, `manage.py worker`), in one database and one process, alternated `--rounds` times so that a drift of the
-machine touches each alike:
+workers, `manage.py worker`), in one database and one process, alternated `--rounds` times (off and on swapping places
+every round) so that a drift of the machine touches each alike; the medians are compared:
 * plain: plain Procrastinate doing the same five writes (the baseline of throughput_workers.py);
 * off: the engine with no OTEL_* variable (tracing off, as deployed by default);
 * on: the engine exporting every step's `run.step` span over OTLP/HTTP (BatchSpanProcessor, the SDK's defaults) to
@@ -154,7 +154,10 @@ def main() -> None:
         results: dict[str, list[dict]] = {name: [] for name in variants}
         spans_before = 0
         for round_ in range(args.rounds):
-            for name, (kind, batch_env) in variants.items():
+            # off and on swap places every round (ABBA): a machine that slows down or speeds up meanwhile touches both
+            order = ["plain", "off", "on"] if round_ % 2 == 0 else ["plain", "on", "off"]
+            for name in order:
+                kind, batch_env = variants[name]
                 result = measure(url, batch_env, tmp, kind, args.workers, args.runs, batch=f"{name}{round_}")
                 result["variant"] = name
                 result["spans"] = receiver.spans - spans_before

@@ -12,6 +12,7 @@ import gzip
 import json
 import signal
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,6 +173,9 @@ def test_a_gated_run_with_a_killed_worker_is_one_trace_from_the_api_call(system,
         system.workers.all,
         60,
     )
+    # The steps before the hung one ended: their spans leave within a batch delay (100 ms); a SIGKILL loses what a
+    # worker has not exported yet, and only the hung attempt's span is meant to be lost.
+    time.sleep(1)
     for worker in system.workers.alive:
         worker.kill(signal.SIGKILL)
         worker.wait(10)

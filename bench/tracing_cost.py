@@ -169,7 +169,7 @@ def main() -> None:
                     flush=True,
                 )
         hooks_ns = hooks_off_ns()
-        medians = {name: statistics.median(r["steps_per_s"] for r in rs) for name, rs in results.items()}
+        medians = {name: round(statistics.median(r["steps_per_s"] for r in rs), 1) for name, rs in results.items()}
         step_us = 1e6 / medians["off"] * args.workers  # a step's wall time on one worker process, about
         print(
             f"\ntracing cost on {args.database} (PostgreSQL {version}), {args.runs} runs x 5 steps per batch,"

@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from approvals import rules, sla
 from approvals.models import Approval, ApprovalPolicy, OnExpiry
+from core import tracing
 from core.models import Channel
 from runs.gates import Kind
 
@@ -100,6 +101,8 @@ def open_card(
         # The card keeps the policy as it is now (a channel's rule too: its one stage asks anyone who may approve
         # the channel, the columns' defaults).
         policy=policy,
+        # Under the span that opens it (the parking step's, an approval request's): its wait's parent.
+        trace_parent=tracing.traceparent_of() if tracing.ENABLED else "",
     )
     if not rules.is_channel_rule(policy):
         # An admin's policy: the card starts at its first stage (its SLA, who it asks). Under the channel's rule its

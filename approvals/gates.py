@@ -7,6 +7,7 @@ from django.utils import timezone
 
 from approvals import cards, rules
 from approvals.models import Approval, card_closed
+from core import tracing
 from core.models import Channel
 from runs import workflow as workflows
 from runs.errors import Fatal, UnknownWorkflow
@@ -100,6 +101,7 @@ def _decision_of(card: Approval) -> Decision:
     """The engine's view of a decided card (its decisions prefetched). What executes is `card.to_execute`, what
     the card page, the inbox and the API showed: under the two-person rule the last edit, which the second
     person approved, else the proposal as it stands; nothing after a rejection."""
+    tracing.link(card.trace_parent)  # the step that reads the decision follows from the person's wait (its span)
     decisions = sorted(card.decisions.all(), key=lambda d: (d.created_at, d.pk))
     last, outcome = decisions[-1], Outcome(card.status)
     # Those whose decisions made the outcome (rules.counted): who approved what executes, from its last change

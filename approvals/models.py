@@ -19,6 +19,7 @@ from django.utils import timezone
 from approvals import edits, rules
 from approvals.errors import Expired
 from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
+from core import tracing
 from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel
 from runs import compensations
@@ -128,6 +129,9 @@ class Approval(models.Model):
     asked_groups = ArrayField(models.IntegerField(), default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     decided_at = models.DateTimeField(null=True, blank=True)
+    # The card's place in its run's trace (core.tracing): the W3C traceparent of the span that opened it, then, once
+    # decided, of its `approval.wait` span (which the resumed step links to). Blank with tracing off.
+    trace_parent = models.CharField(max_length=55, blank=True, default="", db_default="")
 
     class Meta:
         ordering = ["due_at"]
@@ -287,8 +291,10 @@ class Approval(models.Model):
             on_behalf_of_id=count.on_behalf_of if on_policy else None,
         )
         moved = []
+        traced = []
         if count.complete:
             self.status, self.decided_at = self.Status(rules.outcome(asked.decision, earlier)), timezone.now()
+            traced = self._trace_wait(actor, earlier + [asked])
         elif on_policy and count.to_stage != self.stage:
             moved = self.enter_stage(count.to_stage, timezone.now())
         # Under an admin's policy the version names what runs (a quorum's second person approves what the first one
@@ -300,13 +306,42 @@ class Approval(models.Model):
         display = self.display_of(self.to_execute) if asked.decision == DecisionKind.EDIT else {}
         for column, value in display.items():
             setattr(self, column, value)
-        self.save(update_fields=["status", "decided_at", "version", *moved, *display])
+        self.save(update_fields=["status", "decided_at", "version", *moved, *display, *traced])
         self._audit_decision(actor, asked, count, earlier, via=via)
         if count.complete:
             card_closed.send(Approval, card=self)
         # Two-person rule: a first approval leaves the card open and the run parked.
         if count.complete and run.status in Run.PARKED:
             run.resume()
+
+    def _trace_wait(self, actor, decisions: list) -> list[str]:
+        """The person's wait for this card as an `approval.wait` span (core.tracing), from the card's opening to its
+        decision, under the span that opened it; the card keeps the wait's traceparent, which the job that resumes
+        the run links its step to (approvals.gates), so that the wait spans the park and the resume. Ids only: the
+        decider's user id, never a name. Exported once the decision commits. The fields to save (none when off)."""
+        if not tracing.ENABLED:
+            return []
+        wait = tracing.start_span(
+            "approval.wait",
+            {
+                "hitl.approval_id": self.pk,
+                "hitl.run_id": str(self.run_id),
+                "hitl.channel": self.channel.name,
+                "hitl.approval.kind": self.kind,
+                "hitl.policy.stage": self.stage,
+                "hitl.decision": str(self.status),
+                "hitl.edited": any(d.decision == DecisionKind.EDIT for d in decisions),
+                "hitl.decided_by": str(actor.pk) if actor is not None else "system",
+            },
+            # A card opened outside any span (a budget card, or by a process with traces off): under its run's root.
+            parent=self.trace_parent
+            or tracing.parent_of(self.run.trace_parent, self.run.trace_id, self.run.pk.hex[:16]),
+            start_time=self.created_at,
+        )
+        self.trace_parent = tracing.traceparent_of(wait)
+        decided_at = self.decided_at
+        transaction.on_commit(lambda: tracing.end_span(wait, decided_at))
+        return ["trace_parent"]
 
     # --- the policy the card carries --------------------------------------------------------------------------------
 

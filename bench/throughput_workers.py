@@ -121,8 +121,11 @@ def submit(kind: str, runs: int, batch: str) -> list[int]:
     return ids
 
 
-def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int) -> dict:
-    workers = start_workers(env, workers_n, tmp / f"workers-{kind}-{workers_n}.log")
+def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int, batch: str = "") -> dict:
+    """One batch of `kind` (plain or engine) on `workers_n` fresh workers. `batch`: its name, unique in the database
+    (its runs' tenants; bench/tracing_cost.py measures several engine batches in one database)."""
+    batch = batch or f"{kind}{workers_n}"
+    workers = start_workers(env, workers_n, tmp / f"workers-{batch}.log")
     try:
         with psycopg.connect(url, autocommit=True) as conn:
             wait_until(
@@ -130,7 +133,7 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
                 120,
                 f"{workers_n} worker heartbeats",
             )
-        ids = submit(kind, runs, f"{kind}{workers_n}")
+        ids = submit(kind, runs, batch)
         with psycopg.connect(url, autocommit=True) as conn:
             # Statistics, as a production database has them: a new one has none until autovacuum's first ANALYZE,
             # which would otherwise land in the middle of the first batches (and their plans made without them).
@@ -157,7 +160,7 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
                         conn.execute(
                             "SELECT count(*) FROM runs_run WHERE workflow = 'bench_noop5' AND tenant LIKE %s"
                             " AND status = 'succeeded'",
-                            [f"{kind}{workers_n}-%"],
+                            [f"{batch}-%"],
                         ).fetchone()[0]
                         >= runs
                     ),

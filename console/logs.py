@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import structlog
 
+from core import tracing
+
 _SHARED_PROCESSORS = [
     structlog.contextvars.merge_contextvars,
+    tracing.add_span_id,  # the current span's id, when traces are on (the run's trace id is bound: runs.engine)
     structlog.stdlib.add_log_level,
     structlog.stdlib.add_logger_name,
     structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -334,6 +334,9 @@ WORKER_HEARTBEAT_FILE = env_str("WORKER_HEARTBEAT_FILE")
 
 # /metrics: a scraper sends "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback clients may scrape.
 METRICS_TOKEN = env_str("METRICS_TOKEN")
+# A link from a run's trace id to the trace in a tracing UI (docs/observability.md), `{trace_id}` replaced: Jaeger's
+# `http://localhost:16686/trace/{trace_id}`, Grafana Tempo's explore URL. Empty: the trace id is shown, not linked.
+TRACE_URL_TEMPLATE = env_str("TRACE_URL_TEMPLATE")
 # The audit log: with a key, each entry's hash is an HMAC, which someone who can write to the database but does
 # not have this key cannot recompute (core.models.AuditEntry). Keep it out of the database and its backups.
 AUDIT_HMAC_KEY = env_str("AUDIT_HMAC_KEY")

@@ -10,3 +10,10 @@ class CoreConfig(AppConfig):
 
     name = "core"
     verbose_name = "Channels, audit log and API tokens"
+
+    def ready(self) -> None:
+        # Traces, once per process (the web server, each worker, a management command): on only when the
+        # environment asks for them (OTEL_*: core.tracing).
+        from core import tracing
+
+        tracing.setup()

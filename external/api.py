@@ -14,7 +14,7 @@ from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status
 from pydantic import ConfigDict
 
-from core import safe_input
+from core import safe_input, tracing
 from core.api import ERRORS, ErrorOut
 from external import asks, executions, status, undo, waiters
 from external.asks import MAX_EXPIRES_IN, MIN_EXPIRES_IN, Ask
@@ -222,6 +222,19 @@ def _refused(exc: RequestError) -> Status:
     summary="Ask a person to sign off one action (202; the same idempotency key gives the same request, 200)",
 )
 def create_request(request: HttpRequest, body: RequestIn):
+    with _traced(request, "/api/approval-requests"):
+        return _create_request(request, body)
+
+
+def _traced(request: HttpRequest, route: str):
+    """The call as a server span continuing the agent's `traceparent` (core.tracing): the console's spans of its
+    approval requests (the card's opening, the person's wait) join the agent's own trace."""
+    return tracing.server_span(
+        f"{request.method} {route}", request.headers, {"http.request.method": request.method, "http.route": route}
+    )
+
+
+def _create_request(request: HttpRequest, body: RequestIn):
     ask = Ask(
         channel=body.channel,
         action=body.action,
@@ -272,6 +285,11 @@ def get_request(request: HttpRequest, request_id: uuid.UUID, wait: int = Query(0
     # here again each time the request may have changed, so that a waiting agent holds neither a thread nor a
     # database connection. Only without that edge (a plain WSGI server, runserver, Django's test client) does the
     # view wait itself, in its thread.
+    with _traced(request, "/api/approval-requests/{request_id}"):
+        return _get_request(request, request_id, wait)
+
+
+def _get_request(request: HttpRequest, request_id: uuid.UUID, wait: int):
     try:
         answer = _out(status.for_user(request.user, request_id))
         if wait and not request.headers.get(waiters.EDGE_HEADER):
@@ -299,10 +317,11 @@ def _wait_in_thread(user, request_id, answer: dict, wait: int) -> dict:
     summary="Go, once: for an approved request and the digest of its arguments (409 again, 423 while stopped)",
 )
 def consume(request: HttpRequest, request_id: uuid.UUID, body: ConsumeIn):
-    try:
-        return executions.consume(request.user, request_id, body.arguments_digest, body.nonce)
-    except RequestError as exc:
-        return _refused(exc)
+    with _traced(request, "/api/approval-requests/{request_id}/consume"):
+        try:
+            return executions.consume(request.user, request_id, body.arguments_digest, body.nonce)
+        except RequestError as exc:
+            return _refused(exc)
 
 
 RESULT_URL_NAME = "approval_request_result"
@@ -315,6 +334,11 @@ RESULT_URL_NAME = "approval_request_result"
     url_name=RESULT_URL_NAME,
 )
 def report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
+    with _traced(request, "/api/approval-requests/{request_id}/result"):
+        return _report(request, request_id, body)
+
+
+def _report(request: HttpRequest, request_id: uuid.UUID, body: ResultIn):
     if body.ok == (body.error is not None):
         what = "a success carries `result`, not `error`" if body.ok else "a failure needs its `error`"
         return Status(422, {"error": "invalid", "detail": [{"loc": "error", "msg": what}]})

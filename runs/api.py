@@ -13,7 +13,7 @@ from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 from pydantic import ValidationError as PydanticError
 
-from core import safe_input
+from core import safe_input, tracing
 from core.api import ERRORS
 from runs import compensations, forks, submission
 from runs import replay as replays
@@ -120,7 +120,8 @@ class RunOut(Schema):
     fork_from_step: int | None = Field(description="The original's step this fork runs live from; null: not a fork.")
     fork_reason: str = Field(description="Why it was forked; empty when it is not a fork.")
     forks: list[uuid.UUID] = Field(description="The runs forked from this one, oldest first.")
-    trace_id: str
+    trace_id: str = Field(description="The run's trace id (W3C): in its log lines, dead letter and spans.")
+    trace_url: str = Field(description="The trace in a tracing UI (TRACE_URL_TEMPLATE); empty: none configured.")
     cost: Decimal
     tokens_in: int
     tokens_out: int
@@ -166,6 +167,7 @@ def run_out(run: Run) -> dict:
                 "updated_at",
             )
         },
+        "trace_url": tracing.trace_url(run.trace_id),
         "fork_of": run.fork_of_id,
         "forks": list(run.forks.order_by("created_at", "pk").values_list("pk", flat=True)),
         "current_step": current,
@@ -216,6 +218,14 @@ def _defs_inlined(schema: dict) -> dict:
     openapi_extra={"x-workflow-input-schemas": _workflow_inputs()},
 )
 def create_run(request, body: RunIn):
+    # The run's root span, continuing the caller's `traceparent`: the run's trace (core.tracing).
+    with tracing.server_span(
+        "POST /api/runs", request.headers, {"http.request.method": "POST", "http.route": "/api/runs"}
+    ):
+        return _create_run(request, body)
+
+
+def _create_run(request, body: RunIn):
     token = getattr(request, "api_token", None)
     if token is not None and not token.allows_tenant(body.tenant):
         raise HttpError(403, f"This token may not start runs for tenant {body.tenant!r}.")

@@ -18,6 +18,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.timesince import timesince
 
+from core import tracing
 from jobs.models import DeadLetter
 from runs import dead_letters
 from runs.access import may_requeue_dead_letters, may_resolve_dead_letters
@@ -73,7 +74,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
         (None, {"fields": ["state", "run_links", "workflow", "step", "attempts", "created_at"]}),
         ("Error", {"fields": ["error_class", "last_error", "full_traceback"]}),
         ("Input", {"fields": ["pretty_input"]}),
-        ("Tracing", {"fields": ["trace_id", "job_link"]}),
+        ("Tracing", {"fields": ["trace_link", "job_link"]}),
         ("Resolution", {"fields": ["resolution", "resolved_by", "resolved_at", "note"]}),
     ]
     readonly_fields = [field for _, options in fieldsets for field in options["fields"]]
@@ -124,6 +125,14 @@ class DeadLetterAdmin(admin.ModelAdmin):
     @admin.display(description="input")
     def pretty_input(self, letter: DeadLetter):
         return _pre(json.dumps(letter.input, indent=2, sort_keys=True, cls=DjangoJSONEncoder))
+
+    @admin.display(description="trace id")
+    def trace_link(self, letter: DeadLetter):
+        """The run's trace id, linked to the trace (TRACE_URL_TEMPLATE) when a tracing UI is configured."""
+        url = tracing.trace_url(letter.trace_id)
+        if not url:
+            return letter.trace_id
+        return format_html('<a href="{}" rel="noopener noreferrer"><code>{}</code></a>', url, letter.trace_id)
 
     @admin.display(description="run")
     def run_links(self, letter: DeadLetter):

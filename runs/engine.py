@@ -27,6 +27,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from core import tracing
 from core.models import Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
@@ -199,8 +200,27 @@ def _drive(run: Run, workflow: Workflow, job: JobInfo) -> None:
             return
         if not _within_budget(run, workflow):
             return
-        if not _run_step(run, workflow, step_def, outputs, unfinished):
-            return
+        with _step_span(run, step_def, job):
+            if not _run_step(run, workflow, step_def, outputs, unfinished):
+                return
+
+
+def _step_span(run: Run, step_def: StepDef, job: JobInfo):
+    """The step's attempt as a `run.step` span (core.tracing) under the run's root, in the run's trace: its model
+    calls, tool reads, effects and cards are its children. Off: the shared null context, nothing built."""
+    if not tracing.ENABLED:
+        return tracing.NULL
+    attributes = {
+        "hitl.run_id": str(run.id),
+        "hitl.workflow": run.workflow,
+        "hitl.step": step_def.name,
+        "hitl.step.kind": step_def.kind,
+        "hitl.step.seq": run.cursor,
+        "hitl.attempt": run.attempt + 1,
+        "hitl.job_id": job.job_id if job.job_id is not None else -1,
+    }
+    parent = tracing.parent_of(run.trace_parent, run.trace_id, run.id.hex[:16])
+    return tracing.span("run.step", attributes, parent=parent, ok=(Park, Wait, Stop))
 
 
 def _release_for_shutdown(run: Run) -> None:

@@ -17,6 +17,7 @@ import openai
 from django.conf import settings
 from django.utils.module_loading import import_string
 
+from core import tracing
 from runs import breakers
 from runs.errors import Fatal, Retryable
 from runs.models import Run
@@ -44,6 +45,7 @@ class Model:
     step). `name` is the model's name as the price table (MODEL_PRICES) knows it."""
 
     name = ""
+    provider = "_OTHER"  # its provider as traces name it (gen_ai.provider.name: runs.tape.model_span)
 
     def __init__(self, run: Run, step: str):
         self.run = run
@@ -74,6 +76,8 @@ def client() -> openai.OpenAI:
 class OpenAICompatibleModel(Model):
     """Chat completions on MODEL_BASE_URL with MODEL_NAME. Errors are classified for the engine: Retryable (429,
     5xx, timeouts, connection errors, an answer that is not what was asked) or Fatal (other 4xx, a refusal)."""
+
+    provider = "openai"
 
     def __init__(self, run: Run, step: str):
         super().__init__(run, step)
@@ -127,6 +131,10 @@ class OpenAICompatibleModel(Model):
                 response = client().chat.completions.create(model=self.name, **request)
             except openai.APIError as exc:
                 raise _classified(exc) from exc
+        if tracing.ENABLED:  # on the call's span (runs.tape.model_span): ids, never content
+            tracing.note("gen_ai.response.model", response.model or self.name)
+            tracing.note("gen_ai.response.id", response.id or "")
+            tracing.note("gen_ai.response.finish_reasons", [c.finish_reason or "" for c in response.choices or []])
         if response.usage is not None:  # spent even when the answer is refused
             self._account(response.usage.prompt_tokens or 0, response.usage.completion_tokens or 0)
         if not response.choices:

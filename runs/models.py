@@ -18,6 +18,7 @@ from procrastinate.contrib.django import app
 from procrastinate.exceptions import AlreadyEnqueued
 from procrastinate.jobs import JobDeferrer
 
+from core import tracing
 from core.models import AuditEntry
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
@@ -26,7 +27,16 @@ from runs.transitions import FINISHED, OWNED, PARKED, TRANSITIONS, RunStatus
 
 
 def new_trace_id() -> str:
-    return uuid.uuid4().hex
+    """A new run's trace id: the trace of the request that creates it (its span, or the caller's traceparent with
+    tracing off: core.tracing.current), else a new random one."""
+    found = tracing.current()
+    return found[0] if found is not None else uuid.uuid4().hex
+
+
+def new_trace_parent() -> str:
+    """A new run's root in its trace (a W3C traceparent): the request's span that creates it; "" when none."""
+    found = tracing.current()
+    return found[1] if found is not None else ""
 
 
 _FINISHED = list(FINISHED)
@@ -102,6 +112,13 @@ class Run(models.Model):
         max_length=200, null=True, blank=True, help_text="Unique per creator: two clients never collide on a key."
     )
     trace_id = models.CharField(max_length=32, default=new_trace_id)
+    trace_parent = models.CharField(
+        max_length=55,
+        blank=True,
+        default=new_trace_parent,
+        db_default="",
+        help_text="The W3C traceparent of the run's root span (the request that created it): its steps' parent.",
+    )
     priority = models.IntegerField(default=0)
     not_before = models.DateTimeField(null=True, blank=True)
     tokens_in = models.PositiveIntegerField(default=0)

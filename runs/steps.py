@@ -15,6 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from core import tracing
 from runs import effects, gates
 from runs.effects import shadow_response
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
@@ -154,7 +155,8 @@ class Context:
         self.tape.record("effect", canonical_hash(preview), keep=False, key=key)
         self.tape.paused += 1  # the effect's tool calls are the effect's: its answer is its receipt's
         try:
-            return self._effect(channel, key, call, lookup, preview)
+            with _effect_span(channel, key) if tracing.ENABLED else tracing.NULL:
+                return self._effect(channel, key, call, lookup, preview)
         finally:
             self.tape.paused -= 1
 
@@ -173,14 +175,17 @@ class Context:
             self.run, self.seq, channel, key, step=self.step.name, preview=preview, undo=self.undoing is not None
         )
         if receipt.status == Receipt.Status.DONE:
+            tracing.note(OUTCOME, "replayed")
             return receipt.response
         if receipt.shadow:
             # Recorded with the receipt, never sent: nothing can be ambiguous, so a pending shadow receipt (its
             # first attempt stopped here) is completed without asking anyone.
+            tracing.note(OUTCOME, "shadow")
             return receipt.complete(shadow_response(key))
         if not receipt.fresh:
             found = lookup(key) if lookup else self._reconciled_by_a_person(receipt)
             if found is not None:
+                tracing.note(OUTCOME, "reconciled")
                 return receipt.complete(found, reconciled=True)
             # The lookup is authoritative: the write did not happen, so it is safe to do it now.
         try:
@@ -203,6 +208,7 @@ class Context:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever else happened, the write may have been applied
             raise Ambiguous(f"{channel} call {key} ended with {exc.__class__.__name__}: {exc}") from exc
+        tracing.note(OUTCOME, "new")
         return receipt.complete(response)
 
     def _default_key(self, suffix: str) -> str:
@@ -271,6 +277,17 @@ class Context:
         answer = fn(*args, **kwargs)
         self.tape.record(f"recorded.{name}", asked(args, kwargs), answer)
         return answer
+
+
+OUTCOME = "hitl.effect.outcome"  # on an effect's span: new, replayed (its receipt was done), reconciled, shadow
+
+
+def _effect_span(channel: str | None, key: str):
+    """An effect as an `effect.call` span (core.tracing): its channel, its receipt key, and (OUTCOME) what its
+    receipt made of it. A park (a kill switch, a reconcile card) is not a failure."""
+    return tracing.span(
+        "effect.call", {"hitl.channel": channel or "", "hitl.receipt.key": key}, kind=tracing.CLIENT, ok=(Park, Wait)
+    )
 
 
 def as_datetime(value: str) -> datetime:

@@ -19,12 +19,14 @@ which the replay says. A step that drew nothing has no tape (NULL), which costs 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
+from core import tracing
 from runs.gates import canonical_hash
 
 SHORT = 12  # characters of a part's hash: enough to tell the messages of one request apart
@@ -83,10 +85,44 @@ class Recorder:
         return value
 
     def _call(self, path: str, fn, *args, **kwargs):
-        answer = fn(*args, **kwargs)
+        with self._span(path) if tracing.ENABLED else tracing.NULL:
+            answer = fn(*args, **kwargs)
         parts = parts_of(args)
         self._tape.record(path, asked(args, kwargs), answer, **({"parts": parts} if parts else {}))
         return answer
+
+    def _span(self, path: str):
+        """The call's span (core.tracing): a model call as a GenAI client span, a tool call as `tool.read` (or
+        `tool.call` inside an effect, whose span it is under). Names and counts only, never what was asked."""
+        if self._path == "model":
+            return model_span(self._target, path.rpartition(".")[2])
+        name = "tool.call" if self._tape.paused else "tool.read"
+        return tracing.span(name, {"hitl.tool": path.removeprefix("tools.")}, kind=tracing.CLIENT)
+
+
+@contextlib.contextmanager
+def model_span(model: Any, method: str):
+    """A model call as the OpenTelemetry GenAI conventions describe it (`gen_ai.*`: the operation, the provider, the
+    model asked for, the tokens used, from the model's `usage`), never the prompt or the completion. `provider` and
+    `name` are the model's (runs.llm.Model)."""
+    name = getattr(model, "name", "") or "unknown"
+    provider = getattr(model, "provider", "") or "_OTHER"
+    usage = getattr(model, "usage", None)
+    before = (usage.tokens_in, usage.tokens_out) if usage is not None else (0, 0)
+    attributes = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.system": provider,
+        "gen_ai.provider.name": provider,
+        "gen_ai.request.model": name,
+        "hitl.model.method": method,
+    }
+    with tracing.span(f"chat {name}", attributes, kind=tracing.CLIENT) as span:
+        try:
+            yield span
+        finally:
+            if span is not None and usage is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", usage.tokens_in - before[0])
+                span.set_attribute("gen_ai.usage.output_tokens", usage.tokens_out - before[1])
 
 
 def unwrap(value: Any) -> Any:

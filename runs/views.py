@@ -14,6 +14,7 @@ from django.db.models import Model, Prefetch, Q, QuerySet
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
+from core import tracing
 from core.access import may_operate_channel
 from core.models import Channel
 from core.views import HtmxHttpRequest
@@ -126,6 +127,7 @@ def render_run(
             "can_replay": may_replay_or_fork(request.user) and run.workflow != EXTERNAL_WORKFLOW,
             "replay": replay,
             "fork": fork_panel(request.user, run, steps),
+            "trace_url": tracing.trace_url(run.trace_id),
         },
         status=status,
     )

@@ -7,6 +7,7 @@ import uuid
 
 from ninja import Router, Schema, Status
 
+from core import tracing
 from core.api import ERRORS
 from runs import webhooks
 
@@ -33,10 +34,14 @@ class DeliveryAccepted(Schema):
     "The body is the source's payload (for `demo`: the refund input).",
 )
 def receive_webhook(request, source: str):
-    try:
-        delivery, created = webhooks.receive(source, request.headers, request.body)
-    except webhooks.Refused as exc:
-        return Status(exc.status, {"error": exc.error, "detail": exc.detail})
+    # The run's root span, continuing the sender's `traceparent` if it sent one (core.tracing).
+    route = "/api/webhooks/{source}"
+    attributes = {"http.request.method": "POST", "http.route": route, "hitl.webhook.source": source}
+    with tracing.server_span(f"POST {route}", request.headers, attributes):
+        try:
+            delivery, created = webhooks.receive(source, request.headers, request.body)
+        except webhooks.Refused as exc:
+            return Status(exc.status, {"error": exc.error, "detail": exc.detail})
     run = delivery.run
     return Status(
         202 if created else 200,

@@ -20,6 +20,7 @@ from procrastinate import cli
 from procrastinate.contrib.django import app
 from procrastinate.contrib.django.django_connector import DjangoConnector
 
+from core import tracing
 from jobs import session_life
 from jobs.internals import InternalsMismatch
 from jobs.session_life import IdleTimeoutsOn, LocksOutliveSessions
@@ -80,6 +81,7 @@ class Command(BaseCommand):
                 # still our worker, with procrastinate's plain new-job event.
                 worker = Worker(app=app, keep_notifications=False, **{**app.worker_defaults, **options})
             await worker.run()
+        tracing.flush()  # the spans its last jobs made, before an exit that may skip the SDK's atexit hook
         _exit_now_if_jobs_outlived_the_timeout(worker)
 
 

@@ -238,7 +238,6 @@ def get_card(request, card_id: int):
 
 class RevealedOut(Schema):
     path: str  # where on the card: proposed.customer.email, edit.<decision id>.payload.to
-    ref: str  # the reference the card keeps (pii:<id>)
     field: str  # the field it was sealed as
     value: Any = None  # the clear value (null when erased)
     erased: bool

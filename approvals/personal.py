@@ -182,7 +182,8 @@ class Revealed:
     erased: bool
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "ref": self.ref, "field": self.field, "value": self.value, "erased": self.erased}
+        """As the API answers it: without the reference (every answer masks references; the audit entry has it)."""
+        return {"path": self.path, "field": self.field, "value": self.value, "erased": self.erased}
 
 
 def reveal(card: Approval, user, *, via: str = "console") -> list[Revealed]:

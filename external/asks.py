@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from approvals import cards, personal
 from approvals.models import Approval, OnExpiry
-from core import outbound_url, pii
+from core import outbound_url
 from core.access import may_act_unreviewed, may_request
 from core.models import ActorType, AuditEntry, Channel
 from external import schemas

@@ -11,13 +11,14 @@ import os
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import transaction
 from guardian.shortcuts import assign_perm
 
 import tests.workflows  # noqa: F401 - the test workflows
 from approvals import cards, personal
 from approvals.models import Approval, Decision
 from core import pii
-from core.models import ApiToken, AuditEntry, Channel, PiiValue
+from core.models import ApiToken, AuditEntry, Channel, PiiSubject, PiiValue
 from runs import submission
 from runs.gates import ApprovalRequest, Kind
 from runs.models import Run, Step
@@ -169,8 +170,6 @@ def test_a_superuser_holds_view_pii_on_every_channel(client, card):
 
 
 def test_an_erased_subject_shows_erased_on_the_page_the_api_and_a_reveal(client, card, holder):
-    from django.db import transaction
-
     with transaction.atomic():
         pii.erase_key("cus_1042", by="test")
     client.force_login(holder)
@@ -207,8 +206,6 @@ def test_a_missing_or_wrong_key_is_said_never_shown_in_clear(client, card, holde
 
 def test_a_wrong_key_of_the_same_id_is_unreadable(client, card, holder):
     # The subject's key wrapped by another key claiming the same id: a wrong key, never a guess.
-    from core.models import PiiSubject
-
     PiiSubject.objects.update(wrapped_key=os.urandom(60))
     client.force_login(holder)
     html = client.get(f"/approvals/{card.pk}/").content.decode()

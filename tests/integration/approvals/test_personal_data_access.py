@@ -187,6 +187,7 @@ def test_an_erased_subject_shows_erased_on_the_page_the_api_and_a_reveal(client,
         ("", "pii_keys_missing", "PII_KEYS is not set"),
         (base64.b64encode(os.urandom(32)).decode(), "pii_key_unknown", "its key is not in PII_KEYS"),
     ],
+    ids=["missing", "another-key"],  # the same ids in every xdist worker
 )
 def test_a_missing_or_wrong_key_is_said_never_shown_in_clear(client, card, holder, settings, setting, code, said):
     settings.PII_KEYS = setting

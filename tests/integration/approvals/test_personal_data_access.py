@@ -283,3 +283,24 @@ def test_slack_and_email_never_reveal(card, holder):
     text = json.dumps([view.headline, view.summary, [str(c) for c in view.changes]], default=str)
     assert EMAIL not in text and NAME not in text and "j***@example.com" in view.headline
     assert view.summary == "Refund for J*** D***"
+
+
+def test_the_edit_form_shows_masks_and_an_edit_left_masked_keeps_the_references(client, card, holder):
+    client.force_login(holder)
+    html = client.get(f"/approvals/{card.pk}/").content.decode()
+    assert "Dear J*** D***," in html  # the editable body, as the form shows it
+    fields = {
+        "decision": "edit",
+        "version": card.version,
+        "p:refund.amount_cents": 100,
+        "p:refund.currency": card.proposed["refund"]["currency"],
+        "p:email.subject": card.proposed["email"]["subject"],
+        "p:email.body": "Dear J*** D***, sorry",
+        "comment": "less",
+    }
+    response = client.post(f"/approvals/{card.pk}/decide", fields, headers=HTMX)
+    assert response.status_code == 200, response.content.decode()[:2000]
+    edit = Decision.objects.get(approval=card, decision="edit")
+    assert edit.payload["email"]["body"] == f"Dear {card.refs['name']}, sorry"
+    assert edit.payload["email"]["to"] == card.refs["email"]
+    assert_masked(response.content.decode())

@@ -16,7 +16,8 @@ from guardian.shortcuts import assign_perm
 
 import tests.workflows  # noqa: F401 - the test workflows
 from approvals import cards, personal
-from approvals.models import Approval, Decision
+from approvals.models import Approval, Decision, Notification
+from approvals.tasks import send_notification
 from core import pii
 from core.models import ApiToken, AuditEntry, Channel, PiiSubject, PiiValue
 from runs import submission
@@ -24,6 +25,7 @@ from runs.gates import ApprovalRequest, Kind
 from runs.models import Run, Step
 from slackapp import posting
 from tests.engine_helpers import REFUND, drive
+from tests.integration.approvals.test_notify import Receiver, escalated_card
 
 KEY = base64.b64encode(os.urandom(32)).decode()
 EMAIL, NAME = "jane.doe@example.com", "Jane Doe"
@@ -304,3 +306,22 @@ def test_the_edit_form_shows_masks_and_an_edit_left_masked_keeps_the_references(
     assert edit.payload["email"]["body"] == f"Dear {card.refs['name']}, sorry"
     assert edit.payload["email"]["to"] == card.refs["email"]
     assert_masked(response.content.decode())
+
+
+def test_escalation_emails_and_the_webhook_show_masks(card, settings, mailoutbox):
+    receiver = Receiver()
+    try:
+        settings.NOTIFY_BACKENDS = ["email", "webhook"]
+        settings.NOTIFY_WEBHOOK_URL, settings.NOTIFY_WEBHOOK_SECRET = receiver.url, "secret"
+        escalated = escalated_card()
+        for notification in Notification.objects.filter(approval=escalated):
+            # The card's summary as the notification carries it, with the customer's references in it.
+            notification.payload = {**notification.payload, "summary": f"Refund to {card.refs['email']}"}
+            notification.save(update_fields=["payload"])
+            assert send_notification(notification_id=notification.pk) == "sent"
+        (request,) = receiver.requests
+        sent = [request["body"].decode(), *(m.body for m in mailoutbox), *(m.alternatives[0][0] for m in mailoutbox)]
+        assert mailoutbox and all(EMAIL not in text and "pii:" not in text for text in sent)
+        assert "j***@example.com" in sent[0]
+    finally:
+        receiver.close()

@@ -458,6 +458,8 @@ def personal_data_errors(schema: dict, arguments: Any) -> list[dict]:
     """A schema may mark arguments as personal data (`"x-pii": true` on a property; docs/personal-data.md): the
     console keeps them sealed under the subject its root `"x-pii-subject"` names (a dotted path into the arguments).
     Refused (422): marks without a subject, or arguments that lack it."""
+    if pii.MARK not in json.dumps(schema):
+        return []  # marks nothing: nothing to walk
     try:
         paths = pii.check_schema(schema)
     except pii.SchemaError as exc:

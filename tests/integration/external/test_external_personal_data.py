@@ -174,3 +174,13 @@ def test_an_erased_subject_cannot_be_executed(agent, reviewer):
     )
     assert status == 409 and "erased" in refused["detail"]
     assert ActionRequest.objects.get(pk=body["id"]).receipt_id is None
+
+
+def test_a_marked_schema_whose_walk_grows_exponentially_is_refused_quickly(agent):
+    # Each level: anyOf two references to the next, and a mark at the end: 2**30 paths to the mark.
+    levels = {f"l{i}": {"anyOf": [{"$ref": f"#/$defs/l{i + 1}"}, {"$ref": f"#/$defs/l{i + 1}"}]} for i in range(30)}
+    schema = {**SCHEMA, "$defs": {**levels, "l30": {"type": "string", "x-pii": True}}}
+    schema["properties"] = {**SCHEMA["properties"], "code": {"$ref": "#/$defs/l0"}}
+    status, body = ask(agent, schema=schema)
+    assert status == 422 and any("too large" in error["msg"] for error in body["detail"]), body
+    assert not ActionRequest.objects.exists()

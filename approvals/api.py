@@ -12,7 +12,7 @@ from ninja import Field, Query, Router, Schema, Status
 from ninja.errors import HttpError, ValidationError
 from pydantic import ConfigDict
 
-from approvals import sla
+from approvals import personal, sla
 from approvals.access import card_for, cards_to_decide
 from approvals.diff import changes
 from approvals.errors import AlreadyDecided, DecisionError, Expired, InvalidDecision
@@ -234,6 +234,34 @@ def get_card(request, card_id: int):
         why_not = f"the card is {card.status}: there is nothing left to decide"
     card.may_decide, card.why_not = not why_not, why_not or None
     return card
+
+
+class RevealedOut(Schema):
+    path: str  # where on the card: proposed.customer.email, edit.<decision id>.payload.to
+    field: str  # the field it was sealed as
+    value: Any = None  # the clear value (null when erased)
+    erased: bool
+
+
+class RevealOut(Schema):
+    card_id: int
+    fields: list[RevealedOut]
+
+
+@router.post(
+    "/approvals/{card_id}/reveal",
+    response={200: RevealOut, **ERRORS},
+    summary="Reveal a card's personal data (audited)",
+    description="Every answer shows personal data masked (`j***@example.com`), or `[erased]`. A holder of "
+    "`view_pii` on the card's channel gets the card's personal values in clear here, each with where it is on the "
+    "card; each reveal writes one audit entry `pii.view` (who, the card, the fields; never the values). 403 without "
+    "`view_pii` (nothing revealed, nothing audited); 503 `pii_keys_missing` (or `pii_key_unknown`, "
+    "`pii_unreadable`) when the vault's key is missing or wrong.",
+)
+def reveal(request, card_id: int):
+    card = card_for(request.user, card_id)
+    shown = personal.reveal(card, request.user, via="api")
+    return {"card_id": card.pk, "fields": [item.as_dict() for item in shown]}
 
 
 @router.post(

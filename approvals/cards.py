@@ -11,23 +11,27 @@ What the door gives every card:
   (`expires_at`: an external request's `expires_in`), at which the card expires whatever its stage
   (approvals.sla.apply_sla);
 - shadow mode as the channel and workflow say when it opens (an action card only);
-- its SLA timer, deferred in the caller's transaction: the timer exists if and only if the card does.
+- its SLA timer, deferred in the caller's transaction: the timer exists if and only if the card does;
+- personal data as references (approvals.personal): the values its proposal's schema marks `x-pii` (`schema`:
+  the gate's proposal model's, an external request's own) sealed, and the run's personal values anywhere else on
+  it (its summary, the current state) replaced by their references, before the card and its args hash are
+  written: the hash is over references, which every view shows masked.
 
 Approval.decide is the one door of a decision, and compares `now` with the deadline there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 import structlog
 from django.utils import timezone
 
-from approvals import rules, sla
+from approvals import personal, rules, sla
 from approvals.models import Approval, ApprovalPolicy, OnExpiry
 from core import tracing
 from core.models import Channel
-from runs.gates import Kind
+from runs.gates import ApprovalRequest, Kind
 
 log = structlog.get_logger("approvals.cards")
 
@@ -46,6 +50,7 @@ class CardSpec:
     citations: list = field(default_factory=list)
     risk: str = "medium"
     display: dict = field(default_factory=dict)  # headline, amount_minor, currency (runs.gates.Display.values)
+    schema: dict | None = None  # the proposal's JSON Schema: what it marks `x-pii` is sealed (approvals.personal)
 
 
 def policy_for(channel: Channel, *, step: str = "", tool: str = "", named: str = "") -> dict:
@@ -59,6 +64,25 @@ def policy_for(channel: Channel, *, step: str = "", tool: str = "", named: str =
         log.error("a gate names an approval policy that does not exist: its card fails closed", policy=named)
         return ApprovalPolicy.missing(named, channel)
     return found.snapshot() if found is not None else rules.channel_rule(channel)
+
+
+def keep_references(run, channel: Channel, spec: CardSpec) -> CardSpec:
+    """`spec` as the card keeps it: personal data as references (approvals.personal.card_proposal), and the args
+    hash over them when that changed the proposal (runs.gates.ApprovalRequest.args_hash, the one formula)."""
+    proposed = personal.card_proposal(run.pk, spec.proposed, spec.schema)
+    display = {**spec.display, "headline": personal.scrub_for_run(run.pk, spec.display.get("headline", ""))}
+    kept = replace(
+        spec,
+        proposed=proposed,
+        current=personal.scrub_for_run(run.pk, spec.current),
+        summary=personal.scrub_for_run(run.pk, spec.summary),
+        citations=personal.scrub_for_run(run.pk, spec.citations),
+        display=display if "headline" in spec.display else spec.display,
+    )
+    if proposed != spec.proposed:
+        question = ApprovalRequest(channel=channel.name, proposed=proposed, current=kept.current, kind=spec.kind)
+        kept = replace(kept, args_hash=question.args_hash())
+    return kept
 
 
 def open_card(
@@ -78,6 +102,7 @@ def open_card(
     then); `due_by`: its first deadline at the latest (an external request that escalates once at `expires_in`)."""
     now = timezone.now()
     policy = policy or rules.channel_rule(channel)
+    spec = keep_references(run, channel, spec)
     card = Approval(
         **spec.display,
         run=run,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
+from core import pii
 from runs import workflow as workflows
 from runs.errors import UnknownWorkflow
 from runs.gates import ANY_LEAF, GateSpec, Kind
@@ -106,7 +107,10 @@ def edit_errors(card: Approval, payload: Any) -> list[dict]:
     if card.kind == Kind.BUDGET:
         return _budget_errors(card, payload)
     # A gate that declares nothing (or a step that asks without declaring a gate): same shape, any values.
-    return (gate_spec(card) or GateSpec()).edit_errors(card.proposed, payload)
+    # Personal data is kept as references (approvals.personal) but declared as the values they stand for (an
+    # email's pattern): the edit is checked on those, opened here and nowhere shown. A missing key raises.
+    spec = gate_spec(card) or GateSpec()
+    return spec.edit_errors(pii.present(card.proposed, clear=True), pii.present(payload, clear=True))
 
 
 def _budget_errors(card: Approval, payload: Any) -> list[dict]:

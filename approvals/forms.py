@@ -18,12 +18,12 @@ from django import forms
 from django.contrib.auth.models import User
 from django.core.validators import RegexValidator
 
-from approvals import edits, links
+from approvals import edits, links, personal
 from approvals.diff import FieldDiff, changes
 from approvals.errors import CannotCheckEdit
 from approvals.models import Approval, DecisionLink, RejectReason
 from approvals.rules import DecisionKind
-from core import safe_input
+from core import pii, safe_input
 
 COMMENT_MAX = 5000
 CURRENCY = RegexValidator(r"^[A-Z]{3}\Z", "A currency is a three-letter ISO code, such as EUR.")
@@ -170,6 +170,12 @@ class EditForm(forms.Form):
     def _checked(self, cleaned: dict, payload) -> dict:
         """The one validator of edits (approvals.edits), each error on its field when it has one."""
         if self.errors:
+            return cleaned
+        try:
+            # Personal data stays references: a mask left as shown is its reference again (approvals.personal).
+            payload = personal.keep_personal(self.card, payload)
+        except pii.SchemaError as exc:
+            self.add_error(None, str(exc))
             return cleaned
         try:
             errors = edits.edit_errors(self.card, payload)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import structlog
 from django.utils import timezone
 
-from approvals import cards, rules
+from approvals import cards, personal, rules
 from approvals.models import Approval, card_closed
-from core import tracing
+from core import pii, tracing
 from core.models import Channel
 from runs import workflow as workflows
 from runs.errors import Fatal, UnknownWorkflow
@@ -21,6 +23,9 @@ class CardBackend:
         channel = Channel.objects.filter(name=request.channel).first()
         if channel is None:
             raise Fatal(f"the workflow asks for a decision on channel {request.channel!r}, which does not exist")
+        schema = _schema_of(run, seq, request)
+        # The card keeps references (approvals.cards.keep_references): the question is asked over them.
+        request = _as_kept(run, request, schema, create=True)
         args_hash = request.args_hash()
         open_card = Approval.objects.filter(run=run, step_seq=seq, status__in=Approval.OPEN).first()
         if open_card is not None:
@@ -41,12 +46,17 @@ class CardBackend:
             citations=request.citations,
             risk=request.risk,
             display=display,
+            schema=schema,
         )
         cards.open_card(run, seq, channel, spec, policy=_policy_of(run, seq, channel, request))
 
     def decision(self, run, seq: int, request: ApprovalRequest) -> Decision | None:
+        # The card's hash is over the references it keeps: the request, asked again with clear values, is found by
+        # the references they were sealed as (nothing new is sealed to find it).
+        kept = _as_kept(run, request, _schema_of(run, seq, request), create=False)
+        hashes = {request.args_hash(), kept.args_hash()}
         card = (
-            Approval.objects.filter(run=run, step_seq=seq, args_hash=request.args_hash(), status__in=Approval.DECIDED)
+            Approval.objects.filter(run=run, step_seq=seq, args_hash__in=hashes, status__in=Approval.DECIDED)
             .prefetch_related("decisions__actor")
             .order_by("-decided_at")
             .first()
@@ -81,6 +91,20 @@ class CardBackend:
         for card in closed:
             card.status, card.decided_at = status, now
             card_closed.send(Approval, card=card)
+
+
+def _schema_of(run, seq: int, request: ApprovalRequest) -> dict | None:
+    """The JSON Schema of the gate's proposal (what it marks `x-pii`), or None."""
+    return personal.schema_of(Approval(run=run, step_seq=seq, kind=request.kind))
+
+
+def _as_kept(run, request: ApprovalRequest, schema: dict | None, *, create: bool) -> ApprovalRequest:
+    """The request with its proposal as its card keeps it (approvals.personal.card_proposal). A proposal that lacks
+    the subject its schema names cannot be sealed: the step fails (Fatal), nothing is shown in clear."""
+    try:
+        return replace(request, proposed=personal.card_proposal(run.pk, request.proposed, schema, create=create))
+    except pii.SchemaError as exc:
+        raise Fatal(f"the gate's proposal cannot be sealed: {exc}") from None
 
 
 def _policy_of(run, seq: int, channel: Channel, request: ApprovalRequest) -> dict | None:

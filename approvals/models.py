@@ -16,10 +16,10 @@ from django.db.models import Q
 from django.dispatch import Signal
 from django.utils import timezone
 
-from approvals import edits, rules
-from approvals.errors import Expired
+from approvals import edits, personal, rules
+from approvals.errors import Expired, InvalidDecision
 from approvals.rules import Agreement, AtEnd, DecisionKind, StagePurpose
-from core import tracing
+from core import pii, tracing
 from core.access import decidable_channels, may_approve
 from core.models import AuditEntry, Channel
 from runs import compensations
@@ -230,6 +230,13 @@ class Approval(models.Model):
         where it was taken or where the person came from when not the console itself (`slack`; `email`: a
         DecisionLink), in its audit entry. `undo` (a rejection of an action or budget card only): reject and undo,
         what the run did is compensated too (runs.compensations; refused when there is nothing it can undo)."""
+        if decision == DecisionKind.EDIT and isinstance(payload, dict):
+            # An edit keeps personal data as references (a mask left as shown, a clear value typed back, a new
+            # value of a marked field: approvals.personal), whichever view it comes from.
+            try:
+                payload = personal.keep_personal(self, payload)
+            except pii.SchemaError as exc:
+                raise InvalidDecision(str(exc), [{"loc": "payload", "msg": str(exc)}]) from None
         asked = rules.Asked.of(
             decision,
             comment=comment,

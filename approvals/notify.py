@@ -25,7 +25,7 @@ from django.utils.dateparse import parse_datetime
 
 from approvals import labels, links
 from approvals.models import DecisionLink, Notification
-from core import webhook_signing
+from core import pii, webhook_signing
 
 
 class NothingToSend(Exception):
@@ -62,7 +62,7 @@ class EmailBackend:
             if all(link.emailed_at is not None for link in made.values()):
                 continue  # an earlier attempt of this notification mailed them
             context = {
-                **payload,
+                **pii.present(payload),  # personal data masked: an email never reveals it
                 "recipient": recipient,
                 "card_url": base + str(payload.get("url", "")),
                 "approve_url": base + links.path_for(made["approve"]),
@@ -103,7 +103,7 @@ class WebhookBackend:
         if not url:
             raise NothingToSend("NOTIFY_WEBHOOK_URL is not set")
         body = json.dumps(
-            {"id": notification.pk, "event": notification.event, **notification.payload},
+            {"id": notification.pk, "event": notification.event, **pii.present(notification.payload)},  # masked
             cls=DjangoJSONEncoder,
             sort_keys=True,
         ).encode()

@@ -30,7 +30,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from django.views.decorators.vary import vary_on_headers
 from django_htmx.http import trigger_client_event
 
-from approvals import edits, labels, links, rules
+from approvals import edits, labels, links, personal, rules
 from approvals.access import card_for
 from approvals.diff import CLAIMS_UNCHANGED, against_current, changes
 from approvals.errors import (
@@ -45,6 +45,7 @@ from approvals.errors import (
 from approvals.forms import AwayForm, DecideForm, EditForm, RejectForm
 from approvals.models import Approval, Delegation, DelegationRefused, RejectReason
 from approvals.rules import Agreement, DecisionKind
+from core.access import may_view_pii
 from core.views import HtmxHttpRequest
 from runs import compensations
 from runs.errors import UndoRefused
@@ -138,6 +139,9 @@ def prepare(card: Approval, user, **state) -> Approval:
         decision.edit_diff = changes(card.proposed, decision.payload) if decision.payload else []
         card.decision_list.append(decision)
     card.is_open = card.status in Approval.OPEN
+    # Personal data shows masked (console.middleware.PersonalDataMiddleware); a holder of view_pii on the channel
+    # may reveal it, one audited reveal at a time (`reveal` below).
+    card.may_reveal = may_view_pii(user, card.channel) and bool(personal.refs_of(card))
     card.is_creator = rules.started_the_run(user, card)
     # Two-person rule: approvals (or edits) recorded on a card that is still open, and whether this user gave one.
     # Under the channel's own rule, the quorum of its one stage (the snapshot the card counts by: Approval.rule).
@@ -290,6 +294,18 @@ def decide(request: HtmxHttpRequest, pk: int):
     if form.via_link is not None:  # the address bar leaves the used link for the card's own page
         response["HX-Replace-Url"] = reverse("card", args=[pk])
     return response
+
+
+@require_POST
+@never_cache
+def reveal(request: HtmxHttpRequest, pk: int):
+    """The card's personal data in clear, for a holder of `view_pii` on its channel (403 for anyone else: nothing
+    shown, nothing audited): each reveal writes one audit entry `pii.view` (approvals.personal.reveal). Answers the
+    partial that takes the Reveal button's place (an htmx request), or the same on a page of its own."""
+    card = card_for(request.user, pk)
+    shown = personal.reveal(card, request.user)
+    template = "approvals/reveal.html" + ("#revealed" if request.htmx else "")
+    return render(request, template, {"card": card, "revealed": shown})
 
 
 def _conflict_message(exc: AlreadyDecided | StaleVersion) -> str:

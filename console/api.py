@@ -13,7 +13,7 @@ from ninja.security import HttpBearer
 
 from approvals.api import router as approvals_router
 from console.channels import router as channels_router
-from core import safe_input
+from core import pii, safe_input
 from core.access import Denied
 from core.api import ERRORS
 from core.models import ApiToken
@@ -130,6 +130,18 @@ def _denied(request, exc):
     if exc.status == 404:
         return error(request, 404, "not_found", "Not found.")
     return error(request, 403, "forbidden", str(exc))
+
+
+@api.exception_handler(pii.PiiError)
+def _personal_data(request, exc):
+    # The vault cannot seal or open (core.pii): a schema that marks personal data without its subject is the
+    # caller's (422); an erased value asked for is gone (409); a missing or wrong key is the console's (503). The
+    # message says what is wrong, never a value.
+    if isinstance(exc, pii.SchemaError):
+        return error(request, 422, "invalid", str(exc))
+    if isinstance(exc, pii.Erased | pii.NotFound):
+        return error(request, 409, exc.code, str(exc))
+    return error(request, 503, exc.code, str(exc))
 
 
 @api.exception_handler(RequestDataTooBig)

@@ -1,10 +1,12 @@
 """The console's middleware: request ids and the request log, the API's body limit, input PostgreSQL cannot store,
-database outages, access refusals as 404 and 403 pages, the probes' exemption from Host checks, and the
+database outages, personal data masked in every page and API answer (PersonalDataMiddleware), access refusals as
+404 and 403 pages, the probes' exemption from Host checks, and the
 middleware a token (API) request skips (`browser_only`)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import sys
 import time
@@ -29,6 +31,7 @@ from django.utils.html import escape
 from django_htmx.middleware import HtmxMiddleware
 from whitenoise.middleware import WhiteNoiseMiddleware
 
+from core import pii
 from core.access import Denied
 from core.safe_input import unsafe_char
 from jobs.worker import is_connection_error
@@ -240,6 +243,84 @@ class DatabaseUnavailableMiddleware:
             response = HttpResponse(_UNAVAILABLE_PAGE, status=503, content_type="text/html; charset=utf-8")
         response["Retry-After"] = str(RETRY_AFTER_SECONDS)
         return response
+
+
+# In place of a value the vault cannot open (a missing or wrong key): what is wrong, never the value.
+_UNREADABLE = {
+    "pii_keys_missing": "PII_KEYS is not set",
+    "pii_key_unknown": "its key is not in PII_KEYS",
+    "pii_unreadable": "PII_KEYS holds a wrong key",
+}
+
+
+class PersonalDataMiddleware:
+    """Every page and API answer shows personal data masked (`j***@example.com`, docs/personal-data-access.md):
+    each reference (`pii:<id>`) in an HTML, JSON or text body is replaced by its value's mask, escaped for the
+    body it is in, or "[erased]" for an erased subject's. One place for every view (the card page, the inbox, bulk,
+    the run page, the APIs, admin, the audit log), so that no view can forget it and what a person is shown of a
+    card is the same everywhere; a view that may reveal clear values does so itself, audited (approvals.personal),
+    and its answer then holds no reference. Streamed answers (exports) are left as they are: they carry references.
+
+    A missing or wrong key (core.pii.KeysMissing, KeyUnknown, Unreadable) is said in place of each value on a
+    page, and answered 503 `{error: "pii_keys_missing", detail}` by the API: never clear text, never a traceback.
+    Placed outside everything that renders, inside DatabaseUnavailableMiddleware (opening the values reads the
+    database)."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        response = self.get_response(request)
+        kind = response.get("Content-Type", "").split(";")[0].strip()
+        if response.streaming or not (kind.startswith("text/") or kind == "application/json"):
+            return response
+        charset = response.charset or "utf-8"
+        text = response.content.decode(charset, errors="replace")
+        if pii.PREFIX not in text:
+            return response
+        if kind == "application/json":
+            quote = _json_text
+        elif kind == "text/html":
+            quote = escape
+        else:
+            quote = str
+        refs = set(pii.REF.findall(text))
+        try:
+            shown = pii.present({ref: ref for ref in refs})
+        except pii.PiiError as exc:
+            log.error("personal data cannot be shown", path=request.path, code=exc.code, error=str(exc))
+            if kind == "application/json":
+                return _pii_error(exc)
+            shown = dict.fromkeys(refs, f"[personal data unavailable: {_UNREADABLE.get(exc.code, exc.code)}]")
+        response.content = pii.REF.sub(lambda m: quote(str(shown.get(m.group(0), pii.ERASED))), text).encode(charset)
+        if response.has_header("Content-Length"):  # set inside (CommonMiddleware) for the body with references
+            response["Content-Length"] = str(len(response.content))
+        return response
+
+    def process_exception(self, request, exception):
+        """A view that needed a value it could not open (an edit's check, a reveal): 503, saying why."""
+        if not isinstance(exception, pii.PiiError) or isinstance(exception, pii.SchemaError | pii.Erased):
+            return None
+        log.error("personal data cannot be opened", path=request.path, code=exception.code, error=str(exception))
+        if request.path.startswith("/api/"):
+            return _pii_error(exception)
+        page = _UNREADABLE_PAGE.format(detail=escape(str(exception)))
+        return HttpResponse(page, status=503, content_type="text/html; charset=utf-8")
+
+
+_UNREADABLE_PAGE = (
+    "<!doctype html><html lang=en><meta charset=utf-8><title>Personal data unavailable</title>"
+    "<h1>Personal data unavailable</h1><p>{detail}</p></html>"
+)
+
+
+def _json_text(value: str) -> str:
+    """`value` as it goes inside a JSON string (the reference it replaces was one, or part of one)."""
+    return json.dumps(value)[1:-1]
+
+
+def _pii_error(exc: pii.PiiError) -> HttpResponse:
+    return JsonResponse({"error": exc.code, "detail": str(exc)}, status=503)
 
 
 class AccessDeniedMiddleware:

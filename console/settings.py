@@ -139,6 +139,8 @@ MIDDLEWARE = [
     "console.middleware.RequestIdMiddleware",
     # Outside the session and auth middlewares, whose own queries fail first during an outage.
     "console.middleware.DatabaseUnavailableMiddleware",
+    # Inside the outage's answer (it reads the database), outside everything that renders a page or an answer.
+    "console.middleware.PersonalDataMiddleware",
     "console.middleware.ApiBodyLimitMiddleware",
     # Before the session middleware: a NUL in a cookie or query string must not reach a query.
     "console.middleware.SafeInputMiddleware",

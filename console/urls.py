@@ -35,6 +35,7 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("approvals/<int:pk>/", approval_views.card, name="card"),
     path("approvals/<int:pk>/decide", approval_views.decide, name="decide"),
+    path("approvals/<int:pk>/reveal", approval_views.reveal, name="reveal"),  # audited: pii.view
     path("approvals/bulk", inbox.bulk, name="approvals-bulk"),
     # An email's Approve or Reject link (approvals.links): opens the card with the choice pre-selected, after login.
     path("approvals/email/<str:token>/", approval_views.decision_link, name="decision-link"),

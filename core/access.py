@@ -6,7 +6,8 @@ Two kinds of right:
 - roles, kept as Django groups (core.models.Role: reviewer, ops, admin). `has_role` is the one test of them, with
   the one superuser rule: a superuser holds every role (as Django gives them every permission).
 - per channel, django-guardian object permissions: `approve_channel` (see and decide the channel's cards) and
-  `operate_channel` (flip its kill switch), which a superuser holds on every channel.
+  `operate_channel` (flip its kill switch), `view_pii` (reveal its cards' personal data), which a superuser
+  holds on every channel.
 
 A "no" is an `access.Denied`: NotVisible (404: the user may not even see the thing, and learns nothing of it) or
 Forbidden (403: they see it and may not do this). The pages answer it with Django's 404 and 403 pages
@@ -84,6 +85,13 @@ def may_read_audit(user) -> bool:
 def may_approve(user, channel: Channel) -> bool:
     """`approve_channel` on `channel`: the user sees and decides its cards (approvals.access)."""
     return user.has_perm("core.approve_channel", channel)
+
+
+def may_view_pii(user, channel: Channel) -> bool:
+    """`view_pii` on `channel`: the user may reveal the clear personal data of its cards (each reveal audited:
+    approvals.personal). Held by a superuser on every channel, as the other channel permissions are (Django's
+    has_perm); everyone else sees masks."""
+    return user.has_perm("core.view_pii", channel)
 
 
 def decidable_channels(user) -> QuerySet[Channel]:

@@ -45,6 +45,7 @@ REF = re.compile(r"pii:[0-9a-f]{32}")
 ERASED = "[erased]"
 MARK, SUBJECT = "x-pii", "x-pii-subject"
 _NONCE = 12
+MAX_SCHEMA_NODES = 10_000  # marked_paths walks no more of a schema (an agent's: external.schemas)
 
 
 class PiiError(Exception):
@@ -227,9 +228,14 @@ def marked_paths(schema: dict) -> list[str]:
             seen, node = seen | {name}, {**defs[name], **{k: v for k, v in node.items() if k != "$ref"}}
         return node, seen
 
+    budget = [MAX_SCHEMA_NODES]
+
     def walk(node: Any, path: str, seen: frozenset) -> None:
         if not isinstance(node, dict):
             return
+        budget[0] -= 1
+        if budget[0] < 0:  # an agent's schema whose `$ref`s multiply the walk (two per level, 30 levels deep)
+            raise SchemaError(f"the schema is too large to find its {MARK} marks in ({MAX_SCHEMA_NODES} nodes at most)")
         node, seen = resolve(node, seen)
         if node.get(MARK) is True and path:
             paths.append(path)

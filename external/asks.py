@@ -8,14 +8,14 @@ What the agent is told of it next is external.status; its one execution, externa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from approvals import cards
+from approvals import cards, personal
 from approvals.models import Approval, OnExpiry
 from core import outbound_url
 from core.access import may_act_unreviewed, may_request
@@ -141,6 +141,10 @@ def _open(
     callback_url: str = "",
 ) -> ActionRequest:
     run = run or _run_for(user, ask.run)
+    # What the console keeps holds references: the values the agent's schema marks `x-pii` sealed under the run
+    # (approvals.personal, as its card keeps them); the fingerprint of a repeated ask is of what the agent sent.
+    fingerprint = ask.fingerprint()
+    ask = replace(ask, arguments=personal.card_proposal(run.pk, ask.arguments, ask.schema))
     seq = ActionRequest.objects.filter(run=run).count()
     expires_at = timezone.now() + (timedelta(seconds=ask.expires_in) if ask.expires_in else channel.sla)
     Step.objects.create(
@@ -157,7 +161,7 @@ def _open(
         created_by=user,
         api_token=token,
         idempotency_key=ask.idempotency_key,
-        request_hash=ask.fingerprint(),
+        request_hash=fingerprint,
         run=run,
         step_seq=seq,
         channel=channel,
@@ -229,6 +233,7 @@ def _open_card(run: Run, seq: int, channel: Channel, ask: Ask, expires_at) -> Ap
         citations=rationale.get("citations") or [],
         risk=ask.risk,
         display=_display(ask.display).values(ask.arguments),
+        schema=ask.schema,
     )
     escalate = ask.on_expiry == "escalate"
     return cards.open_card(
@@ -268,7 +273,7 @@ class SchemaGate(GateSpec):
             return [{"loc": "payload", "msg": "must be an object"}]
         if self.schema is None:
             return [{"loc": "payload", "msg": "the agent sent no schema for this action: approve or reject it"}]
-        return schemas.edit_errors(self.schema, edited)
+        return schemas.edit_errors(self.schema, edited)  # opened by approvals.edits.edit_errors
 
 
 def gate_of(card: Approval) -> GateSpec | None:

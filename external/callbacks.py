@@ -14,13 +14,17 @@ from django.core.serializers.json import DjangoJSONEncoder
 from approvals.models import Notification
 from approvals.notify import NothingToSend
 from approvals.tasks import send_notification
-from core import outbound_url, webhook_signing
+from core import outbound_url, pii, webhook_signing
 from core.models import ApiToken
 from external.models import ActionRequest
 
 
-def queue(request: ActionRequest, answer: dict) -> None:
-    """The decision on the request's card (`answer`: its state, as the agent reads it) to POST to its callback_url."""
+def queue(request: ActionRequest, answer: dict, stored_arguments=None) -> None:
+    """The decision on the request's card (`answer`: its state, as the agent reads it) to POST to its callback_url.
+    The notification keeps `stored_arguments` (references) in place of the answer's clear arguments: they are
+    opened when it is sent (CallbackBackend), so that no clear value waits in the outbox."""
+    if answer.get("arguments") is not None:
+        answer = {**answer, "arguments": stored_arguments}
     notification = Notification.objects.create(
         approval=request.card,
         event="external.decision",
@@ -48,7 +52,10 @@ class CallbackBackend:
     name = "callback"
 
     def send(self, notification: Notification) -> None:
-        body = json.dumps(notification.payload["body"], cls=DjangoJSONEncoder, sort_keys=True).encode()
+        body = dict(notification.payload["body"])
+        if body.get("arguments") is not None:
+            body["arguments"] = pii.present(body["arguments"], clear=True)  # the agent's own values (status.for_agent)
+        body = json.dumps(body, cls=DjangoJSONEncoder, sort_keys=True).encode()
         secrets = ApiToken.callback_secrets(_asker(notification), notification.payload.get("token_id"))
         if not secrets:
             raise NothingToSend("the agent that asked has no live API token whose secret could sign its callback")

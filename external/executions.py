@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core import safe_input
+from core import pii, safe_input
 from core.access import may_operate_channel
 from core.models import ActorType, AuditEntry
 from external import undo
@@ -36,7 +36,7 @@ from external.errors import (
 )
 from external.models import ActionRequest
 from external.results import same_outcome, storable
-from external.status import canonical, execution, for_user, state
+from external.status import canonical, execution, for_user, state, stored_arguments
 from runs import effects
 from runs.breakers import BreakerOpen
 from runs.effects import shadow_response
@@ -69,6 +69,11 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
                 "These are not the approved arguments: GET the request and execute its `arguments` "
                 "(a reviewer may have edited them)."
             )
+        stored = stored_arguments(request)
+        try:
+            pii.reveal(stored)  # a value erased since the decision: there is nothing the agent may execute
+        except (pii.Erased, pii.NotFound) as exc:
+            raise NotApproved(f"The approved arguments cannot be executed: {exc}. Ask again.") from None
         if (stale_at := consume_by(request)) <= timezone.now():
             raise Stale(
                 f"This approval was not used in time (by {stale_at.isoformat()}, APPROVAL_CONSUME_WITHIN): the world "
@@ -85,7 +90,7 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
                 request.channel.name,
                 key,
                 step=request.action,
-                preview={"call": request.action, **answer["arguments"]},
+                preview={"call": request.action, **stored},
                 undo=undoing,
             )
         except effects.RunEnded as exc:
@@ -103,7 +108,7 @@ def consume(user, request_id, arguments_digest: str, nonce: str = "") -> dict:
             output={"shadow": shadow_response(key)} if receipt.shadow else None,
             ended_at=timezone.now() if receipt.shadow else None,
         )
-        _audit(request, "external.consume", user, {"arguments": answer["arguments"], "shadow": receipt.shadow})
+        _audit(request, "external.consume", user, {"arguments": stored, "shadow": receipt.shadow})
         if receipt.shadow and undoing:
             undo.settle(request.run_id)  # a shadow compensation is done as it is recorded
         return _go(request, answer, shadow=receipt.shadow)

@@ -38,6 +38,8 @@ import referencing.exceptions
 import referencing.jsonschema
 from jsonschema.exceptions import ValidationError
 
+from core import pii
+
 MAX_BYTES = 32 * 1024  # the schema as compact JSON (UTF-8): room for the arguments beside it in a 64 KiB body
 MAX_DEPTH = 24  # objects and arrays nested in each other, the schema itself counting as one
 # Keyword evaluations in one validation. Measured on this project's machines: 20,000 of the costliest kind
@@ -444,10 +446,37 @@ def ask_errors(schema: Any, arguments: Any) -> list[dict]:
     unusable, else where the arguments do not fit it (loc under "arguments"); [] when nothing does."""
     if found := problems(schema):
         return found
+    if found := personal_data_errors(schema, arguments):
+        return found
     try:
         return errors(schema, arguments, "arguments")
     except Unusable as exc:
         return exc.errors
+
+
+def personal_data_errors(schema: dict, arguments: Any) -> list[dict]:
+    """A schema may mark arguments as personal data (`"x-pii": true` on a property; docs/personal-data.md): the
+    console keeps them sealed under the subject its root `"x-pii-subject"` names (a dotted path into the arguments).
+    Refused (422): marks without a subject, or arguments that lack it."""
+    if pii.MARK not in json.dumps(schema):
+        return []  # marks nothing: nothing to walk
+    try:
+        paths = pii.check_schema(schema)
+    except pii.SchemaError as exc:
+        return [{"loc": f"schema.{pii.SUBJECT}", "msg": str(exc)}]
+    if not paths:
+        return []
+    subject = arguments
+    for part in schema[pii.SUBJECT].split("."):
+        subject = subject.get(part) if isinstance(subject, dict) else None
+    if subject is None or isinstance(subject, bool) or not isinstance(subject, str | int) or str(subject).strip() == "":
+        return [
+            {
+                "loc": f"arguments.{schema[pii.SUBJECT]}",
+                "msg": f"is the personal data's subject ({pii.SUBJECT}): a non-empty string or integer is required",
+            }
+        ]
+    return []
 
 
 def edit_errors(schema: Any, edited: Any) -> list[dict]:

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from approvals import sla
 from approvals.models import Approval
+from core import pii
 from external import callbacks
 from external.errors import NotFound
 from external.models import ActionRequest
@@ -45,8 +46,23 @@ def digest(arguments: Any) -> str:
 # --- what the agent is told --------------------------------------------------------------------------------------
 
 
+def for_agent(arguments: Any) -> Any:
+    """The arguments as the agent that asked executes them: its personal values in clear (it sent them; the console
+    keeps references, approvals.personal), "[erased]" for an erased subject's. A missing or wrong key raises."""
+    return pii.present(arguments, clear=True) if arguments is not None else None
+
+
+def stored_arguments(request: ActionRequest) -> Any:
+    """What runs as the console keeps it (references): for its receipt and audit entries, never sent as such."""
+    card = request.card
+    if card is None:
+        return request.arguments
+    return card.to_execute if card.status in (Approval.Status.APPROVED, Approval.Status.EDITED) else None
+
+
 def state(request: ActionRequest) -> dict:
-    """The request as GET /api/approval-requests/{id} shows it: the decision, what to execute, the execution."""
+    """The request as GET /api/approval-requests/{id} shows it: the decision, what to execute (in clear: for_agent;
+    its digest is of that), the execution."""
     card = request.card
     if card is None:  # approval: never
         status, decided_by, decided_at, comment, reason = "approved", "policy", request.created_at, "", ""
@@ -59,6 +75,7 @@ def state(request: ActionRequest) -> dict:
         decided_by = _deciders(card) if status in ("approved", "rejected") else None
         to_execute = card.to_execute if status == "approved" else None
         edited = card.status == Approval.Status.EDITED
+    to_execute = for_agent(to_execute)
     return {
         "id": str(request.id),
         "run_id": str(request.run_id),
@@ -143,4 +160,4 @@ def card_closed(sender, card: Approval, **_) -> None:
             ended_at=timezone.now(),
         )
     if request.callback_url:
-        callbacks.queue(request, answer)
+        callbacks.queue(request, answer, stored_arguments(request))

@@ -23,6 +23,7 @@ from approvals import rules
 from approvals.diff import against_current
 from approvals.models import Approval, Decision, Notification
 from approvals.notify import NothingToSend
+from core import pii
 from runs.gates import Kind
 from slackapp import blocks
 from slackapp.models import SlackMessage, SlackRoute
@@ -78,15 +79,16 @@ def view_of(card: Approval) -> blocks.CardView:
         outcome = f"{card.status.capitalize()}{by} at {when}"
         if last is not None and last.comment:
             outcome += f': "{last.comment}"'
+    # Slack never reveals personal data: what the card keeps (references) is shown masked, as on every page.
     to_run = card.to_execute
-    shown = against_current(card.current, to_run if to_run is not None else card.proposed)
+    shown = against_current(pii.present(card.current), pii.present(to_run if to_run is not None else card.proposed))
     return blocks.CardView(
         id=card.pk,
         version=card.version,
         channel=card.channel.name,
         workflow=card.workflow,
-        headline=card.headline,
-        summary=card.summary,
+        headline=pii.present(card.headline),
+        summary=pii.present(card.summary),
         risk=card.risk,
         due_at=card.due_at.astimezone(UTC),
         url=card_url(card),

@@ -274,10 +274,10 @@ class PersonalDataMiddleware:
         kind = response.get("Content-Type", "").split(";")[0].strip()
         if response.streaming or not (kind.startswith("text/") or kind == "application/json"):
             return response
+        if pii.PREFIX.encode() not in response.content:  # most answers: no decoding, nothing read
+            return response
         charset = response.charset or "utf-8"
         text = response.content.decode(charset, errors="replace")
-        if pii.PREFIX not in text:
-            return response
         if kind == "application/json":
             quote = _json_text
         elif kind == "text/html":

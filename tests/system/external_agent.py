@@ -5,7 +5,9 @@ refund through `hitl_client.require_approval`, paid at a fake payment system ove
 
 Environment: HITL_URL and HITL_TOKEN (the console and the agent's token), PAYMENTS_URL (the payment system),
 SETTLE_SECONDS (how long the refund waits after paying, for the bank's confirmation: the test kills the process
-then, so the payment has happened and its outcome was never reported).
+then, so the payment has happened and its outcome was never reported). AGENT_OTLP_ENDPOINT: the agent traces itself
+with OpenTelemetry's SDK, as an instrumented agent does, exporting to that OTLP/HTTP endpoint (service `agent`): its
+turn is one span, `agent.turn`, inside which the client gates the call (tests/system/test_tracing.py).
 
 It prints one JSON line per event on stdout (`entered`: the function runs; `paid`: the payment system took it;
 then the outcome) and exits 0 with the refund's result, or 3 when the console says the outcome is unknown.
@@ -14,6 +16,7 @@ It imports nothing of the console: only the client, as any agent would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +32,29 @@ def say(event: str, **data) -> None:
     print(json.dumps({"event": event, **data}), flush=True)
 
 
+def traced() -> contextlib.AbstractContextManager:
+    """The agent's turn as a span of its own trace when AGENT_OTLP_ENDPOINT is set; nothing otherwise."""
+    endpoint = os.environ.get("AGENT_OTLP_ENDPOINT")
+    if not endpoint:
+        return contextlib.nullcontext()
+    from opentelemetry import trace  # noqa: PLC0415 - only an agent that traces itself loads the SDK
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: PLC0415
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")))
+    trace.set_tracer_provider(provider)
+    return trace.get_tracer("agent").start_as_current_span("agent.turn")
+
+
 def main(order_id: str, amount_cents: int) -> int:
+    with traced():
+        return _turn(order_id, amount_cents)
+
+
+def _turn(order_id: str, amount_cents: int) -> int:
     payments_url = os.environ["PAYMENTS_URL"]
     settle = float(os.environ.get("SETTLE_SECONDS", "0"))
     with Client(os.environ["HITL_URL"], os.environ["HITL_TOKEN"], timeout=10) as client:

@@ -302,7 +302,7 @@ def test_a_shadow_card_never_calls_the_function_and_returns_the_shadow_result(sy
 class Agent:
     """tests/system/external_agent.py as a process of its own."""
 
-    def __init__(self, system, payments, order_id: str, amount_cents: int, settle: float):
+    def __init__(self, system, payments, order_id: str, amount_cents: int, settle: float, **extra_env: str):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(CLIENT_SRC), os.environ.get("PYTHONPATH")])),
@@ -311,6 +311,7 @@ class Agent:
             "PAYMENTS_URL": payments.url,
             "SETTLE_SECONDS": str(settle),
             "PYTHONUNBUFFERED": "1",
+            **extra_env,
         }
         self.proc = subprocess.Popen(
             [sys.executable, str(AGENT_SCRIPT), order_id, str(amount_cents)],

@@ -27,6 +27,8 @@ from demo.models import SandboxCall
 from runs.models import Run, Step
 from tests.serving import serve_in_thread
 from tests.system.conftest import Approver
+from tests.system.refunds import decide
+from tests.system.test_client_live import Agent, Payments, pending_card
 from tests.worker import wait_with_logs
 
 pytestmark = pytest.mark.slow
@@ -137,6 +139,13 @@ def otlp():
     yield receiver
     receiver.server.shutdown()
     receiver.server.server_close()
+
+
+@pytest.fixture
+def payments():
+    payments = Payments()
+    yield payments
+    payments.stop()
 
 
 @pytest.fixture
@@ -272,3 +281,31 @@ def test_an_external_agents_approval_request_joins_the_agents_trace(system, otlp
     (wait,) = otlp.named("approval.wait")
     assert (wait.trace_id, wait.parent) == (agent_trace, served.span_id)
     assert wait.attributes["hitl.channel"] == "payments" and wait.attributes["hitl.decision"] == "approved"
+
+
+def test_an_agent_using_the_client_sees_the_consoles_spans_in_its_own_trace(system, otlp, payments):
+    """A real agent process (tests/system/external_agent.py: `hitl_client.require_approval`, its own OpenTelemetry
+    SDK exporting to the same collector): its turn, the client's gated span and the console's spans of the request
+    (ask, wait, consume, result, the person's wait) are one trace."""
+    agent = Agent(system, payments, "ord_9", 9_100, settle=0, AGENT_OTLP_ENDPOINT=otlp.url)
+    try:
+        card = pending_card(system)
+        decide(system, card, "approve")
+        code, events, stderr = agent.finish()
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+    assert code == 0, stderr
+    assert payments.made() == [("ord_9", 9_100)]
+    wait_with_logs(lambda: otlp.named("agent.turn"), "the agent's turn span", system.workers.all, 30)
+    (turn,) = otlp.named("agent.turn")
+    (gated,) = otlp.named("hitl.gated_tool refund")
+    assert turn.service == "agent" and (gated.trace_id, gated.parent) == (turn.trace_id, turn.span_id)
+    assert gated.attributes["hitl.decision"] == "approved" and gated.attributes["hitl.channel"] == "payments"
+    assert not {"order_id", "amount_cents"} & set(gated.attributes), "no argument values on the agent's span"
+    console = [s for s in otlp.all() if s.service == "hitl-system-test"]
+    served = {s.name for s in console if s.trace_id == turn.trace_id}
+    assert "POST /api/approval-requests" in served and "approval.wait" in served, served
+    assert any(name.endswith("/consume") for name in served) and any(name.endswith("/result") for name in served), (
+        served
+    )

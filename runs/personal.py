@@ -20,7 +20,7 @@ from typing import Any
 
 from core import pii
 from core.models import PiiSubject
-from runs.errors import Fatal
+from runs.errors import Fatal, Stop
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,18 @@ def check_not_erased(subject: str | None) -> None:
 
 
 def seal_input(data: Any, schema: dict | None, run_id) -> Any:
-    """A new run's input with the fields its schema marks sealed (references as they are). An erased subject's
-    input is refused (pii.Erased), whether or not it carries marked fields."""
-    check_not_erased(subject_of(data, schema))
+    """A new run's input with the fields its schema marks sealed (references as they are); an erased subject's is
+    refused (pii.Erased). An input that marks nothing costs no query (submission's round trips, issue 11): a run of
+    an erased subject that only names them is stopped where a read would seal their data (`seal_read`)."""
     if not marks(schema):
         return data
+    check_not_erased(subject_of(data, schema))
     return pii.seal_marked(data, schema, field="input", run_id=run_id)
+
+
+def _erased_stops_the_run(exc: pii.Erased) -> Stop:
+    """A run that meets an erased subject's data ends cancelled, as their erasure cancels their runs in flight."""
+    return Stop({"outcome": "cancelled", "reason": str(exc)})
 
 
 def sealed_pairs(clear: Any, sealed: Any) -> dict[str, str]:
@@ -138,21 +144,27 @@ def seal_read(declared: Pii | None, answer: Any, *, field: str, run_id, known: K
     that the step's tape (which recorded the answer as the system gave it) is scrubbed too."""
     if declared is None or not isinstance(answer, dict):
         return answer
-    sealed = pii.seal_marked(answer, declared.schema(), field=field, run_id=run_id)
+    try:
+        sealed = pii.seal_marked(answer, declared.schema(), field=field, run_id=run_id)
+    except pii.Erased as exc:
+        raise _erased_stops_the_run(exc) from None
     known.update(sealed_pairs(answer, sealed))
     return sealed
 
 
 def reveal(obj: Any, known: Known) -> Any:
     """`obj` with its references replaced by their clear values (core.pii.reveal), each clear text remembered in
-    `known`. An erased or unknown value fails the step for good (Fatal: nothing is sent with a placeholder); a
-    missing or wrong key raises its own error (core.pii: the step is retried, and says why)."""
+    `known`. Nothing is ever sent with a placeholder: an erased value ends the run cancelled (Stop), a reference
+    the vault does not hold fails it (Fatal), a missing or wrong key raises its own error (core.pii: the step is
+    retried, and says why)."""
     refs = pii.refs_in(obj)
     if not refs:
         return obj
     try:
         clear = pii.reveal(obj)
-    except (pii.Erased, pii.NotFound) as exc:
+    except pii.Erased as exc:
+        raise _erased_stops_the_run(exc) from None
+    except pii.NotFound as exc:
         raise Fatal(f"personal data needed by this step cannot be opened: {exc}") from None
     for ref, found in pii.open_many(refs).items():
         if isinstance(found.value, str):

@@ -281,5 +281,10 @@ def get(name: str, version: int | None = None) -> Workflow:
     return versions[version]
 
 
+def every_version() -> list[Workflow]:
+    """Every registered workflow, each of its versions."""
+    return [definition for name in sorted(_registry) for _, definition in sorted(_registry[name].items())]
+
+
 def names() -> list[str]:
     return sorted(_registry)

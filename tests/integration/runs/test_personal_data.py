@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 from django.db import connection
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,7 +19,7 @@ import tests.workflows  # noqa: F401 - registers test_personal
 from approvals.models import Approval
 from console.checks import check_pii_keys
 from core import pii
-from core.models import AuditEntry, PiiSubject, PiiValue
+from core.models import ApiToken, AuditEntry, PiiSubject, PiiValue
 from jobs.models import DeadLetter
 from runs import engine, submission
 from runs.erasure import erase_subject
@@ -178,6 +179,20 @@ def test_an_erased_subjects_new_run_is_refused_with_nothing_written():
         submission.submit(workflow="test_personal", input=INPUT)
     assert refused.value.errors[0]["loc"] == "input.customer_id" and "erased" in refused.value.errors[0]["msg"]
     assert (Run.objects.count(), PiiValue.objects.count()) == (runs, values)
+
+
+def test_the_api_refuses_an_erased_subjects_new_run_with_a_422(demo, client):
+    submission.submit(workflow="test_personal", input=INPUT)
+    erase_subject("cus_pd1", by="tester")
+    _, raw = ApiToken.issue(User.objects.get(username="agent"))
+    response = client.post(
+        "/api/runs",
+        data=json.dumps({"workflow": "test_personal", "input": INPUT}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {raw}"},
+    )
+    assert response.status_code == 422 and "erased" in response.content.decode()
+    assert EMAIL not in response.content.decode()
 
 
 def test_erase_subject_cancels_the_parked_run_closes_its_card_and_keeps_the_audit_chain_whole(demo, capsys):

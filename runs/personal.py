@@ -144,12 +144,31 @@ def seal_read(declared: Pii | None, answer: Any, *, field: str, run_id, known: K
     that the step's tape (which recorded the answer as the system gave it) is scrubbed too."""
     if declared is None or not isinstance(answer, dict):
         return answer
+    if subject_of(answer, declared.schema()) is None:
+        if any(_holds(answer, path) for path in declared.fields):
+            raise Fatal(
+                f"{field} answered personal data without its subject ({declared.subject!r}): whose key would seal "
+                "it? Not kept"
+            )
+        return answer  # nothing of a person (an error, a "not found"): nothing to seal
     try:
         sealed = pii.seal_marked(answer, declared.schema(), field=field, run_id=run_id)
     except pii.Erased as exc:
         raise _erased_stops_the_run(exc) from None
     known.update(sealed_pairs(answer, sealed))
     return sealed
+
+
+def _holds(data: Any, path: str) -> bool:
+    """Whether `data` has a value (not None) at a declared field's path."""
+    for part in path.split("."):
+        name = part.removesuffix("[]")
+        if not isinstance(data, dict) or data.get(name) is None:
+            return False
+        data = data[name]
+        if part.endswith("[]"):
+            return isinstance(data, list) and any(item is not None for item in data)
+    return True
 
 
 def reveal(obj: Any, known: Known) -> Any:

@@ -23,9 +23,9 @@ from core.models import ApiToken, AuditEntry, PiiSubject, PiiValue
 from jobs.models import DeadLetter
 from runs import engine, submission
 from runs.erasure import erase_subject
-from runs.errors import IdempotencyConflict, InvalidInput
+from runs.errors import Fatal, IdempotencyConflict, InvalidInput
 from runs.models import Receipt, Run, Step
-from runs.personal import Known, Pii
+from runs.personal import Known, Pii, seal_read
 from runs.tools import tool
 from runs.workflow import Workflow, register
 from tests.engine_helpers import REFUND, drive
@@ -157,6 +157,14 @@ def test_pii_declarations_are_checked():
             "phones": {"items": {"x-pii": True}},
         },
     }
+
+
+def test_a_read_without_its_subject_keeps_nothing_personal_and_an_answer_without_a_person_passes():
+    declared, known = Pii(fields=("name",), subject="id"), Known()
+    assert seal_read(declared, {"error": "not found"}, field="crm", run_id=None, known=known) == {"error": "not found"}
+    with pytest.raises(Fatal, match="without its subject"):
+        seal_read(declared, {"name": NAME}, field="crm", run_id=None, known=known)
+    assert not PiiValue.objects.exists() and not known
 
 
 def test_scrubbing_an_error_rewrites_its_chain():

@@ -135,8 +135,8 @@ class Context:
         """`obj` (any JSON structure or text) with its personal-data references replaced by their clear values:
         for the code that hands them to an external system (an effect's call), never for what the step returns or
         the model sees. What comes back from the effect, and the step's error, are scrubbed back to references
-        before they are written. An erased value fails the step (Fatal), a missing or wrong key says so; neither
-        ever sends a placeholder."""
+        before they are written. Never a placeholder: an erased value ends the run cancelled, a reference the vault
+        does not hold fails it (Fatal), a missing or wrong key fails the step with the key's error."""
         return personal.reveal(obj, self.known)
 
     def effect(

@@ -190,6 +190,7 @@ def _support_next(messages: list[dict], tools: set[str]) -> tuple[str, tuple[str
             (
                 "send_email",
                 {
+                    "customer_id": customer_id,
                     "to": customer.get("email", ""),
                     "subject": "Your refund is on its way",
                     "body": f"Hello {name},\n\nWe have refunded {amount} on order {refund.get('order_id', '')}.\n"

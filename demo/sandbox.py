@@ -8,6 +8,10 @@ The n-th call a step makes to a system gets the n-th fault of its list:
 `429` / `5xx` (refused, not applied: Retryable), `fatal` (refused: Fatal), `timeout` (applied, then the
 answer is lost), `hang` (applied, then the call blocks, as if the worker died before the answer: the crash
 tests kill it there), `latency:MS` (slow, then fine), `ok`.
+
+These systems stand for the external ones: what they receive (a `SandboxCall`'s payload) is what an email
+provider or a CRM would keep, personal data in clear included (docs/personal-data.md: what erasure does not
+cover).
 """
 
 from __future__ import annotations
@@ -144,16 +148,7 @@ class Crm(_System):
 
     def get_customer(self, customer_id: str) -> dict:
         self._call({"customer_id": customer_id})
-        seed = int(hashlib.sha256(customer_id.encode()).hexdigest(), 16)
-        first = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken"][seed % 8]
-        return {
-            "id": customer_id,
-            "name": f"{first} {customer_id[-4:].upper()}",
-            "email": f"{customer_id}@example.com",
-            "lifetime_value_cents": 5_000 + seed % 200_000,
-            "refunds_last_90d": seed % 3,
-            "balance_cents": seed % 10_000,
-        }
+        return customer_record(customer_id)
 
     def list_orders(self, customer_id: str) -> list[dict]:
         self._call({"customer_id": customer_id})
@@ -178,6 +173,21 @@ class Crm(_System):
         if call is None:
             return None
         return {"id": call.external_id, "status": "noted", "customer_id": call.payload.get("customer_id")}
+
+
+def customer_record(customer_id: str) -> dict:
+    """A customer as the CRM holds them (deterministic from the id). Their name and email are personal data: the
+    demo's reads declare them (demo.workflows.CUSTOMER_PII), so the runs hold references to them."""
+    seed = int(hashlib.sha256(customer_id.encode()).hexdigest(), 16)
+    first = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken"][seed % 8]
+    return {
+        "id": customer_id,
+        "name": f"{first} {customer_id[-4:].upper()}",
+        "email": f"{customer_id}@example.com",
+        "lifetime_value_cents": 5_000 + seed % 200_000,
+        "refunds_last_90d": seed % 3,
+        "balance_cents": seed % 10_000,
+    }
 
 
 def orders_of(customer_id: str) -> list[dict]:

@@ -25,12 +25,19 @@ from runs.currencies import ISO_4217, check_currency
 from runs.gates import ApprovalRequest
 from runs.tools import tool
 from runs.webhooks import Source, register_source
-from runs.workflow import Compensation, Display, Fatal, Workflow, register
+from runs.workflow import Compensation, Display, Fatal, Pii, Workflow, register
 
 # The JSON Schema lists the codes check_currency takes, so that POST /api/runs' document says which.
 Currency = Annotated[StrictStr, AfterValidator(check_currency), Field(json_schema_extra={"enum": sorted(ISO_4217)})]
 Cents = Annotated[StrictInt, Field(gt=0, le=100_000_000)]  # up to one million in major units
 CustomerId = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+# Personal data (docs/personal-data.md): the customer is the data subject, named by their id; their name and email
+# come from the CRM (sealed by the reads that return them) and travel as references (`pii:<id>`), which a proposal
+# that holds one must accept. The effects that write to the customer open them (`ctx.pii`).
+CUSTOMER_PII = Pii(fields=("name", "email"), subject="id")
+EmailAddress = Annotated[
+    StrictStr, Field(pattern=r"^(?:[^@\s]+@[^@\s]+|pii:[0-9a-f]{32})$", json_schema_extra={"x-pii": True})
+]
 
 
 def _faults_schema(schema: dict) -> None:
@@ -57,8 +64,10 @@ class DemoInput(BaseModel):
 
 
 class RefundInput(DemoInput):
-    """What a caller submits (POST /api/runs, webhooks, demo_traffic): validated before the run exists."""
+    """What a caller submits (POST /api/runs, webhooks, demo_traffic): validated before the run exists. The customer
+    is its data subject: an erased customer's refund is refused, and erasing one cancels their runs in flight."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"x-pii-subject": "customer_id"})
     customer_id: CustomerId
     amount_cents: Cents
     currency: Currency
@@ -77,13 +86,13 @@ class RefundOrder(BaseModel):
 class CustomerEmail(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    to: Annotated[StrictStr, Field(pattern=r"^[^@\s]+@[^@\s]+$")]
+    to: EmailAddress
     subject: Annotated[StrictStr, Field(min_length=1, max_length=200)]
     body: Annotated[StrictStr, Field(min_length=1, max_length=10_000)]
 
 
 class RefundProposal(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"x-pii-subject": "refund.customer_id"})
 
     refund: RefundOrder
     email: CustomerEmail
@@ -112,7 +121,7 @@ def classify(ctx):
     return ctx.model.complete("classify", reason=order["reason"], amount_cents=order["amount_cents"])
 
 
-@refund.read
+@refund.read(pii=CUSTOMER_PII)
 def lookup_customer(ctx):
     return ctx.tools.crm.get_customer(ctx.input["customer_id"])
 
@@ -232,9 +241,9 @@ def notify_customer(ctx):
     email = ctx.tools.email
     # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person.
     arguments = {"to": message["to"], "subject": message["subject"], "body": message["body"]}
-    return ctx.effect(
-        lambda key: email.send(**arguments, idempotency_key=key), preview={"call": "email.send", **arguments}
-    )
+    # The email system gets the customer's address and name in clear (ctx.pii); the preview keeps the references.
+    clear = ctx.pii(arguments)
+    return ctx.effect(lambda key: email.send(**clear, idempotency_key=key), preview={"call": "email.send", **arguments})
 
 
 # The demo's webhook source (DESIGN "Fixed names"): its body is the refund input, as POST /api/runs takes it.
@@ -245,8 +254,10 @@ register_source(Source("demo", workflow="refund", to_input=lambda payload: paylo
 
 
 class SupportInput(DemoInput):
-    """A customer's message to support (POST /api/runs, demo_traffic): validated before the run exists."""
+    """A customer's message to support (POST /api/runs, demo_traffic): validated before the run exists. The customer
+    is its data subject, as RefundInput's."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"x-pii-subject": "customer_id"})
     customer_id: CustomerId
     message: Annotated[StrictStr, Field(min_length=1, max_length=4000)]
     order_id: CustomerId | None = None  # the order the customer wrote about, when they named one
@@ -261,7 +272,7 @@ def _recorded(ctx, tool_name: str):
     return found
 
 
-@tool(name="lookup_customer")  # not to shadow refund's step of that name in this module
+@tool(name="lookup_customer", pii=CUSTOMER_PII)  # not to shadow refund's step of that name in this module
 def find_customer(ctx, customer_id: str) -> dict:
     """Look a customer up in the CRM: name, email, lifetime value, refunds in the last 90 days."""
     return ctx.tools.crm.get_customer(customer_id)
@@ -344,7 +355,15 @@ def refund_order(ctx, args: OrderRefund) -> dict:
     )
 
 
-def _email_now(ctx, args: CustomerEmail) -> dict:
+class SupportEmail(CustomerEmail):
+    """An email to the customer the agent writes to: their id names whose address and name it holds."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"x-pii-subject": "customer_id"})
+
+    customer_id: CustomerId
+
+
+def _email_now(ctx, args: SupportEmail) -> dict:
     """Nothing is sent yet; the address on the customer's record, to compare with the one the agent wrote."""
     customer = _recorded(ctx, "lookup_customer") or {}
     return {"to": customer.get("email", ""), "subject": "", "body": ""}
@@ -358,14 +377,15 @@ def _email_now(ctx, args: CustomerEmail) -> dict:
     display=Display(headline="subject"),
     risk="medium",
 )
-def send_email(ctx, args: CustomerEmail) -> dict:
-    """Email the customer. A person reads every email before it is sent."""
+def send_email(ctx, args: SupportEmail) -> dict:
+    """Email the customer (their id, and the address and name as the CRM lookup gave them). A person reads every
+    email before it is sent."""
     email = ctx.tools.email
-    arguments = args.model_dump()
-    # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person.
-    return ctx.effect(
-        lambda key: email.send(**arguments, idempotency_key=key), preview={"call": "email.send", **arguments}
-    )
+    arguments = args.model_dump(exclude={"customer_id"})
+    # The email system cannot be asked whether it sent a message: an ambiguous send parks for a person. It gets the
+    # address and name in clear (ctx.pii); the preview keeps the references.
+    clear = ctx.pii(arguments)
+    return ctx.effect(lambda key: email.send(**clear, idempotency_key=key), preview={"call": "email.send", **arguments})
 
 
 @tool(kind="effect", channel="crm", approval="never", risk="low")

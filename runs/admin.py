@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.serializers.json import DjangoJSONEncoder
 from django.urls import reverse
 from django.utils.html import format_html
 
 import runs.dead_letter_admin  # noqa: F401 - registers the dead-letter queue (jobs.DeadLetter)
-from core.access import oversees
+from core.access import has_role, oversees
 from core.admin import ReadOnly
+from core.models import PiiSubject, Role
+from runs.erasure import UnknownSubject, erase_subject
 from runs.models import Receipt, Run, ShadowEffect, Step, WebhookDelivery
 
 
@@ -135,3 +137,37 @@ class ShadowEffectAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
     @admin.display(description="preview")
     def pretty_preview(self, effect: ShadowEffect):
         return _pretty(effect.preview)
+
+
+@admin.register(PiiSubject)
+class PiiSubjectAdmin(ReadOnlyForOpsAndAdmins, admin.ModelAdmin):
+    """The data subjects whose personal data the vault holds (docs/personal-data.md): never their keys or values.
+    Admins erase a subject here (the same as `manage.py erase_subject`: runs.erasure)."""
+
+    list_display = ["subject", "values_held", "created_at", "erased_at", "erased_by"]
+    search_fields = ["=subject"]
+    list_filter = [("erased_at", admin.EmptyFieldListFilter)]
+    list_per_page = 50
+    fields = ["subject", "key_id", "values_held", "created_at", "erased_at", "erased_by"]
+    readonly_fields = fields
+    actions = ["erase"]
+
+    @admin.display(description="values")
+    def values_held(self, subject: PiiSubject) -> int:
+        return subject.values.count()
+
+    def has_erase_permission(self, request) -> bool:
+        return has_role(request.user, Role.ADMIN)
+
+    @admin.action(
+        description="Erase the selected subjects (their personal data becomes unreadable; runs cancelled)",
+        permissions=["erase"],
+    )
+    def erase(self, request, queryset):
+        for subject in queryset.order_by("subject"):
+            try:
+                done = erase_subject(subject.subject, by=request.user, reason="erased from admin")
+            except UnknownSubject as exc:
+                self.message_user(request, str(exc), messages.WARNING)
+            else:
+                self.message_user(request, done.describe(), messages.SUCCESS)

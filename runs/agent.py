@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 
-from runs import gates
+from runs import gates, personal
 from runs.errors import Fatal, Park, Stop
 from runs.gates import ANY_LEAF, ApprovalRequest, GateSpec, Outcome, canonical_hash, schema_errors
 from runs.steps import Compensation, Context, StepDef
@@ -226,7 +226,8 @@ def _call_fn(stage: StepDef, turn: int, index: int, call: dict, message: dict) -
                     raise Fatal(f"the edited arguments of {name} do not fit the tool ({text}): not executed")
                 args = known.args.model_validate(decision["payload"])
         executed = args.model_dump(mode="json")
-        result = known.call(ctx, args)
+        # A read's declared personal fields are sealed: the model sees their references, never the values.
+        result = personal.seal_read(known.pii, known.call(ctx, args), field=name, run_id=ctx.run.id, known=ctx.known)
         out = {**base, "arguments": executed, "result": result}
         if decision is not None:
             out.update(approved_by=decision["by"], edited=executed != proposed)

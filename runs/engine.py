@@ -31,7 +31,7 @@ from core import tracing
 from core.models import Channel
 from jobs.models import DeadLetter
 from jobs.retry import BackoffWithJitter
-from runs import compensations, gates, ownership, ratelimit
+from runs import compensations, gates, ownership, personal, ratelimit
 from runs import workflow as workflows
 from runs.errors import Ambiguous, Fatal, OwnershipLost, Park, Stop, UnknownWorkflow, Wait
 from runs.gates import ApprovalRequest, Outcome, canonical_hash
@@ -320,6 +320,10 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         if decided is not None:
             check_decided_edit(step_def, decided.proposed, decided)
         output = decided.as_output() if decided is not None else step_def.fn(ctx)
+        # Personal data: a read's declared fields sealed, any clear value the step handled back to its reference.
+        output = ctx.known.scrub(
+            personal.seal_read(step_def.pii, output, field=step_def.name, run_id=run.id, known=ctx.known)
+        )
     except Park as park:
         _park(run, seq, park, record)
         _log_step(step_def, seq, "parked", started, ctx, reason=park.reason)
@@ -344,6 +348,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
         log.info("step waits", step=step_def.name, seq=seq, reason=wait.reason, delay_s=round(wait.delay, 2))
         return False
     except Exception as exc:
+        ctx.known.scrub_error(exc)  # recorded, dead-lettered and logged: never with a clear personal value
         status = Step.Status.UNKNOWN if isinstance(exc, Ambiguous) else Step.Status.FAILED
         with transaction.atomic():
             run.owned()
@@ -384,7 +389,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             started_at=started_at,
             latency_ms=_ms(started),
             **(step_def.versions or {}),
-            tape=ctx.tape.stored(),
+            tape=ctx.known.scrub(ctx.tape.stored()),
             finish=last,
             result=result,
         )

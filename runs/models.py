@@ -541,12 +541,13 @@ class Run(models.Model):
         self._swap("recover", by_owner=owner, owner="", attempt=F("attempt") + 1)
         self.enqueue()
 
-    def cancel(self, by=None) -> Run:
+    def cancel(self, by=None, reason: str = "") -> Run:
         """Cancel: a parked, queued or external run ends now (its cards close as cancelled); a running one stops
         between steps (its owner sees `cancel_requested`). Finished runs are left as they are, and so is a run
         being undone, parked or not (TransitionRefused: a channel's kill switch holds its compensations, and one that
         failed is decided on its card), but for an external run whose compensation failed (its undo is given up: no
-        card can try it again). Cancel and undo: runs.compensations."""
+        card can try it again). Cancel and undo: runs.compensations. `reason`: why, when not a person's own cancel
+        (an erasure: runs.erasure), in its audit entry (and the result of a run that ends here)."""
         with transaction.atomic():
             # The run first, then its cards: the lock order of Approval.decide() and the engine.
             run = Run.objects.select_for_update().get(pk=self.pk)
@@ -557,11 +558,12 @@ class Run(models.Model):
                     "the run is being undone: a cancel does not stop its compensations (a channel's kill switch "
                     "holds them; a compensation that failed is decided on its card)"
                 )
-            run.audit("run.cancel", {"status": run.status}, actor=by)
+            run.audit("run.cancel", {"status": run.status, **({"reason": reason} if reason else {})}, actor=by)
             Run.objects.filter(pk=run.pk).update(cancel_requested=True)
             run.cancel_requested = True
             if run.status != self.Status.RUNNING:
-                run._swap("cancel", **run._finished({"outcome": "cancelled"}), waiting_for_slot_since=None)
+                result = {"outcome": "cancelled", **({"reason": reason} if reason else {})}
+                run._swap("cancel", **run._finished(result), waiting_for_slot_since=None)
                 run._close_cards("cancelled")
             return run
 

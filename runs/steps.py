@@ -16,11 +16,12 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from core import tracing
-from runs import effects, gates
+from runs import effects, gates, personal
 from runs.effects import shadow_response
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
 from runs.gates import ApprovalRequest, Decision, GateSpec, Outcome, canonical_hash
 from runs.models import ModelUsage, Receipt, Run
+from runs.personal import Known, Pii
 from runs.tape import Recorder, Tape, asked
 from runs.tools import AgentSpec
 
@@ -69,6 +70,7 @@ class StepDef:
     agent: AgentSpec | None = None
     versions: dict | None = None  # recorded on the step (prompt_version, tools_version) and part of its input
     compensation: Compensation | None = None  # what undoes its effects (an effect step's, an agent tool call's)
+    pii: Pii | None = None  # a read's personal fields, sealed before its checkpoint (runs.personal)
 
 
 def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None:
@@ -126,6 +128,17 @@ class Context:
         # The key of the effect this context undoes (runs.compensations): its effects are the compensation's, which
         # a cancel does not stop (the run is being undone).
         self.undoing: str | None = None
+        # The clear values this attempt handled (sealed from a read, revealed by `pii`), scrubbed back to their
+        # references from whatever of the step is written (runs.personal).
+        self.known = Known()
+
+    def pii(self, obj: Any) -> Any:
+        """`obj` (any JSON structure or text) with its personal-data references replaced by their clear values:
+        for the code that hands them to an external system (an effect's call), never for what the step returns or
+        the model sees. What comes back from the effect, and the step's error, are scrubbed back to references
+        before they are written. Never a placeholder: an erased value ends the run cancelled, a reference the vault
+        does not hold fails it (Fatal), a missing or wrong key fails the step with the key's error."""
+        return personal.reveal(obj, self.known)
 
     def effect(
         self,
@@ -186,10 +199,14 @@ class Context:
             found = lookup(key) if lookup else self._reconciled_by_a_person(receipt)
             if found is not None:
                 tracing.note(OUTCOME, "reconciled")
-                return receipt.complete(found, reconciled=True)
+                return receipt.complete(self.known.scrub(found), reconciled=True)
             # The lookup is authoritative: the write did not happen, so it is safe to do it now.
         try:
-            response = call(key)
+            try:
+                response = self.known.scrub(call(key))
+            except Exception as exc:
+                self.known.scrub_error(exc)  # what it quotes of the values it was sent: back to references
+                raise
         except Fatal:
             receipt.discard()  # the tool says the call was refused, so not applied
             raise

@@ -29,9 +29,11 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.models.expressions import DatabaseDefault
 from django.db.models.sql import InsertQuery
 
+from core import pii
 from jobs.worker import is_connection_error
+from runs import personal
 from runs import workflow as workflows
-from runs.errors import IdempotencyConflict
+from runs.errors import IdempotencyConflict, InvalidInput
 from runs.models import Run
 from runs.sql import queries
 
@@ -54,23 +56,27 @@ def submit(
     request raises IdempotencyConflict. An input the workflow's schema refuses raises InvalidInput; an unknown
     workflow, UnknownWorkflow (runs.errors)."""
     definition = workflows.get(workflow)  # raises UnknownWorkflow
-    run = new_run(
-        definition,
-        input,
-        tenant=tenant,
-        priority=priority,
-        idempotency_key=idempotency_key,
-        created_by=created_by,
-        cost_limit=cost_limit,
-    )
+    # An input with personal fields is sealed into the vault in the run's own transaction: a run refused (a
+    # duplicate idempotency key) leaves no sealed value behind (runs.personal).
+    sealing = definition.seals_input()
+    run = None
     try:
         # The run and its job in one statement: its own transaction in autocommit; inside a caller's, a
         # savepoint, so that a duplicate key does not abort the caller's transaction.
-        with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+        with transaction.atomic() if connection.in_atomic_block or sealing else contextlib.nullcontext():
+            run = new_run(
+                definition,
+                input,
+                tenant=tenant,
+                priority=priority,
+                idempotency_key=idempotency_key,
+                created_by=created_by,
+                cost_limit=cost_limit,
+            )
             insert_with_first_job(run)
         return run, True
     except (OperationalError, InterfaceError) as exc:
-        if connection.in_atomic_block or not is_connection_error(exc):
+        if run is None or connection.in_atomic_block or sealing or not is_connection_error(exc):
             raise  # inside a caller's transaction, its commit (and what to do when it is lost) is the caller's
         run = _insert_again(run, exc)
         if run is not None:
@@ -79,25 +85,45 @@ def submit(
         if idempotency_key is None:
             raise
     existing = Run.objects.get(idempotency_key=idempotency_key, created_by=created_by)
-    if (existing.workflow, existing.input, existing.tenant) != (definition.name, input, tenant):
+    if (existing.workflow, existing.tenant) != (definition.name, tenant) or not _same_input(existing.input, input):
         raise IdempotencyConflict(
             f"idempotency key {idempotency_key!r} was used for a different request (run {existing.id})"
         )
     return existing, False
 
 
+def _same_input(stored, sent) -> bool:
+    """Whether a run's stored input is the request's: its personal fields are references (sealed anew each time),
+    so they are compared opened. A value that cannot be opened (erased) is not the same request."""
+    if stored == sent:
+        return True
+    if not pii.refs_in(stored):
+        return False
+    try:
+        return pii.reveal(stored) == sent
+    except pii.PiiError:
+        return False
+
+
 def new_run(definition, input: dict, **fields) -> Run:
     """The unsaved run of `definition` on `input`, as every run is made (`submit`, and a fork: runs.forks): the input
     checked against the workflow's schema (InvalidInput, nothing written), the deployed version, the attempts
-    allowed now. Saved with its first job by `insert_with_first_job`."""
+    allowed now, its personal fields sealed (runs.personal; in the caller's transaction, with the run: an erased
+    subject's run is refused, InvalidInput). Saved with its first job by `insert_with_first_job`."""
     definition.validate_input(input)  # raises InvalidInput: nothing is written
-    return Run(
+    run = Run(
         workflow=definition.name,
         workflow_version=definition.version,
         input=input,
         max_attempts=settings.RUN_MAX_ATTEMPTS,
         **fields,
     )
+    try:
+        run.input = definition.seal_input(input, run.id)
+    except (pii.Erased, pii.SchemaError) as exc:
+        where = personal.subject_path(definition.input_json_schema()) or "input"
+        raise InvalidInput([{"loc": f"input.{where}", "msg": str(exc)}]) from None
+    return run
 
 
 class OutcomeUnknown(OperationalError):

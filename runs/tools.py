@@ -18,6 +18,7 @@ from pydantic import BaseModel, create_model
 
 from runs.errors import Fatal
 from runs.gates import Display, canonical_hash
+from runs.personal import Pii
 
 ALWAYS, NEVER = "always", "never"
 
@@ -42,6 +43,7 @@ class Tool:
     risk: str = "medium"
     takes_model: bool = False
     compensation: Any = None  # an effect's undo (runs.steps.Compensation: runs.compensations)
+    pii: Pii | None = None  # a read's personal fields, sealed before the model sees its result (runs.personal)
 
     def schema(self) -> dict:
         """The OpenAI function-tool declaration."""
@@ -96,16 +98,20 @@ def tool(
     description: str | None = None,
     risk: str = "medium",
     compensate: Any = None,
+    pii: Pii | None = None,
 ):
     """Declare a tool. Its arguments are the function's parameters after `ctx`, with type hints (or a single
     pydantic model parameter); its description is the docstring. `compensate` (an effect's only): what undoes
-    it, a runs.steps.Compensation or its call `(ctx, key, answer)` (runs.compensations)."""
+    it, a runs.steps.Compensation or its call `(ctx, key, answer)` (runs.compensations). `pii` (a read's only): the
+    personal fields of what it returns (runs.personal.Pii), sealed before the model sees them."""
 
     def decorator(fn: Callable) -> Tool:
         if kind not in ("read", "effect"):
             raise ValueError(f"tool {fn.__name__}: kind must be 'read' or 'effect', not {kind!r}")
         if compensate is not None and kind != "effect":
             raise ValueError(f"tool {fn.__name__}: a read tool has no side effect to undo; compensate= is for effects")
+        if pii is not None and (kind != "read" or not isinstance(pii, Pii)):
+            raise ValueError(f"tool {fn.__name__}: pii= takes a runs.personal.Pii, on a read tool")
         if (kind == "effect" or approval != NEVER) and not channel:
             raise ValueError(f"tool {fn.__name__}: an effect or an approval needs a channel")
         if isinstance(approval, str) and approval not in (ALWAYS, NEVER):
@@ -126,6 +132,7 @@ def tool(
             risk=risk,
             takes_model=takes_model,
             compensation=compensate,
+            pii=pii,
         )
 
     return decorator(fn) if fn else decorator

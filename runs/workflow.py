@@ -12,10 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from runs import personal
 from runs.agent import expand
 from runs.errors import Ambiguous, Fatal, InvalidInput, Park, Retryable, Stop, UnknownWorkflow, Wait
 from runs.gates import ANY_LEAF, ApprovalRequest, Decision, Display, GateSpec, schema_errors
 from runs.models import Run, Step
+from runs.personal import Pii
 from runs.steps import Compensation, Context, StepDef, StepFn, Usage, check_decided_edit, no_compensation
 from runs.tools import AgentSpec, Tool, check_tools, tool
 
@@ -31,6 +33,7 @@ __all__ = [
     "GateSpec",
     "InvalidInput",
     "Park",
+    "Pii",
     "Retryable",
     "StepDef",
     "Stop",
@@ -76,6 +79,41 @@ class Workflow:
         if self.input_schema is not None and (errors := schema_errors(self.input_schema, value, "input")):
             raise InvalidInput(errors)
 
+    def input_json_schema(self) -> dict | None:
+        """The input's JSON Schema as the vault reads it (its `x-pii` marks and `x-pii-subject`), None without a
+        schema. Made once per input model: submission reads it for every run."""
+        if self.input_schema is None:
+            return None
+        cached = self.__dict__.get("_pii_schema")
+        if cached is None or cached[0] is not self.input_schema:
+            cached = (self.input_schema, self.input_schema.model_json_schema())
+            self.__dict__["_pii_schema"] = cached
+        return cached[1]
+
+    def seal_input(self, value: Any, run_id) -> Any:
+        """A new run's input, its personal fields sealed under `run_id` (runs.personal); pii.Erased for an erased
+        subject's."""
+        return personal.seal_input(value, self.input_json_schema(), run_id)
+
+    def seals_input(self) -> bool:
+        """Whether its input has personal fields to seal (its schema marks some)."""
+        return bool(personal.marks(self.input_json_schema()))
+
+    def personal_data(self) -> list[str]:
+        """Where the workflow marks personal data (its input's fields, its reads' and tools' declared fields, its
+        gates' proposals); SchemaError for a schema that marks some and names no subject."""
+        found = [f"input.{path}" for path in personal.marks(self.input_json_schema())]
+        for step in self.steps:
+            if step.pii is not None:
+                found += [f"{step.name}.{path}" for path in step.pii.fields]
+            if step.gate is not None and step.gate.proposal is not None:
+                found += [f"{step.name}.{p}" for p in personal.marks(step.gate.proposal.model_json_schema())]
+            for t in step.agent.tools.values() if step.agent is not None else ():
+                found += [f"{step.name}.{t.name}.{path}" for path in (t.pii.fields if t.pii else ())]
+                if t.kind == "effect" or t.approval != "never":
+                    found += [f"{step.name}.{t.name}.{p}" for p in personal.marks(t.args.model_json_schema())]
+        return found
+
     def _add(
         self,
         kind: str,
@@ -83,6 +121,7 @@ class Workflow:
         name: str | None = None,
         gate: GateSpec | None = None,
         compensate: Compensation | Callable | None = None,
+        pii: Pii | None = None,
     ):
         if kind != "effect":
             no_compensation(kind, f"{self.name}.{name or 'step'}", compensate)
@@ -92,7 +131,7 @@ class Workflow:
             step_name = name or fn.__name__
             if any(s.name == step_name for s in self.steps):
                 raise ValueError(f"{self.name}: two steps are named {step_name!r}")
-            self.steps.append(StepDef(step_name, kind, fn, channel, gate, compensation=compensation))
+            self.steps.append(StepDef(step_name, kind, fn, channel, gate, compensation=compensation, pii=pii))
             return fn
 
         return decorator
@@ -103,9 +142,13 @@ class Workflow:
         add = self._add("compute", name=name, compensate=compensate)
         return add(fn) if fn else add
 
-    def read(self, fn: StepFn | None = None, *, name: str | None = None, compensate=None):
-        """A tool read (no side effect): retried freely. (`compensate` is refused: there is nothing to undo.)"""
-        add = self._add("read", name=name, compensate=compensate)
+    def read(self, fn: StepFn | None = None, *, name: str | None = None, compensate=None, pii: Pii | None = None):
+        """A tool read (no side effect): retried freely. (`compensate` is refused: there is nothing to undo.)
+        `pii`: the personal fields of what it returns (runs.personal.Pii), sealed before its checkpoint: later
+        steps and the model see their references; `ctx.pii` opens them for an effect."""
+        if pii is not None and not isinstance(pii, Pii):
+            raise ValueError(f"{self.name}.{name or 'step'}: pii= takes a runs.personal.Pii")
+        add = self._add("read", name=name, compensate=compensate, pii=pii)
         return add(fn) if fn else add
 
     def effect(self, channel: str, *, name: str | None = None, compensate: Compensation | Callable | None = None):
@@ -213,6 +256,9 @@ _registry: dict[str, dict[int, Workflow]] = {}
 
 
 def register(workflow: Workflow) -> Workflow:
+    """Register `workflow` (refused with core.pii.SchemaError when a schema of it marks personal data and names
+    no `x-pii-subject`: whose key would seal it?)."""
+    workflow.personal_data()
     versions = _registry.setdefault(workflow.name, {})
     if workflow.version in versions and versions[workflow.version] is not workflow:
         raise ValueError(f"workflow {workflow.name} v{workflow.version} is registered twice")
@@ -233,6 +279,11 @@ def get(name: str, version: int | None = None) -> Workflow:
             f"{', '.join(map(str, sorted(versions)))}); the run is kept and can be requeued once it is deployed"
         )
     return versions[version]
+
+
+def every_version() -> list[Workflow]:
+    """Every registered workflow, each of its versions."""
+    return [definition for name in sorted(_registry) for _, definition in sorted(_registry[name].items())]
 
 
 def names() -> list[str]:

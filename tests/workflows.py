@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from django.db import transaction
+from pydantic import BaseModel, ConfigDict, Field
 
 from runs.models import Run
-from runs.workflow import Compensation, Retryable, Workflow, register
+from runs.workflow import Compensation, Fatal, Pii, Retryable, Workflow, register
 
 cancel_midway = register(Workflow("test_cancel_midway"))
 
@@ -183,3 +184,43 @@ def cancel_and_undo_while_running(ctx):
 undo_without_lookup = register(Workflow("test_undo_without_lookup", undo="always"))
 undo_without_lookup.effect("payments", compensate=Compensation(call=_reverse))(pay)
 undo_without_lookup.effect("crm", name="confirm")(confirm)
+
+
+# Personal data (runs.personal, docs/personal-data.md): an input with a marked email, a read that declares the
+# customer's name, an effect that sends both in clear (ctx.pii) and gets them quoted back, and may fail quoting them.
+personal_sent: list[dict] = []  # what the "external system" received, in clear
+
+
+class PersonalInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"x-pii-subject": "customer_id"})
+
+    customer_id: str
+    email: str = Field(json_schema_extra={"x-pii": True})
+    fail: bool = False
+
+
+personal_flow = register(Workflow("test_personal", input_schema=PersonalInput))
+
+
+def _crm_profile(customer_id: str) -> dict:
+    return {"id": customer_id, "name": f"Zelda {customer_id}"}
+
+
+@personal_flow.read(pii=Pii(fields=("name",), subject="id"))
+def profile(ctx):
+    # Recorded on the step's tape as the "system" answered it: the tape is scrubbed with what the read sealed.
+    return ctx.recorded("profile", _crm_profile, ctx.input["customer_id"])
+
+
+@personal_flow.effect("email")
+def write_to_them(ctx):
+    message = {"to": ctx.input["email"], "body": f"Dear {ctx.outputs['profile']['name']}"}
+    clear = ctx.pii(message)
+
+    def send(key: str) -> dict:
+        personal_sent.append(clear)
+        if ctx.input.get("fail"):
+            raise Fatal(f"550 mailbox {clear['to']} refused the message for {clear['body']}")
+        return {"id": "m1", "accepted": clear["to"], "echo": clear["body"]}
+
+    return ctx.effect(send, preview={"call": "mail.send", **message})

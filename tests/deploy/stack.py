@@ -4,6 +4,7 @@ service, and deploy/rollout.sh."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
@@ -58,6 +59,8 @@ class Stack:
             "SESSION_COOKIE_SECURE": "0",
             "DEMO_ENABLED": "1",
             "DEMO_PASSWORD": secrets.token_urlsafe(12),
+            # The demo marks personal data (the customer's name and email): outside development it needs a key.
+            "PII_KEYS": base64.b64encode(secrets.token_bytes(32)).decode(),
             # The production shape, with the demo's slow steps (`latency:` faults) honoured.
             "DEMO_FAULTS_ENABLED": "1",
             # Shorter than the defaults, so a case takes minutes: a worker waits 5 s for its steps on SIGTERM

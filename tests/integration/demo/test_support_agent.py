@@ -9,6 +9,7 @@ import json
 import pytest
 
 from approvals.models import Approval
+from core import pii
 from demo import sandbox
 from demo.models import SandboxCall
 from runs import submission
@@ -50,8 +51,10 @@ def test_a_small_refund_finishes_with_the_email_approved(demo, bob):
     assert tools_called(run) == ["lookup_customer", "list_orders", "refund_order", "send_email"]
     card = Approval.objects.get(run=run)
     assert card.channel.name == "email" and card.rule_id == "tool:send_email"
-    assert card.proposed["to"] == f"{CUSTOMER}@example.com" and "9.00" in card.proposed["body"]
-    assert card.current == {"to": f"{CUSTOMER}@example.com", "subject": "", "body": ""}
+    # The customer's address and name are references (docs/personal-data.md): the model never saw them.
+    assert pii.is_ref(card.proposed["to"]) and pii.reveal(card.proposed["to"]) == f"{CUSTOMER}@example.com"
+    assert "9.00" in card.proposed["body"] and pii.reveal(card.proposed["body"]).startswith("Hello Barbara 2077,")
+    assert card.current == {"to": card.proposed["to"], "subject": "", "body": ""}
     assert sandbox.stats(effects_only=True)["channels"] == {"payments": 1, "email": 0, "crm": 0}
 
     card.decide(bob, "approve")
@@ -63,6 +66,11 @@ def test_a_small_refund_finishes_with_the_email_approved(demo, bob):
     (paid,) = writes("payments")
     assert paid.payload["amount_cents"] == 900 and paid.payload["order_id"].startswith("ord_")
     assert "Refunded 900" in writes("crm")[0].payload["text"]
+    # The email system got them in clear (ctx.pii); what the run keeps of its answer has the reference again.
+    (sent,) = writes("email")
+    assert sent.payload["to"] == f"{CUSTOMER}@example.com" and sent.payload["body"].startswith("Hello Barbara 2077,")
+    email_step = run.steps.get(name__endswith=".send_email")
+    assert email_step.output["result"]["to"] == card.proposed["to"]
     assert run.result["turns"] == 6 and "emailed the customer" in run.result["answer"]
     # Each turn was one model call, never repeated on resume, with its tokens on its step.
     assert SandboxCall.objects.filter(run_id=run.id, system="model").count() == 6
@@ -195,7 +203,8 @@ def test_it_runs_on_an_openai_compatible_endpoint(demo, bob, settings, openai_st
             refund |= {"currency": order["currency"], "reason": "arrived broken"}
             return tool_calls([("refund_order", refund)], content="Refunding 5.00 of the order.")
         if len(results) == 3:
-            email = {"to": results[0]["result"]["email"], "subject": "Your refund", "body": "We refunded 5.00."}
+            email = {"customer_id": CUSTOMER, "to": results[0]["result"]["email"], "subject": "Your refund"}
+            email["body"] = "We refunded 5.00."
             return tool_calls([("send_email", email)])
         if len(results) == 4:
             return tool_calls([("add_note", {"customer_id": CUSTOMER, "text": "Refunded 5.00, emailed."})])

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from core import tracing
+from core import pii, tracing
 from runs import effects, gates, personal
 from runs.effects import shadow_response
 from runs.errors import Ambiguous, Fatal, Park, Retryable, Stop, Wait
@@ -82,7 +82,10 @@ def check_decided_edit(step: StepDef, proposed: Any, decision: Decision) -> None
         return
     if proposed is None:
         raise Fatal(f"the edit decided on {step.name} cannot be checked (the proposal is unknown): not executed")
-    if errors := (step.gate or GateSpec()).edit_errors(proposed, decision.payload):
+    # Checked on the values the references stand for (core.pii): the card keeps an edit's personal data sealed,
+    # the gate's declaration (an address's pattern) is about the values.
+    proposed, edited = pii.present(proposed, clear=True), pii.present(decision.payload, clear=True)
+    if errors := (step.gate or GateSpec()).edit_errors(proposed, edited):
         text = "; ".join(f"{e['loc']} {e['msg']}" for e in errors)
         raise Fatal(f"the edit decided on {step.name} does not fit its gate ({text}): not executed")
 

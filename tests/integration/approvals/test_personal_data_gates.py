@@ -73,12 +73,6 @@ def test_an_approval_resumes_the_run_with_references(parked):
     assert step.output["payload"]["to"] == card.proposed["to"] and EMAIL not in json.dumps(step.output)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runs.steps.check_decided_edit (not this change's file) checks the decided edit as it is kept, references "
-    "in it, against the gate's model (the `to` pattern) and against the request's clear proposal: it should check "
-    "the values they stand for, as approvals.edits.edit_errors does (pii.present(..., clear=True) on both)",
-)
 def test_an_edit_resumes_the_run_with_references(parked):
     card = Approval.objects.get(run=parked)
     edited = {**card.proposed, "amount_cents": 5}

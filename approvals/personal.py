@@ -1,4 +1,4 @@
-"""Personal data on cards (docs/personal-data-access.md): what a card keeps, and who sees it in clear.
+"""Personal data on cards (docs/personal-data.md "Who can see it"): what a card keeps, and who sees it in clear.
 
 A card keeps references (`pii:<id>`, core.pii), never clear values: the fields its proposal's schema marks
 `x-pii` are sealed before the card and its args hash are written (`seal_proposal`, from approvals.cards.open_card,

@@ -1,5 +1,5 @@
 """In Chromium: personal data on a card shows masked; a holder of view_pii on its channel presses Reveal and sees the
-value, and the reveal is in the audit log (issue 29, docs/personal-data-access.md)."""
+value, and the reveal is in the audit log (issue 29, docs/personal-data.md "Who can see it")."""
 
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ _UNREADABLE = {
 
 
 class PersonalDataMiddleware:
-    """Every page and API answer shows personal data masked (`j***@example.com`, docs/personal-data.md "Who can see it"):
+    """Every page and API answer shows personal data masked (`j***@example.com`; docs/personal-data.md):
     each reference (`pii:<id>`) in an HTML, JSON or text body is replaced by its value's mask, escaped for the
     body it is in, or "[erased]" for an erased subject's. One place for every view (the card page, the inbox, bulk,
     the run page, the APIs, admin, the audit log), so that no view can forget it and what a person is shown of a

@@ -1,4 +1,4 @@
-"""Who sees personal data (issue 29, docs/personal-data.md "Who can see it"): a card keeps references; every page and API
+"""Who sees personal data (issue 29, docs/personal-data.md): a card keeps references; every page and API
 answer shows them masked; a holder of view_pii on the card's channel reveals them, one audit entry `pii.view` per
 reveal; an erased subject's values read "[erased]"; a missing or wrong key is said, never shown in clear."""
 

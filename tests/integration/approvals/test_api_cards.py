@@ -13,6 +13,7 @@ from approvals import inbox, sla
 from approvals.forms import RejectForm
 from approvals.models import Approval, RejectReason
 from console.api import api
+from core import pii
 from core.models import Channel
 from tests.engine_helpers import REFUND
 from tests.integration.approvals.test_api_approvals import bearer, decide, start_parked_run
@@ -62,7 +63,8 @@ def test_one_card_reads_as_the_list_shows_it_with_its_action(client, demo):
     assert one["action"] == listed["action"] == "approve_refund"  # the gate's step name
     for key in ("proposed", "current", "to_execute", "version", "due_at", "status", "policy_stage"):
         assert key in one
-    assert (one["status"], one["version"], one["to_execute"]) == ("pending", card.version, card.proposed)
+    # The customer's name and email are references on the card (core.pii), masked in every answer.
+    assert (one["status"], one["version"], one["to_execute"]) == ("pending", card.version, pii.present(card.proposed))
     assert (one["may_decide"], one["why_not"]) == (True, None)
 
 

@@ -17,6 +17,7 @@ from guardian.shortcuts import assign_perm
 import tests.workflows  # noqa: F401 - registers test_reject_fails
 from approvals.models import Approval, Decision, RejectReason
 from approvals.views import prepare, sla
+from core import pii
 from core.models import AuditEntry, Channel
 from demo.models import SandboxCall
 from runs import submission
@@ -100,7 +101,7 @@ def test_it_shows_the_diff_the_rationale_the_run_and_the_timer(client, card, bob
     assert 'data-path="email.subject" data-op="changed"' in html
     assert 'data-path="refund.customer_id" data-op="same"' in html
     assert 'class="diff-line diff-added"' in html  # the email body, line by line
-    assert card.summary in html
+    assert pii.REF.search(card.summary) and pii.present(card.summary) in html  # the customer's name, masked
     assert card.rule_id in html
     assert f"{round(card.confidence * 100)}%" in html
     assert 'href="https://policies.example.com/refunds#' in html

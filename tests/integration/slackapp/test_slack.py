@@ -20,6 +20,7 @@ from procrastinate.contrib.django.models import ProcrastinateJob
 from approvals import sla
 from approvals.models import Approval, Decision, Notification
 from approvals.tasks import send_notification
+from core import pii
 from core.models import AuditEntry, Channel
 from runs import submission
 from runs.models import Run
@@ -117,7 +118,7 @@ def test_a_new_card_on_a_routed_channel_is_posted_with_its_buttons_link_and_rati
     assert link["url"] == f"https://console.example.com/approvals/{card.pk}/"
     assert link["text"]["text"] == "Edit in console"
     text = str(post["blocks"])
-    assert card.summary and card.summary[:60] in text  # the agent's rationale
+    assert card.summary and pii.present(card.summary)[:60] in text  # the agent's rationale, the name masked
     assert "amount_cents" in text  # the diff's summary
     assert f"<!date^{int(card.due_at.timestamp())}^" in text  # the SLA's deadline
     (message,) = SlackMessage.objects.all()

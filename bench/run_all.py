@@ -68,6 +68,16 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
     if pg15_up():
         out.append(
             (
+                "tracing",
+                "tracing: the engine's step throughput with traces off and on, machine's PostgreSQL 15 (TCP)",
+                ["bench/tracing_cost.py", "--database", "pg15", "--runs", str(n(1000, 10)), "--rounds", str(n(4, 1))],
+                {},
+                "plain Procrastinate on the same workers; off and on alternate round by round (docs/observability.md)",
+            )
+        )
+    if pg15_up():
+        out.append(
+            (
                 "webhook",
                 "signed webhooks, machine's PostgreSQL 15 (TCP)",
                 ["bench/webhook_latency.py", "--duration", "1" if SMOKE else "10"],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -196,22 +197,20 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--database", choices=("pg15", "embedded"), default="pg15")
-    parser.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432")
-    parser.add_argument("--runs", type=int, default=1000)
-    parser.add_argument("--workers", default="1,2,4")
-    args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+@contextlib.contextmanager
+def bench_database(args, name: str, drop_env: tuple[str, ...] = ()):
+    """A fresh database for a throughput batch (the machine's PostgreSQL 15 over TCP, `bench_<name>_<pid>`, or a
+    new embedded one in a temporary folder), migrated, seeded and with the plain baseline's table; Django set up on
+    it. Yields (url, server version, temporary folder, the workers' environment); drops the database after."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     if not os.environ.get("BENCH_KEEP_TMP"):
         # Registered before Django starts the embedded server, so it runs after the server's own stop handler.
         atexit.register(shutil.rmtree, tmp, True)
-    for name in list(os.environ):
-        if name.startswith(("DATABASE_", "EMBEDDED_PGDATA")):
-            del os.environ[name]
+    for variable in list(os.environ):
+        if variable.startswith(("DATABASE_", "EMBEDDED_PGDATA", *drop_env)):
+            del os.environ[variable]
     admin = None
-    dbname = f"bench_throughput_{os.getpid()}"
+    dbname = f"bench_{name}_{os.getpid()}"
     if args.database == "pg15":
         admin = psycopg.connect(f"{args.pg_url}/postgres", autocommit=True)
         admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
@@ -242,7 +241,31 @@ def main() -> None:
         with psycopg.connect(url, autocommit=True) as conn:
             version = conn.execute("SHOW server_version").fetchone()[0]
         connections.close_all()
-        env = {**os.environ, "DATABASE_URL": url, "DATABASE_CONN_MAX_AGE": "300", "PYTHONUNBUFFERED": "1"}
+        yield (
+            url,
+            version,
+            tmp,
+            {**os.environ, "DATABASE_URL": url, "DATABASE_CONN_MAX_AGE": "300", "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        connections.close_all()
+        if admin is not None:
+            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+            admin.close()
+        if os.environ.get("BENCH_KEEP_TMP"):
+            print(f"kept {tmp}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database", choices=("pg15", "embedded"), default="pg15")
+    parser.add_argument("--pg-url", default="postgres://postgres@127.0.0.1:5432")
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--workers", default="1,2,4")
+    args = parser.parse_args()
+    with bench_database(args, "throughput") as (url, version, tmp, env):
+        from django.conf import settings
+
         concurrency = settings.PROCRASTINATE_WORKER_DEFAULTS["concurrency"]
         load_before = os.getloadavg()[0]
         results = []
@@ -292,13 +315,6 @@ def main() -> None:
                 }
             )
         )
-    finally:
-        connections.close_all()
-        if admin is not None:
-            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
-            admin.close()
-        if os.environ.get("BENCH_KEEP_TMP"):
-            print(f"kept {tmp}")
 
 
 if __name__ == "__main__":

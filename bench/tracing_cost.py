@@ -20,24 +20,19 @@ Prints a table and one `BENCH_JSON {...}` line.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import timeit
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import psycopg
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.throughput_workers import measure  # noqa: E402 - after the path is set
+from bench.throughput_workers import bench_database, measure  # noqa: E402 - after the path is set
 
 
 class Receiver:
@@ -105,46 +100,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
-    if not os.environ.get("BENCH_KEEP_TMP"):
-        atexit.register(shutil.rmtree, tmp, True)
-    for name in list(os.environ):
-        if name.startswith(("DATABASE_", "EMBEDDED_PGDATA", "OTEL_")):
-            del os.environ[name]
-    admin = None
-    dbname = f"bench_tracing_{os.getpid()}"
-    if args.database == "pg15":
-        admin = psycopg.connect(f"{args.pg_url}/postgres", autocommit=True)
-        admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')
-        admin.execute(f'CREATE DATABASE "{dbname}"')
-        os.environ["DATABASE_URL"] = f"{args.pg_url}/{dbname}"
-    else:
-        os.environ["EMBEDDED_PGDATA"] = str(tmp / "pgdata")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
-    os.environ["LOG_LEVEL"] = "WARNING"
-    os.environ["WORKFLOW_MODULES"] = "bench.noop_workflow"
-    import django
-    from django.conf import settings
-    from django.core.management import call_command
-    from django.db import connection, connections
-
-    try:
-        django.setup()
-        call_command("migrate", verbosity=0)
-        call_command("demo_setup", verbosity=0)
-        from bench.noop_workflow import PLAIN_TABLE
-
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"CREATE TABLE IF NOT EXISTS {PLAIN_TABLE}"
-                " (id bigserial PRIMARY KEY, run bigint NOT NULL, seq int NOT NULL, output jsonb NOT NULL)"
-            )
-        url = settings.DATABASE_URL
-        with psycopg.connect(url, autocommit=True) as conn:
-            version = conn.execute("SHOW server_version").fetchone()[0]
-        connections.close_all()
+    with bench_database(args, "tracing", drop_env=("OTEL_",)) as (url, version, tmp, env):
         receiver = Receiver()
-        env = {**os.environ, "DATABASE_URL": url, "DATABASE_CONN_MAX_AGE": "300", "PYTHONUNBUFFERED": "1"}
         variants = {
             "plain": ("plain", env),
             "off": ("engine", env),
@@ -201,11 +158,6 @@ def main() -> None:
                 }
             )
         )
-    finally:
-        connections.close_all()
-        if admin is not None:
-            admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
-            admin.close()
 
 
 if __name__ == "__main__":

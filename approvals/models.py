@@ -4,6 +4,7 @@ someone is away."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import datetime, timedelta
 
@@ -230,13 +231,6 @@ class Approval(models.Model):
         where it was taken or where the person came from when not the console itself (`slack`; `email`: a
         DecisionLink), in its audit entry. `undo` (a rejection of an action or budget card only): reject and undo,
         what the run did is compensated too (runs.compensations; refused when there is nothing it can undo)."""
-        if decision == DecisionKind.EDIT and isinstance(payload, dict):
-            # An edit keeps personal data as references (a mask left as shown, a clear value typed back, a new
-            # value of a marked field: approvals.personal), whichever view it comes from.
-            try:
-                payload = personal.keep_personal(self, payload)
-            except pii.SchemaError as exc:
-                raise InvalidDecision(str(exc), [{"loc": "payload", "msg": str(exc)}]) from None
         asked = rules.Asked.of(
             decision,
             comment=comment,
@@ -254,7 +248,19 @@ class Approval(models.Model):
             card = Approval.objects.select_for_update().select_related("channel").get(pk=self.pk)
             card.run = run
             covering = Delegation.covered_by(actor)
+            # An edit keeps personal data as references (a mask left as shown, a clear value typed back, a new
+            # value of a marked field: approvals.personal), whichever view it comes from; sealed in this
+            # transaction, so that a refused edit leaves nothing in the vault. One that cannot be sealed (it lacks
+            # the subject's field) is refused after the card's own rules, which say what is wrong with it.
+            unsealable = None
+            if asked.decision == DecisionKind.EDIT:
+                try:
+                    asked = dataclasses.replace(asked, payload=personal.keep_personal(card, asked.payload))
+                except pii.SchemaError as exc:
+                    unsealable = InvalidDecision(str(exc), [{"loc": "payload", "msg": str(exc)}])
             rules.check(actor, card, asked, version, covering)  # on what the lock lets us read: whoever the caller is
+            if unsealable is not None:
+                raise unsealable
             if asked.undo:
                 compensations.check_undo_on_rejection(card)  # nothing to undo: refused (UndoRefused), nothing done
             now = timezone.now()

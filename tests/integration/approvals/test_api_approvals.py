@@ -13,7 +13,7 @@ from django.db import connection
 from django.test import Client
 
 from approvals.models import Approval, Decision
-from core.models import ApiToken
+from core.models import ApiToken, PiiValue
 from demo import sandbox
 from demo.models import SandboxCall
 from runs.models import Run
@@ -415,3 +415,23 @@ def test_two_reviewers_deciding_at_once_make_one_decision(transactional_db, rita
     assert card.status == ("approved", "rejected")[winner]
     assert card.version == 2
     assert queued_jobs(run) == 1
+
+
+def test_an_edit_that_fits_nothing_is_refused_for_what_the_card_says_before_its_personal_data(client, demo, parked):
+    """The API fuzzer's finding (CI, 2026-12-06): an edit whose payload lacks the field that names the person
+    (`refund.customer_id`, the gate's x-pii-subject) was refused for that alone, before the card's own rules: a
+    shadow agreement on a card that is not shadow, or a payload the gate refuses, said nothing of either."""
+    _, card = parked
+    before, reviewer = snapshot(card), bearer(demo["reviewer"])
+    response = decide(client, reviewer, card, decision="edit", payload={"x": 1}, agreement="agree")
+    assert response.status_code == 422 and "shadow" in str(response.json()["detail"]), response.content
+    response = decide(client, reviewer, card, decision="edit", payload={"x": 1})
+    assert response.status_code == 422, response.content
+    locations = {error["loc"] for error in response.json()["detail"]}
+    assert locations and "payload" not in locations, response.json()  # the gate's own field errors
+    # A new address where none may be changed: refused, and the value it would have sealed is not kept either.
+    sealed = PiiValue.objects.count()
+    edited = {**card.proposed, "email": {**card.proposed["email"], "to": "someone.else@example.org"}}
+    response = decide(client, reviewer, card, decision="edit", payload=edited)
+    assert response.status_code == 422 and "email.to" in str(response.json()["detail"]), response.content
+    assert snapshot(card) == before and PiiValue.objects.count() == sealed

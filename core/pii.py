@@ -424,11 +424,12 @@ def present(obj: Any, *, clear: bool = False) -> Any:
 
 def scrub(obj: Any, known: dict[str, str]) -> Any:
     """`obj` with each clear value of `known` (clear text -> its reference) replaced by its reference, wherever it
-    appears in a string: what an external system answered with the values a step revealed to it."""
+    appears in a string as a whole word (`Ada` in "Dear Ada," but not in "Adam"): what an external system answered
+    with the values a step revealed to it."""
     texts = sorted((text for text in known if isinstance(text, str) and len(text) >= 3), key=len, reverse=True)
     if not texts:
         return obj
-    pattern = re.compile("|".join(re.escape(text) for text in texts))
+    pattern = re.compile(r"(?<!\w)(?:" + "|".join(re.escape(text) for text in texts) + r")(?!\w)")
     return _map_strings(obj, lambda text: pattern.sub(lambda m: known[m.group(0)], text))
 
 

@@ -77,6 +77,8 @@ def test_seal_marked_seals_only_what_is_marked(keys):
     assert pii.present(text, clear=True) == "Hello Ada Lovelace, at ada@example.com"
     name_ref = sealed["customer"]["name"]
     assert pii.scrub({"to": ["Dear Ada Lovelace"]}, {"Ada Lovelace": name_ref}) == {"to": [f"Dear {name_ref}"]}
+    # Whole words only: a short value does not eat into other words.
+    assert pii.scrub("Adam asks Ada (ada@x.io).", {"Ada": "R1", "ada@x.io": "R2"}) == "Adam asks R1 (R2)."
 
 
 def test_a_schema_marking_data_without_a_subject_is_refused(keys):

@@ -245,6 +245,11 @@ STALLED_AFTER_SECONDS = env_float("STALLED_AFTER_SECONDS", 30)
 # How often the sweep runs: a period in seconds, from which the cron expression of its periodic task is built.
 STALLED_SWEEP_SECONDS, STALLED_SWEEP_CRON = schedules.periodic_from_env("STALLED_SWEEP", default_seconds=10)
 
+# Runs submitted together by one web process's requests are written in one statement and one commit, up to this
+# many (runs.group_commit); GROUP_COMMIT=0 writes each by itself (to compare, in bench/).
+GROUP_COMMIT = env_bool("GROUP_COMMIT", True)
+GROUP_COMMIT_MAX_RUNS = env_int("GROUP_COMMIT_MAX_RUNS", 64)
+
 # The engine.
 RUN_MAX_ATTEMPTS = env_int("RUN_MAX_ATTEMPTS", 3)
 RETRY_BASE_SECONDS = env_float("RETRY_BASE_SECONDS", 1.0)

@@ -31,7 +31,7 @@ from django.db.models.sql import InsertQuery
 
 from core import pii
 from jobs.worker import is_connection_error
-from runs import personal
+from runs import group_commit, personal
 from runs import workflow as workflows
 from runs.errors import IdempotencyConflict, InvalidInput
 from runs.models import Run
@@ -59,11 +59,13 @@ def submit(
     # An input with personal fields is sealed into the vault in the run's own transaction: a run refused (a
     # duplicate idempotency key) leaves no sealed value behind (runs.personal).
     sealing = definition.seals_input()
+    alone = connection.in_atomic_block or sealing  # else its own transaction: a group commit's (runs.group_commit)
     run = None
     try:
-        # The run and its job in one statement: its own transaction in autocommit; inside a caller's, a
-        # savepoint, so that a duplicate key does not abort the caller's transaction.
-        with transaction.atomic() if connection.in_atomic_block or sealing else contextlib.nullcontext():
+        # The run and its job in one statement: its own transaction in autocommit (with other requests' runs,
+        # when they come together); inside a caller's, a savepoint, so that a duplicate key does not abort the
+        # caller's transaction.
+        with transaction.atomic() if alone else contextlib.nullcontext():
             run = new_run(
                 definition,
                 input,
@@ -73,10 +75,15 @@ def submit(
                 created_by=created_by,
                 cost_limit=cost_limit,
             )
-            insert_with_first_job(run)
+            if alone or not _group_insert(run):
+                insert_with_first_job(run)
         return run, True
+    except group_commit.Lost as exc:
+        run = _insert_again(run, exc.cause)
+        if run is not None:
+            return run, True
     except (OperationalError, InterfaceError) as exc:
-        if run is None or connection.in_atomic_block or sealing or not is_connection_error(exc):
+        if run is None or alone or not is_connection_error(exc):
             raise  # inside a caller's transaction, its commit (and what to do when it is lost) is the caller's
         run = _insert_again(run, exc)
         if run is not None:
@@ -168,6 +175,27 @@ def _insert_again(run: Run, lost: BaseException) -> Run | None:
         raise OutcomeUnknown(run.pk) from exc
 
 
+def _group_insert(run) -> bool:
+    """Write `run` and its first job in a group commit with other requests' (runs.group_commit); False when it must
+    be written by itself (group commit off, an INSERT that is not the plain one, or the group's statement failed
+    for a reason that is not the connection's). Raises group_commit.Duplicate (an IntegrityError) or Lost."""
+    if not settings.GROUP_COMMIT:
+        return False
+    sql, params, plain = _run_insert(run)
+    if not plain:
+        return False
+    job = group_commit.job_row(run.advance_job().job)
+    try:
+        job_id, batch = group_commit.GROUP.insert(run, sql, params, job)
+    except group_commit.Alone:
+        run._state.adding = True
+        return False
+    run._state.adding = False
+    run._state.db = connection.alias
+    log.info("run submitted", run_id=str(run.pk), job_id=job_id, workflow=run.workflow, tenant=run.tenant, batch=batch)
+    return True
+
+
 def insert_with_first_job(run) -> int:
     """INSERT the unsaved `run` and defer its `advance_run` job in one statement; the job's id."""
     model = type(run)
@@ -190,11 +218,19 @@ _INSERT_SQL: dict[tuple[str, type], str] = {}
 
 
 def run_insert(run) -> tuple[str, list]:
+    """The SQL and parameters of `run`'s INSERT (`_run_insert`)."""
+    sql, params, _ = _run_insert(run)
+    return sql, params
+
+
+def _run_insert(run) -> tuple[str, list, bool]:
     """The SQL and parameters Django's compiler writes for `run.save(force_insert=True)`, the SQL compiled once per
     process, model and database: compiling it was a quarter of `POST /api/runs`'s CPU (docs/PROFILE-api.md). The
     parameters are each field's `pre_save(run, add=True)` (which sets created_at and updated_at on `run`, as the
     compiler does) made ready by its `get_db_prep_save`, as the compiler makes them; a value that is an
-    expression, or a field with a placeholder or a database default of its own, takes the compiler's path."""
+    expression, or a field with a placeholder or a database default of its own, takes the compiler's path. The
+    third value: whether the SQL is the plain INSERT (one VALUES row of placeholders), which a group commit repeats
+    for many runs (runs.group_commit); a run whose INSERT is not is written by itself."""
     model = type(run)
     fields = [f for f in model._meta.local_concrete_fields if not f.generated]
     key = (connection.alias, model)
@@ -202,7 +238,8 @@ def run_insert(run) -> tuple[str, list]:
     if sql is not None:
         values = [f.pre_save(run, add=True) for f in fields]
         if not any(hasattr(v, "resolve_expression") for v in values):
-            return sql, [f.get_db_prep_save(v, connection=connection) for f, v in zip(fields, values, strict=True)]
+            prepared = [f.get_db_prep_save(v, connection=connection) for f, v in zip(fields, values, strict=True)]
+            return sql, prepared, True
     query = InsertQuery(model)
     query.insert_values(fields, [run])
     # as_sql() calls each field's pre_save(run, add=True): created_at and updated_at are set on `run` too.
@@ -218,6 +255,7 @@ def run_insert(run) -> tuple[str, list]:
         f"INSERT INTO {qn(model._meta.db_table)} ({', '.join(qn(f.column) for f in fields)})"
         f" VALUES ({', '.join(['%s'] * len(fields))})"
     )
-    if plain and sql == expected and len(params) == len(fields):
+    plain = plain and sql == expected and len(params) == len(fields)
+    if plain:
         _INSERT_SQL[key] = sql
-    return sql, list(params)
+    return sql, list(params), plain

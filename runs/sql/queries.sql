@@ -158,6 +158,28 @@ ON CONFLICT (tenant) DO UPDATE SET
 -- row, positionally: queue, task, priority, lock, queueing lock, arguments, scheduled_at.
 WITH inserted AS ({{insert}} RETURNING {{pk}}) SELECT unnest(procrastinate_defer_jobs_v1(ARRAY[ROW(%s, %s, %s, %s, %s, %s::jsonb, NULL)::procrastinate_job_to_defer_v1])) FROM inserted
 
+-- insert_runs_with_first_jobs --
+-- runs.group_commit: many requests' runs and the first job of each run inserted, in one statement (one commit, one
+-- wake-up: jobs/migrations/0003). {{insert}} is Django's INSERT of the runs with one VALUES row each; a run whose
+-- idempotency key another run holds (committed, or earlier in this batch) is skipped by ON CONFLICT and gets no
+-- job, and its request is settled as runs.submission.submit settles a duplicate. The jobs' rows come as arrays in
+-- the runs' order: run id, queue, task, priority, lock, queueing lock, arguments (JSON text). Answers (run id, job
+-- id) for each run inserted. The statement names itself (pg_stat_activity shows a statement's first kilobyte).
+/* runs.group_commit */ WITH inserted AS ({{insert}} ON CONFLICT DO NOTHING RETURNING {{pk}}),
+wanted AS (
+    SELECT j.run_id, j.queue, j.task, j.priority, j.lock, j.queueing_lock, j.args, row_number() OVER (ORDER BY j.n) AS i
+    FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::text[], %s::text[], %s::text[])
+        WITH ORDINALITY AS j(run_id, queue, task, priority, lock, queueing_lock, args, n)
+    WHERE j.run_id IN (SELECT {{pk}} FROM inserted)
+),
+deferred AS (
+    SELECT procrastinate_defer_jobs_v1(ARRAY(
+        SELECT ROW(queue, task, priority, lock, queueing_lock, args::jsonb, NULL)::procrastinate_job_to_defer_v1
+        FROM wanted ORDER BY i
+    )) AS ids
+)
+SELECT w.run_id, d.job_id FROM wanted w JOIN unnest((SELECT ids FROM deferred)) WITH ORDINALITY AS d(job_id, i) USING (i)
+
 -- ownerless_running --
 -- runs.recovery: running runs whose lock no session holds (runs.ownership: the two-key form on the first 64 bits
 -- of the id, which pg_locks shows unsigned as classid and objid), oldest first, a batch after (created_at, id).

@@ -68,6 +68,7 @@ def test_every_placeholder_is_filled_and_doubled_braces_are_left_for_the_caller(
     assert {name: fields for name, fields in left.items() if fields} == {
         "claim": {"columns"},
         "insert_run_with_first_job": {"insert", "pk"},
+        "insert_runs_with_first_jobs": {"insert", "pk"},  # runs.group_commit
     }
 
 

@@ -1,0 +1,196 @@
+"""Group commit of run submissions (runs.group_commit): requests that come while a batch is being written are
+written together, in one statement and one transaction, and each gets what it would have got alone.
+
+The batches are made deterministic by holding a SHARE lock on runs_run from another session: the first request's
+statement waits on it, the others queue in the process; releasing the lock lets the first commit and the queued
+ones follow as one batch. Runs written in one transaction share their `xmin`, which is how the tests see the
+batches (and that each run's first job was written in the same transaction as the run)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from decimal import Decimal
+
+import psycopg
+import pytest
+from django.db import DataError, connection
+
+from runs import group_commit, submission
+from runs.errors import IdempotencyConflict
+from runs.models import Run
+from tests.engine_helpers import REFUND
+from tests.worker import database_url
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def lock():
+    """Holds a SHARE lock on runs_run (INSERTs wait) from a session of its own, until `release()`."""
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
+        holder = Holder(other, "runs_run")
+        yield holder
+        holder.release()
+
+
+@pytest.fixture
+def jobs_lock():
+    """The same on procrastinate_jobs: a statement that inserted its runs waits before its jobs."""
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
+        holder = Holder(other, "procrastinate_jobs")
+        yield holder
+        holder.release()
+
+
+class Holder:
+    def __init__(self, other, table: str):
+        self.other = other
+        self.table = table
+        self.held = False
+
+    def take(self):
+        self.other.execute(f"LOCK TABLE {self.table} IN SHARE MODE")
+        self.held = True
+
+    def release(self):
+        if self.held:
+            self.other.rollback()
+            self.held = False
+
+    def waiting(self, grouped: bool | None = None) -> list[int]:
+        """The backends waiting for a lock; with `grouped`, only those whose statement is (or is not) a group
+        commit's. (In a transaction, pg_stat_activity is read once unless its snapshot is cleared.)"""
+        self.other.execute("SELECT pg_stat_clear_snapshot()")
+        rows = self.other.execute(
+            "SELECT pid, query FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        ).fetchall()
+        return [pid for pid, query in rows if grouped is None or grouped == query.startswith("/* runs.group_commit */")]
+
+
+def submit_in_threads(calls: list[dict], holder: Holder, queued: int) -> list:
+    """Run `submission.submit(**call)` for each call on a thread of its own while the lock is held; release it once
+    the first statement waits on it and `queued` more requests are queued. Each thread's result or exception."""
+    results: list = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = submission.submit(**calls[i])
+        except Exception as exc:  # noqa: BLE001 (the test looks at it)
+            results[i] = exc
+        finally:
+            connection.close()
+
+    holder.take()
+    first = threading.Thread(target=one, args=(0,))
+    first.start()
+    wait_for(lambda: holder.waiting(), "the first statement to wait on the lock")
+    others = [threading.Thread(target=one, args=(i,)) for i in range(1, len(calls))]
+    for thread in others:
+        thread.start()
+    wait_for(lambda: len(group_commit.GROUP._queue) >= queued, f"{queued} requests to queue")
+    return results, [first, *others]
+
+
+def wait_for(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def join(threads) -> None:
+    for thread in threads:
+        thread.join(20)
+        assert not thread.is_alive()
+
+
+def transactions_of(run_ids) -> dict:
+    """Each run's writing transaction (xmin), and its job's (the same when written in one statement)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT r.id, r.xmin::text, array_agg(j.xmin::text) FROM runs_run r "
+            "LEFT JOIN procrastinate_jobs j ON j.lock = 'run:' || r.id::text "
+            "WHERE r.id = ANY(%s) GROUP BY r.id, r.xmin",
+            [list(run_ids)],
+        )
+        return {run_id: (xmin, jobs) for run_id, xmin, jobs in cursor.fetchall()}
+
+
+def call(**fields) -> dict:
+    return {"workflow": "refund", "input": REFUND, **fields}
+
+
+def test_requests_that_come_while_a_batch_is_written_are_written_together(lock):
+    results, threads = submit_in_threads([call(idempotency_key=f"k{i}") for i in range(6)], lock, queued=5)
+    lock.release()
+    join(threads)
+
+    assert all(created for _, created in results), results
+    xmins = transactions_of([run.pk for run, _ in results])
+    assert len(xmins) == 6
+    first = xmins[results[0][0].pk][0]
+    # The first alone; the five that queued behind it in one transaction; each run's one job in its run's.
+    assert {xmin for xmin, _ in xmins.values()} - {first} == {xmins[results[1][0].pk][0]}
+    assert all(jobs == [xmin] for xmin, jobs in xmins.values())
+
+
+def test_a_key_sent_twice_in_one_batch_makes_one_run_and_a_different_request_under_it_is_refused(lock):
+    other_input = {**REFUND, "amount_cents": 1}
+    calls = [call(), call(idempotency_key="same"), call(idempotency_key="same"), call(idempotency_key="same"),
+             call(idempotency_key="same", input=other_input)]  # fmt: skip
+    results, threads = submit_in_threads(calls, lock, queued=4)
+    lock.release()
+    join(threads)
+
+    same = [result for result in results[1:4]]
+    assert sorted(created for _, created in same) == [False, False, True]
+    assert len({run.pk for run, _ in same}) == 1
+    assert isinstance(results[4], IdempotencyConflict)
+    assert Run.objects.filter(idempotency_key="same").count() == 1
+    assert Run.objects.count() == 2
+
+
+def test_a_run_the_database_refuses_fails_alone_and_the_rest_of_its_batch_is_written(lock):
+    calls = [call(), call(), call(cost_limit=Decimal("10000000")), call()]  # 13 digits: numeric(12, 6) overflows
+    results, threads = submit_in_threads(calls, lock, queued=3)
+    lock.release()
+    join(threads)
+
+    assert isinstance(results[2], DataError), results[2]
+    written = [results[i][0].pk for i in (0, 1, 3)]
+    assert set(Run.objects.values_list("pk", flat=True)) == set(written)
+    assert all(len(jobs) == 1 for _, jobs in transactions_of(written).values())
+
+
+def test_a_batch_whose_connection_is_lost_is_settled_by_each_request_and_no_run_is_made_twice(lock, jobs_lock):
+    calls = [call(idempotency_key=f"lost{i}") for i in range(5)]
+    results, threads = submit_in_threads(calls, lock, queued=4)
+    # The first request's statement waits on runs_run; the four queued behind it will be the next batch. Let the
+    # first one through to its runs' INSERT and stop it before its jobs; cut its connection (a batch of one), then
+    # the next batch's, in flight with four runs.
+    jobs_lock.take()
+    (first,) = lock.waiting()
+    lock.release()
+    wait_for(lambda: jobs_lock.waiting() == [first], "the first statement to wait before its jobs")
+    jobs_lock.other.execute("SELECT pg_terminate_backend(%s)", [first])
+    # Now the first request sends its run again by itself, and the next batch's statement runs: both wait.
+    wait_for(lambda: len(jobs_lock.waiting(grouped=True)) == 1, "the batch of four")
+    (second,) = jobs_lock.waiting(grouped=True)
+    jobs_lock.other.execute("SELECT pg_terminate_backend(%s)", [second])
+    jobs_lock.release()
+    join(threads)
+
+    assert all(not isinstance(result, Exception) for result in results), results
+    assert all(created for _, created in results)
+    assert Run.objects.count() == 5
+    assert all(len(jobs) == 1 for _, jobs in transactions_of([run.pk for run, _ in results]).values())
+
+
+def test_a_submission_inside_a_transaction_is_the_callers_and_not_grouped():
+    from django.db import transaction
+
+    with transaction.atomic():
+        run, created = submission.submit(**call())
+        assert not group_commit.GROUP._queue
+    assert created and Run.objects.filter(pk=run.pk).exists()

@@ -11,7 +11,8 @@ no longer exists on the one path that defers without it. So:
   `inspect`; annotations and defaults aside), the attributes procrastinate's Worker and PsycopgConnector set in
   their `__init__` exist with the type we use, and none of the names our Worker adds shadows one of procrastinate's.
 * `check_database()` / `check_database_async()` run once when a worker starts (jobs.worker.Worker): each SQL
-  function with its argument and result types (`pg_proc`), the composite type we build rows of, attribute by
+  function with its argument and result types (`pg_proc`), the body of each function a migration of ours replaced,
+  the composite type we build rows of, attribute by
   attribute in order (`pg_type`, `pg_attribute`), the enum labels we write, and the columns our own SQL reads.
 
 Either raises `InternalsMismatch`, whose message names the installed version, the pinned one and each mismatch.
@@ -159,6 +160,14 @@ SQL_FUNCTIONS = {
         "runs/sql/queries.sql: finish_dead_job (runs/recovery.py)",
     ),
 }
+# procrastinate's functions whose body is ours (a migration of ours replaced it): name -> (a line only our body
+# has, where). A later procrastinate migration that puts its own back would undo what we rely on.
+SQL_REPLACED = {
+    "procrastinate_notify_queue_job_inserted_v1": (
+        "-- console: one wake-up per transaction",
+        "jobs/migrations/0003_one_wakeup_per_transaction.py: one notification per transaction (runs/group_commit.py)",
+    ),
+}
 # Composite types we build rows of positionally: every attribute, in order.
 SQL_TYPES = {
     "procrastinate_job_to_defer_v1": (
@@ -296,6 +305,9 @@ SELECT 'function' AS kind, p.proname::text AS name,
        '(' || pg_get_function_identity_arguments(p.oid) || ') -> ' || pg_get_function_result(p.oid) AS fact
   FROM pg_proc p WHERE p.proname = ANY(%(functions)s) AND pg_function_is_visible(p.oid)
 UNION ALL
+SELECT 'source', p.proname::text, p.prosrc
+  FROM pg_proc p WHERE p.proname = ANY(%(replaced)s) AND pg_function_is_visible(p.oid)
+UNION ALL
 SELECT 'type', t.typname::text,
        string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', ' ORDER BY a.attnum)
   FROM pg_type t JOIN pg_attribute a ON a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped
@@ -315,6 +327,7 @@ SELECT 'column', c.relname || '.' || a.attname, format_type(a.atttypid, a.atttyp
 def _database_arguments(functions: dict) -> dict[str, list[str]]:
     return {
         "functions": list(functions),
+        "replaced": list(SQL_REPLACED),
         "types": list(SQL_TYPES),
         "enums": list(SQL_ENUMS),
         "tables": list(SQL_COLUMNS),
@@ -332,6 +345,9 @@ def database_problems(rows: list[tuple[str, str, str]], functions: dict = SQL_FU
         if expected not in found:  # overloads: ours must be one of them
             have = "; ".join(f"{name}{fact}" for fact in found) or "no such function"
             problems.append(f"SQL function {name}{expected} expected, found {have} (used by {where})")
+    for name, (line, where) in SQL_REPLACED.items():
+        if not any(line in source for source in facts.get(("source", name), [])):
+            problems.append(f"SQL function {name} is not ours: its body lacks {line!r} (used by {where})")
     for name, (expected, where) in SQL_TYPES.items():
         found = facts.get(("type", name), [])
         if found != [expected]:

@@ -125,5 +125,6 @@ def test_design_notes_list_every_internal_the_check_knows():
     expected |= {f"Worker().{name}" for name in internals.WORKER_ATTRIBUTES}
     expected |= {f"PsycopgConnector().{name}" for name in internals.CONNECTOR_ATTRIBUTES}
     expected |= set(internals.SQL_FUNCTIONS) | set(internals.SQL_TYPES) | set(internals.SQL_ENUMS)
+    expected |= set(internals.SQL_REPLACED)
     expected |= set(internals.SQL_COLUMNS)
     assert expected - named == set()

@@ -43,3 +43,36 @@ def test_a_composite_type_with_other_attributes_stops_a_worker(db):
     message = _mismatch(lambda: internals.check_database(connection))
 
     assert "SQL type procrastinate_job_to_defer_v1" in message and "priority_class text" in message
+
+
+def test_procrastinates_own_job_insert_notification_put_back_stops_a_worker(db):
+    from importlib import import_module
+
+    # As a later procrastinate migration would: its body, one notification per job (rolled back with the test).
+    migration = import_module("jobs.migrations.0003_one_wakeup_per_transaction")
+    with connection.cursor() as cursor:
+        cursor.execute(migration.PROCRASTINATES)
+
+    message = _mismatch(lambda: internals.check_database(connection))
+
+    assert "SQL function procrastinate_notify_queue_job_inserted_v1 is not ours" in message
+
+
+def test_a_transaction_of_many_jobs_notifies_each_listener_once(transactional_db):
+    import psycopg
+
+    from runs import submission
+    from tests.engine_helpers import REFUND
+    from tests.worker import database_url
+
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as listener:
+        listener.execute('LISTEN "procrastinate_any_queue_v1"')
+        from django.db import transaction
+
+        with transaction.atomic():
+            for _ in range(5):
+                submission.submit(workflow="refund", input=REFUND)
+        listener.execute("SELECT 1")  # notifications arrive with the next round trip's answer
+        payloads = [n.payload for n in listener.notifies(timeout=0.5)]
+
+    assert payloads == ['{"type" : "job_inserted"}']

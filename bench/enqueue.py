@@ -16,7 +16,8 @@ For each connection count, in turns: `wrk -d<duration>` with bench/enqueue_wrk.l
   INSERT in autocommit, no authentication;
 * `POST /api/runs`: a refund input with a bearer token and a fresh idempotency key per request;
 * with --compare, the last two again under each named server (the same app: Django's ASGI handler under uvicorn,
-  gunicorn gthread 2 x 8 threads or granian WSGI 2 x 8 blocking threads, console/wsgi.py), all in the same run.
+  gunicorn gthread 2 x 8 threads or granian WSGI 2 x 8 blocking threads, console/wsgi.py), all in the same run;
+  `production-single` is the production server with GROUP_COMMIT=0, each run in its own commit (runs.group_commit).
 Latency percentiles and req/s from wrk; the web processes' CPU time per request from /proc; wrk's own CPU time
 (it must not compete for the cores). At the end the database must hold one run and one queued job per 202.
 `--profile`: py-spy (when installed in the venv) samples the web processes during one more 16-connection run of
@@ -183,11 +184,18 @@ SERVERS = {
         [PY, "-m", "gunicorn", "console.wsgi:application", "-k", "gthread"]
         + ["-w", str(workers), "--threads", "8", "-b", f"127.0.0.1:{port}"]
     ),
+    # The production server with each run written by itself (GROUP_COMMIT=0, SERVER_ENV): what group commit gives.
+    "production-single": lambda port, workers: [
+        *[PY, "-m", "console.webserver", "--port", str(port), "--workers", str(workers)]
+    ],
     "granian-wsgi": lambda port, workers: (
         [PY, "-m", "granian", "--interface", "wsgi", "--workers", str(workers)]
         + ["--blocking-threads", "8", "--host", "127.0.0.1", "--port", str(port), "console.wsgi:application"]
     ),
 }
+
+
+SERVER_ENV = {"production-single": {"GROUP_COMMIT": "0"}}
 
 
 def start(argv: list[str], env: dict, log) -> subprocess.Popen:
@@ -268,7 +276,9 @@ def main() -> None:
         )
         server_env = {**env, "DATABASE_URL": database_url, "DATABASE_POOL": "1"}  # the production server's pool
         for name in compared:
-            servers[name] = start(SERVERS[name](ports[name], args.web_workers), server_env, log)
+            servers[name] = start(
+                SERVERS[name](ports[name], args.web_workers), server_env | SERVER_ENV.get(name, {}), log
+            )
         for name, server in servers.items():
             if name != "production":
                 pids[name] = wait_healthy(server, ports[name], tmp / "server.log")

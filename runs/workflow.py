@@ -93,11 +93,19 @@ class Workflow:
     def seal_input(self, value: Any, run_id) -> Any:
         """A new run's input, its personal fields sealed under `run_id` (runs.personal); pii.Erased for an erased
         subject's."""
+        if not self.seals_input():
+            return value
         return personal.seal_input(value, self.input_json_schema(), run_id)
 
     def seals_input(self) -> bool:
-        """Whether its input has personal fields to seal (its schema marks some)."""
-        return bool(personal.marks(self.input_json_schema()))
+        """Whether its input has personal fields to seal (its schema marks some). Read once per input schema:
+        walking the schema was 4 % of `POST /api/runs`'s CPU (docs/PROFILE-api.md)."""
+        schema = self.input_json_schema()
+        cached = self.__dict__.get("_seals_input")
+        if cached is None or cached[0] is not schema:
+            cached = (schema, bool(personal.marks(schema)))
+            self.__dict__["_seals_input"] = cached
+        return cached[1]
 
     def personal_data(self) -> list[str]:
         """Where the workflow marks personal data (its input's fields, its reads' and tools' declared fields, its

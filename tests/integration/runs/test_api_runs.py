@@ -268,7 +268,8 @@ def test_it_creates_one_run_when_requests_race_in_separate_transactions(transact
 
 def test_post_runs_costs_two_queries_in_autocommit(transactional_db):
     """The enqueue path's round trips (issue 11): the token's lookup, then the run's INSERT and its job's defer as
-    one statement in autocommit (runs/submission.py): no BEGIN, savepoint or COMMIT of its own. Fails if it grows."""
+    one statement in autocommit (runs/submission.py; a group commit's, with whatever other requests came at the same
+    time: runs/group_commit.py): no BEGIN, savepoint or COMMIT of its own. Fails if it grows."""
     call_command("demo_setup", verbosity=0)
     headers = bearer(User.objects.get(username="agent"))
     client = Client()
@@ -279,7 +280,7 @@ def test_post_runs_costs_two_queries_in_autocommit(transactional_db):
     statements = [q["sql"] for q in queries.captured_queries]
     assert len(statements) == 2, statements
     assert statements[0].startswith('SELECT "console_apitoken"')
-    assert statements[1].startswith('WITH inserted AS (INSERT INTO "runs_run"')
+    assert statements[1].startswith('/* runs.group_commit */ WITH inserted AS (INSERT INTO "runs_run"')
     assert "procrastinate_defer_jobs_v1" in statements[1]
     run = Run.objects.get(idempotency_key="count-1")
     assert queued_jobs(run) == 1

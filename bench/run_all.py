@@ -40,7 +40,8 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
     """(section, title, argv, extra env, what the baseline is); `only`: those BENCH_ONLY names."""
     enqueue_args = ["--duration", "1" if SMOKE else "10", "--connections", "16" if SMOKE else "1,16,64"]
     if not SMOKE:
-        enqueue_args.append("--profile")
+        # Group commit against each run by itself, same run (runs.group_commit; GROUP_COMMIT=0).
+        enqueue_args += ["--profile", "--compare", "production-single"]
     quick_recovery = {"STALLED_AFTER_SECONDS": "3", "STALLED_SWEEP_SECONDS": "1", "WORKER_HEARTBEAT_INTERVAL": "1"}
     out = []
     if pg15_up():

@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, connection
+from django.db import DatabaseError, IntegrityError, InterfaceError, connection
 
 from jobs.worker import is_connection_error
 from runs.sql import queries
@@ -130,7 +130,7 @@ def _write(batch: list[_Entry]) -> None:
         with connection.cursor() as cursor:
             cursor.execute(queries["insert_runs_with_first_jobs"].format(insert=insert, pk=pk), [*params, *columns])
             jobs = dict(cursor.fetchall())
-    except DatabaseError as exc:
+    except (DatabaseError, InterfaceError) as exc:  # (Django's InterfaceError is not a DatabaseError)
         failure: BaseException = Lost(exc) if is_connection_error(exc) else Alone(str(exc))
         for entry in batch:
             entry.error = failure

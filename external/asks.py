@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError
 from django.utils import timezone
 
 from approvals import cards, personal
@@ -23,6 +23,7 @@ from core.models import ActorType, AuditEntry, Channel
 from external import schemas
 from external.errors import Conflict, Forbidden, Invalid, NotFound, Unavailable
 from external.models import ActionRequest, ApprovalMode
+from runs import group_commit
 from runs.gates import ANY_LEAF, Display, GateSpec, Kind, canonical_hash
 from runs.models import EXTERNAL_WORKFLOW, Run, Step
 
@@ -69,8 +70,9 @@ def open_request(user, ask: Ask, *, console_host: str = "", token=None) -> tuple
     channel = _channel_for(user, ask)
     _check(ask, console_host)
     try:
-        with transaction.atomic():
-            return _open(user, ask, channel, token), True
+        # In one transaction with other asks (and deliveries) that come at the same time (runs.group_commit); the
+        # idempotency key makes it safe to do again when that transaction's outcome is unknown.
+        return group_commit.atomic(lambda: _open(user, ask, channel, token)), True
     except IntegrityError:
         # The same key sent twice at once: the other transaction's insert won the unique index.
         existing = ActionRequest.objects.filter(created_by=user, idempotency_key=ask.idempotency_key).first()

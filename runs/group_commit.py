@@ -26,12 +26,15 @@ What each request gets is what `submission.submit` would have given it alone:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, InterfaceError, connection
+from django.db import DatabaseError, IntegrityError, InterfaceError, connection, transaction
 
 from jobs.worker import is_connection_error
 from runs.sql import queries
@@ -50,35 +53,45 @@ class Lost(DatabaseError):
 
 
 class Alone(Exception):
-    """The batch's statement failed for a reason that is not the connection's: write this run by itself."""
+    """The batch failed for a reason that is not the request's own (a run the database refused: Lost aside; a
+    work's transaction that could not commit): write this one by itself."""
 
 
 @dataclass(eq=False)
 class _Entry:
-    run: object
+    done: threading.Event = field(default_factory=threading.Event, init=False)
+    error: BaseException | None = field(default=None, init=False)
+    batch: int = field(default=0, init=False)  # the number of entries of the transaction that held it, once written
+
+
+@dataclass(eq=False)
+class _Run(_Entry):
+    run: Any
     sql: str
     params: list
     job: list
-    done: threading.Event = field(default_factory=threading.Event)
-    job_id: int | None = None
-    error: BaseException | None = None
-    batch: int = 0
+    job_id: int | None = field(default=None, init=False)
+
+
+@dataclass(eq=False)
+class _Work(_Entry):
+    work: Callable[[], Any]
+    context: contextvars.Context
+    result: Any = field(default=None, init=False)
 
 
 class GroupCommit:
-    """One per web process (`GROUP`)."""
+    """Entries of concurrent requests written by `write(batch)` in one transaction, one batch at a time."""
 
-    def __init__(self, max_runs: int):
-        self.max_runs = max_runs
+    def __init__(self, write: Callable[[list], None], max_entries: int):
+        self.write = write
+        self.max_entries = max_entries
         self._lock = threading.Lock()
         self._queue: list[_Entry] = []
         self._writing = False
 
-    def insert(self, run, sql: str, params: list, job: list) -> tuple[int, int]:
-        """Write the unsaved `run` (its INSERT as `sql` with `params`, its first job's row `job`) with whatever
-        other requests queued; (the job's id, the number of runs in the statement) once it has committed.
-        Raises Duplicate, Lost or Alone (above)."""
-        entry = _Entry(run, sql, params, job)
+    def submit(self, entry: _Entry) -> None:
+        """Returns once `entry` was written (its `batch` set) or failed (raises its error)."""
         with self._lock:
             self._queue.append(entry)
             lead = not self._writing
@@ -90,20 +103,18 @@ class GroupCommit:
             entry.done.wait()  # set at once for a leader's own entry
             if entry.batch or entry.error is not None:
                 break
-            # Woken to lead: the batch before ours committed without us (it was full).
+            # Woken to lead: the batch before ours was full, and ours comes next.
             lead = True
         if entry.error is not None:
             raise entry.error
-        assert entry.job_id is not None
-        return entry.job_id, entry.batch
 
     def _lead(self) -> None:
-        """Write every queued entry (up to max_runs), then hand the lead to the next queued entry, if any."""
+        """Write the queued entries (up to max_entries), then hand the lead to the next queued entry, if any."""
         with self._lock:
-            batch, self._queue = self._queue[: self.max_runs], self._queue[self.max_runs :]
+            batch, self._queue = self._queue[: self.max_entries], self._queue[self.max_entries :]
         try:
-            _write(batch)
-        except BaseException as exc:  # noqa: BLE001 (every request must be answered, whatever happened)
+            self.write(batch)
+        except BaseException as exc:  # every request must be answered, whatever happened
             for entry in batch:
                 if entry.error is None and not entry.batch:
                     entry.error = exc
@@ -119,8 +130,8 @@ class GroupCommit:
                 waiting.done.set()  # its thread leads the next batch (its `batch` is still 0)
 
 
-def _write(batch: list[_Entry]) -> None:
-    """The batch's one statement, on this thread's connection, in autocommit: its own implicit transaction."""
+def _write_runs(batch: list[_Run]) -> None:
+    """The runs' one statement, on this thread's connection, in autocommit: its own implicit transaction."""
     head, values = batch[0].sql.split(" VALUES ", 1)
     insert = f"{head} VALUES {', '.join([values] * len(batch))}"
     params = [p for entry in batch for p in entry.params]
@@ -144,9 +155,69 @@ def _write(batch: list[_Entry]) -> None:
             entry.job_id = job_id
 
 
+def _write_work(batch: list[_Work]) -> None:
+    """Each entry's work in a savepoint of its own, all in one transaction on this thread's connection, each in
+    its requester's context (its log fields, its trace). A work that raises is rolled back alone and raises in
+    its request; a transaction that did not commit leaves each request to do its work again, by itself."""
+    committed: list[bool] = []
+    failure: BaseException | None = None
+    try:
+        with transaction.atomic():
+            transaction.on_commit(lambda: committed.append(True))
+            for entry in batch:
+                try:
+                    with transaction.atomic():
+                        entry.result = entry.context.run(entry.work)
+                except Exception as exc:  # noqa: BLE001 (its request's to raise)
+                    entry.error = exc
+    except (DatabaseError, InterfaceError) as exc:
+        failure = exc
+    if failure is not None or not committed:
+        # (A connection lost inside the transaction ends it without an error here: Django leaves the rollback to
+        # the server. Hence the commit hook.)
+        if failure is None or is_connection_error(failure):
+            connection.close()  # this thread's, lost: its own request does its work again on a new one
+        for entry in batch:
+            entry.error = Alone(str(failure or "the transaction did not commit"))
+        return
+    for entry in batch:
+        entry.batch = len(batch)
+
+
 def job_row(job) -> list:
     """The columns of `insert_runs_with_first_jobs`'s job arrays for procrastinate's job `job`, run id aside."""
     return [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
 
 
-GROUP = GroupCommit(max_runs=settings.GROUP_COMMIT_MAX_RUNS)
+RUNS = GroupCommit(_write_runs, settings.GROUP_COMMIT_MAX_RUNS)
+WORK = GroupCommit(_write_work, settings.GROUP_COMMIT_MAX_RUNS)
+
+
+def insert(run, sql: str, params: list, job: list) -> tuple[int, int]:
+    """Write the unsaved `run` (its INSERT as `sql` with `params`, its first job's row `job`) with whatever other
+    requests' runs queued; (the job's id, the number of runs in the statement) once it has committed. Raises
+    Duplicate, Lost or Alone (above)."""
+    entry = _Run(run, sql, params, job)
+    RUNS.submit(entry)
+    assert entry.job_id is not None
+    return entry.job_id, entry.batch
+
+
+def atomic[T](work: Callable[[], T]) -> T:
+    """`work()` in a transaction, as `with transaction.atomic(): return work()` would run it, but in one
+    transaction with the works other requests of this process hand in at the same time (each in a savepoint of
+    its own, in its requester's context, on the leading request's connection and thread). Its result or its
+    exception once that transaction committed. When the transaction cannot commit (a lost connection, a deadlock
+    between two batches), whether `work` was written is unknown, and it runs again by itself: so `work` must be
+    idempotent by a key of its own (a webhook's delivery id, an approval request's idempotency key), and must not
+    hold on to the connection. Inside a caller's transaction, or with GROUP_COMMIT off, it is simply run there."""
+    if not settings.GROUP_COMMIT or connection.in_atomic_block:
+        with transaction.atomic():
+            return work()
+    entry = _Work(work, contextvars.copy_context())
+    try:
+        WORK.submit(entry)
+    except Alone:
+        with transaction.atomic():
+            return work()
+    return entry.result

@@ -186,7 +186,7 @@ def _group_insert(run) -> bool:
         return False
     job = group_commit.job_row(run.advance_job().job)
     try:
-        job_id, batch = group_commit.GROUP.insert(run, sql, params, job)
+        job_id, batch = group_commit.insert(run, sql, params, job)
     except group_commit.Alone:
         run._state.adding = True
         return False

@@ -34,7 +34,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core import safe_input, webhook_signing
-from runs import submission
+from runs import group_commit, submission
 from runs.errors import InvalidInput
 from runs.models import WebhookDelivery
 
@@ -137,31 +137,37 @@ def ingest(source: Source, delivery_id: str, input: dict) -> tuple[WebhookDelive
     """The delivery row and its run (with the run's first job), in one transaction; for a delivery id already
     accepted, that delivery and False. Raises InvalidInput (nothing written) for an input the workflow refuses."""
     run_as = get_user_model().objects.filter(username=source.run_as).first() if source.run_as else None
-    with transaction.atomic():
-        try:
-            with transaction.atomic():  # a savepoint: the IntegrityError must not abort the transaction
-                delivery = WebhookDelivery.objects.create(
-                    source=source.name, delivery_id=delivery_id, status=WebhookDelivery.Status.ACCEPTED
-                )
-        except IntegrityError:
-            # A transaction that inserted this delivery id first held our INSERT on the unique index until it
-            # ended; it failed, so that transaction committed (had it rolled back, our INSERT would have gone
-            # in), and under READ COMMITTED this next statement sees its row. The lock orders us after a
-            # concurrent retry of a refused delivery, so at most one of them makes a run.
-            delivery = (
-                WebhookDelivery.objects.select_for_update(of=("self",))
-                .select_related("run")
-                .get(source=source.name, delivery_id=delivery_id)
+    # In one transaction with other deliveries' that come at the same time (runs.group_commit: one commit, one
+    # wake-up); the delivery id makes it safe to do again when that transaction's outcome is unknown.
+    return group_commit.atomic(lambda: _ingest(source, delivery_id, input, run_as))
+
+
+def _ingest(source: Source, delivery_id: str, input: dict, run_as) -> tuple[WebhookDelivery, bool]:
+    """The body of `ingest`'s transaction (a savepoint of the group's: runs.group_commit.atomic)."""
+    try:
+        with transaction.atomic():  # a savepoint: the IntegrityError must not abort the transaction
+            delivery = WebhookDelivery.objects.create(
+                source=source.name, delivery_id=delivery_id, status=WebhookDelivery.Status.ACCEPTED
             )
-            if delivery.status == WebhookDelivery.Status.ACCEPTED:
-                return delivery, False
-            # Refused earlier (its body, or the schema then): this copy is processed as new, on the same row.
-        run, _ = submission.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
-        delivery.status = WebhookDelivery.Status.ACCEPTED
-        delivery.run = run
-        delivery.error = ""
-        delivery.received_at = timezone.now()
-        delivery.save(update_fields=["status", "run", "error", "received_at"])
+    except IntegrityError:
+        # A transaction that inserted this delivery id first held our INSERT on the unique index until it
+        # ended; it failed, so that transaction committed (had it rolled back, our INSERT would have gone
+        # in), and under READ COMMITTED this next statement sees its row. The lock orders us after a
+        # concurrent retry of a refused delivery, so at most one of them makes a run.
+        delivery = (
+            WebhookDelivery.objects.select_for_update(of=("self",))
+            .select_related("run")
+            .get(source=source.name, delivery_id=delivery_id)
+        )
+        if delivery.status == WebhookDelivery.Status.ACCEPTED:
+            return delivery, False
+        # Refused earlier (its body, or the schema then): this copy is processed as new, on the same row.
+    run, _ = submission.submit(workflow=source.workflow, input=input, tenant=source.tenant, created_by=run_as)
+    delivery.status = WebhookDelivery.Status.ACCEPTED
+    delivery.run = run
+    delivery.error = ""
+    delivery.received_at = timezone.now()
+    delivery.save(update_fields=["status", "run", "error", "received_at"])
     return delivery, True
 
 

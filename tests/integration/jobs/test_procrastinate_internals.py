@@ -5,10 +5,16 @@ worker refusing to start: tests/system/test_procrastinate_internals_worker.py.""
 
 from __future__ import annotations
 
-from django.db import connection
+from importlib import import_module
+
+import psycopg
+from django.db import connection, transaction
 
 from jobs import internals
+from runs import submission
+from tests.engine_helpers import REFUND
 from tests.unit.test_procrastinate_internals import _mismatch
+from tests.worker import database_url
 
 
 def test_the_database_has_every_sql_internal_we_rely_on(db):
@@ -46,8 +52,6 @@ def test_a_composite_type_with_other_attributes_stops_a_worker(db):
 
 
 def test_procrastinates_own_job_insert_notification_put_back_stops_a_worker(db):
-    from importlib import import_module
-
     # As a later procrastinate migration would: its body, one notification per job (rolled back with the test).
     migration = import_module("jobs.migrations.0003_one_wakeup_per_transaction")
     with connection.cursor() as cursor:
@@ -59,16 +63,8 @@ def test_procrastinates_own_job_insert_notification_put_back_stops_a_worker(db):
 
 
 def test_a_transaction_of_many_jobs_notifies_each_listener_once(transactional_db):
-    import psycopg
-
-    from runs import submission
-    from tests.engine_helpers import REFUND
-    from tests.worker import database_url
-
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as listener:
         listener.execute('LISTEN "procrastinate_any_queue_v1"')
-        from django.db import transaction
-
         with transaction.atomic():
             for _ in range(5):
                 submission.submit(workflow="refund", input=REFUND)

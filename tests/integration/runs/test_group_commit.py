@@ -14,11 +14,11 @@ from decimal import Decimal
 
 import psycopg
 import pytest
-from django.db import DataError, connection
+from django.db import DataError, connection, transaction
 
-from runs import group_commit, submission
-from runs.errors import IdempotencyConflict
-from runs.models import Run
+from runs import group_commit, submission, webhooks
+from runs.errors import IdempotencyConflict, InvalidInput
+from runs.models import Run, WebhookDelivery
 from tests.engine_helpers import REFUND
 from tests.worker import database_url
 
@@ -30,6 +30,15 @@ def lock():
     """Holds a SHARE lock on runs_run (INSERTs wait) from a session of its own, until `release()`."""
     with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
         holder = Holder(other, "runs_run")
+        yield holder
+        holder.release()
+
+
+@pytest.fixture
+def deliveries_lock():
+    """The same on runs_webhookdelivery: a batch of deliveries waits in its first work."""
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
+        holder = Holder(other, "runs_webhookdelivery")
         yield holder
         holder.release()
 
@@ -68,14 +77,17 @@ class Holder:
         return [pid for pid, query in rows if grouped is None or grouped == query.startswith("/* runs.group_commit */")]
 
 
-def submit_in_threads(calls: list[dict], holder: Holder, queued: int) -> list:
-    """Run `submission.submit(**call)` for each call on a thread of its own while the lock is held; release it once
-    the first statement waits on it and `queued` more requests are queued. Each thread's result or exception."""
+def submit_in_threads(calls: list, holder: Holder, queued: int, group=None, do=None) -> tuple[list, list]:
+    """Run `do(call)` (`submission.submit(**call)`) for each call on a thread of its own while the lock is held;
+    return once the first waits on it and `queued` more requests are queued in `group` (group_commit.RUNS): each
+    thread's result or exception, and the threads."""
     results: list = [None] * len(calls)
+    group = group or group_commit.RUNS
+    do = do or (lambda call: submission.submit(**call))
 
     def one(i: int) -> None:
         try:
-            results[i] = submission.submit(**calls[i])
+            results[i] = do(calls[i])
         except Exception as exc:  # noqa: BLE001 (the test looks at it)
             results[i] = exc
         finally:
@@ -88,7 +100,7 @@ def submit_in_threads(calls: list[dict], holder: Holder, queued: int) -> list:
     others = [threading.Thread(target=one, args=(i,)) for i in range(1, len(calls))]
     for thread in others:
         thread.start()
-    wait_for(lambda: len(group_commit.GROUP._queue) >= queued, f"{queued} requests to queue")
+    wait_for(lambda: len(group._queue) >= queued, f"{queued} requests to queue")
     return results, [first, *others]
 
 
@@ -143,7 +155,7 @@ def test_a_key_sent_twice_in_one_batch_makes_one_run_and_a_different_request_und
     lock.release()
     join(threads)
 
-    same = [result for result in results[1:4]]
+    same = results[1:4]
     assert sorted(created for _, created in same) == [False, False, True]
     assert len({run.pk for run, _ in same}) == 1
     assert isinstance(results[4], IdempotencyConflict)
@@ -187,10 +199,91 @@ def test_a_batch_whose_connection_is_lost_is_settled_by_each_request_and_no_run_
     assert all(len(jobs) == 1 for _, jobs in transactions_of([run.pk for run, _ in results]).values())
 
 
-def test_a_submission_inside_a_transaction_is_the_callers_and_not_grouped():
-    from django.db import transaction
+def deliveries(ids: list[str], holder: Holder, queued: int, inputs: dict | None = None) -> tuple[list, list]:
+    source = webhooks.served_source("demo") or webhooks.Source("demo", workflow="refund", to_input=dict)
+    inputs = inputs or {}
+    return submit_in_threads(
+        ids, holder, queued, group=group_commit.WORK, do=lambda i: webhooks.ingest(source, i, inputs.get(i, REFUND))
+    )
 
+
+@pytest.fixture
+def batches(monkeypatch) -> list[int]:
+    """The size of each batch of works written (rows in a savepoint have the savepoint's xmin, so xmin cannot
+    tell a batch of works as it tells one of runs)."""
+    sizes: list[int] = []
+    write = group_commit.WORK.write
+
+    def counted(batch):
+        sizes.append(len(batch))
+        write(batch)
+
+    monkeypatch.setattr(group_commit.WORK, "write", counted)
+    return sizes
+
+
+def one_job_each() -> bool:
+    return {len(jobs) for _, jobs in transactions_of(Run.objects.values_list("pk", flat=True)).values()} == {1}
+
+
+def test_deliveries_that_come_together_are_written_in_one_transaction_each_as_it_would_be_alone(
+    deliveries_lock, batches
+):
+    bad = {**REFUND, "amount_cents": "lots"}  # the workflow's schema refuses it
+    ids = ["d0", "d1", "d2", "d2", "bad", "d3"]
+    results, threads = deliveries(ids, deliveries_lock, queued=5, inputs={"bad": bad})
+    deliveries_lock.release()
+    join(threads)
+
+    assert isinstance(results[4], InvalidInput), results[4]
+    created = [result[1] for i, result in enumerate(results) if i != 4]
+    assert sorted(created) == [False, True, True, True, True]  # one copy of d2 is the other's duplicate
+    assert results[2][0].run_id == results[3][0].run_id
+    # d0 alone (its transaction waited on the lock), the five after it in one.
+    assert batches == [1, 5]
+    assert sorted(WebhookDelivery.objects.values_list("delivery_id", flat=True)) == ["d0", "d1", "d2", "d3"]
+    assert Run.objects.count() == 4 and one_job_each()
+
+
+def test_deliveries_whose_transaction_is_lost_are_each_written_again_by_themselves_once(
+    deliveries_lock, jobs_lock, batches
+):
+    ids = ["e0", "e1", "e2", "e3"]
+    source = webhooks.served_source("demo")
+
+    def named(delivery_id):  # its connection named after it (pg_stat_activity.application_name)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('application_name', %s, false)", [delivery_id])
+        return webhooks.ingest(source, delivery_id, REFUND)
+
+    results, threads = submit_in_threads(ids, deliveries_lock, queued=3, group=group_commit.WORK, do=named)
+    # e0's transaction waits on the deliveries, the three queued behind it will be the next. Stop each at its
+    # first run's job and cut its connection: e0's (a batch of one), then e1's, which leads the three.
+    jobs_lock.take()
+    deliveries_lock.release()
+    for leaders in (["e0"], ["e1", "e2", "e3"]):  # the second batch's leader is whichever queued first
+        wait_for(lambda leaders=leaders: waiting_as(jobs_lock, leaders), f"{leaders}'s transaction at its first job")
+        jobs_lock.other.execute("SELECT pg_terminate_backend(%s)", [waiting_as(jobs_lock, leaders)])
+    jobs_lock.release()
+    join(threads)
+
+    assert all(not isinstance(result, Exception) for result in results), results
+    assert all(created for _, created in results)
+    assert batches == [1, 3]
+    assert sorted(WebhookDelivery.objects.values_list("delivery_id", flat=True)) == ids
+    assert Run.objects.count() == 4 and one_job_each()
+
+
+def waiting_as(holder: Holder, names: list[str]) -> int | None:
+    holder.other.execute("SELECT pg_stat_clear_snapshot()")
+    row = holder.other.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = ANY(%s)", [names]
+    ).fetchone()
+    return row[0] if row else None
+
+
+def test_a_submission_inside_a_transaction_is_the_callers_and_not_grouped():
     with transaction.atomic():
         run, created = submission.submit(**call())
-        assert not group_commit.GROUP._queue
+        assert not group_commit.RUNS._queue
     assert created and Run.objects.filter(pk=run.pk).exists()

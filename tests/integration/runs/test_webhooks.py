@@ -135,11 +135,14 @@ def test_the_same_delivery_three_times_at_once_in_separate_transactions_makes_on
 
 
 def test_a_copy_sent_while_the_first_is_uncommitted_waits_for_it_and_answers_with_its_run(
-    transactional_db, monkeypatch
+    transactional_db, monkeypatch, settings
 ):
     """The race the unique index settles, made deterministic: the first delivery's transaction is held open
     after its INSERT; the copy's INSERT waits for it on the index, fails once it commits, and the copy reads
-    the committed row (READ COMMITTED: a new snapshot per statement)."""
+    the committed row (READ COMMITTED: a new snapshot per statement). As between two web processes: in one
+    process, the copy would queue behind the first for the same group commit (runs.group_commit; a copy in the
+    same batch: tests/integration/runs/test_group_commit.py)."""
+    settings.GROUP_COMMIT = False
     call_command("demo_setup", verbosity=0)
     data = json.dumps(SMALL_REFUND).encode()
     headers = signed(data, delivery_id="dlv-held")

@@ -56,12 +56,12 @@ def peers_python() -> Path:
     if python.exists() and stamp.exists() and stamp.read_text().strip() == digest:
         print(f"peers' virtualenv {VENV.name}: up to date with {REQUIREMENTS.name}", flush=True)
         return python
-    print(f"peers' virtualenv {VENV.name}: making it from {REQUIREMENTS.name} (a minute or so)", flush=True)
+    # The progress on stderr (bench/run_all.py keeps a section's stdout for docs/BENCHMARKS.md), one line a package.
+    print(f"peers' virtualenv {VENV.name}: making it from {REQUIREMENTS.name} (a minute or so)", file=sys.stderr)
     shutil.rmtree(VENV, ignore_errors=True)
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    print("  installing the pinned packages:", flush=True)
-    # pip's own progress, one line a package, so a slow install shows where it is.
+    print("  installing the pinned packages:", file=sys.stderr, flush=True)
     install = subprocess.Popen(
         [
             str(python),
@@ -82,11 +82,11 @@ def peers_python() -> Path:
     for line in install.stdout:
         tail = [*tail[-30:], line]
         if line.startswith(("Collecting", "Successfully installed")):
-            print("  " + line.rstrip()[:150], flush=True)
+            print("  " + line.rstrip()[:150], file=sys.stderr, flush=True)
     if install.wait() != 0:
         sys.exit("installing the peers failed:\n" + "".join(tail))
     stamp.write_text(digest + "\n")
-    print(f"  done in {time.monotonic() - t0:.0f} s", flush=True)
+    print(f"peers' virtualenv {VENV.name}: made from {REQUIREMENTS.name} in {time.monotonic() - t0:.0f} s", flush=True)
     return python
 
 
@@ -164,11 +164,12 @@ def main() -> None:
         versions = {}
         for peer in peers:
             r = results[peer][0]
-            versions[peer] = f"{r['framework']} {r['version']}" + (
-                f" + langgraph-checkpoint-postgres {r['checkpoint_postgres']}, durability={r['durability']}"
-                if "durability" in r
-                else ""
-            )
+            versions[peer] = f"{r['framework']} {r['version']}, " + {
+                "dbos": "DBOS.start_workflow",
+                "dbos-queue": "a DBOS queue",
+                "langgraph": f"PostgresSaver {r.get('checkpoint_postgres')}, durability={r.get('durability')}",
+                "langgraph-async": f"PostgresSaver {r.get('checkpoint_postgres')}, durability={r.get('durability')}",
+            }.get(peer, "")
         print(
             f"\npeers on pg15 (PostgreSQL {version}), {args.runs} runs x 5 no-op steps per batch, concurrency"
             f" {args.concurrency} (the engine and plain: 1 worker process of concurrency {worker_concurrency}),"

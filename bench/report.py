@@ -220,7 +220,7 @@ def render(meta: dict, sections: list[dict]) -> str:
         ),
         "",
         *_repetitions(sections),
-        "Commands: `make bench` (everything, < 15 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
+        "Commands: `make bench` (everything, < 20 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
         "(tiny sizes, writes nothing: CI runs it after `make test`), `BENCH_ONLY=enqueue make bench` (a subset:",
         "enqueue, throughput, tracing, peers, webhook, longpoll, resume, console, recovery), `BENCH_SCALE=0.1 make",
         "bench` (smaller cards, audit log, memory runs and waiting agents). Each section names its own script; each",
@@ -267,7 +267,8 @@ def render(meta: dict, sections: list[dict]) -> str:
         for peer, ratio in r["engine_vs"].items():
             each = ", ".join(f"{x:.2f}" for x in rounds[peer])
             out.append(
-                f"| peers: the engine >= {r['goal']:g}x {r['versions'][peer]}'s steps/s, same workload, same run |"
+                f"| peers: the engine's steps/s >= {r['goal']:g}x {peer}'s ({r['versions'][peer]}), same workload and"
+                " run |"
                 f" {r['median_steps_per_s']['engine']} / {r['median_steps_per_s'][peer]} = {ratio:.2f}"
                 f" (median of {r['rounds']} rounds; each round: {each}) | {'yes' if ratio >= r['goal'] else 'no'} |"
             )

@@ -125,11 +125,13 @@ format: install
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .venv-client-oldest .venv-client-newest node_modules staticfiles
+	rm -rf $(VENV) .venv-client-oldest .venv-client-newest .bench-peers-venv node_modules staticfiles
 
 # Benchmarks (not part of the test suite): every figure of docs/BENCHMARKS.md, each against a baseline measured in
 # the same run, on the production server; rewrites docs/BENCHMARKS.md. `make bench-smoke` (CI): tiny sizes, writes
-# nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same.
+# nothing, so the benchmarks cannot rot. BENCH_SMOKE=1 make bench is the same. The peers section (bench/peers.py:
+# DBOS and LangGraph on the same workload) installs them into a virtualenv of its own, .bench-peers-venv, and is
+# left out of bench-smoke.
 # The load generator of the enqueue and webhook benchmarks: Debian's wrk.
 WRK ?= /usr/bin/wrk
 

@@ -62,6 +62,22 @@ this shape is 1.8 write transactions per step: one per step (its checkpoint, one
 the run's claim and its finish and the job's fetch and finish, four per run."""
 
 
+PEERS_NOTE = """\
+**Reading (issue 30).** The workload is bench/throughput_workers.py's: runs of five steps that do nothing, each
+step's completion persisted before the next starts, on the machine's PostgreSQL 15 over TCP. The peers are installed
+by bench/peers.py into a virtualenv of its own from the exact pins of bench/peers-requirements.txt, and each batch
+runs on a fresh database (bench/peers_runner.py says how each is driven). `dbos`: `DBOS.start_workflow` for every
+run at once, on DBOS's executor of that many threads (its in-process background execution; the start's durable
+insert is in the figure); `dbos-queue`: the runs enqueued first in one transaction, then dequeued from a DBOS queue
+with no worker limit (DBOS's default) on the same executor, timed from the first dequeue to the last completion, as
+the engine's batch is timed from its first job's fetch; `langgraph`: a five-node `StateGraph` compiled with
+`PostgresSaver`, every run a thread_id invoked from that many Python threads, with `durability="sync"` (a step's
+checkpoint written before the next step); `langgraph-async`: the same with LangGraph's default, `durability="async"`.
+The engine and plain Procrastinate run on one production worker process (`manage.py worker`) of the same
+concurrency. The rounds alternate (the order reversed every other round); a figure is the median of its rounds, the
+spread of the rounds beside it, and each ratio is the engine's median over the peer's."""
+
+
 BOUNDS = {
     "throughput": """\
 **What bounds it now** ([PROFILE-engine.md](PROFILE-engine.md) has the profile: CPU per step of the worker and of
@@ -136,6 +152,40 @@ def _results(sections, bench):
     return [(s, r) for s in sections for r in s["results"] if r.get("bench") == bench]
 
 
+def _repetitions(sections) -> list[str]:
+    """The header's paragraph on repetitions: how far the engine's ratio to plain Procrastinate moved between the
+    rounds of this run's sections measured in rounds (tracing, peers)."""
+    spreads = []
+    for _s, r in _results(sections, "tracing_cost"):
+        plain = [x["steps_per_s"] for x in r["results"] if x["variant"] == "plain"]
+        off = [x["steps_per_s"] for x in r["results"] if x["variant"] == "off"]
+        spreads.append(("tracing", [e / p for e, p in zip(off, plain, strict=True)]))
+    for _s, r in _results(sections, "peers"):
+        spreads.append(("peers", r["round_ratios"]["plain"]))
+    spreads = [(name, ratios) for name, ratios in spreads if len(ratios) > 1]
+    if not spreads:
+        return []
+    moved = "; ".join(
+        f"{min(ratios):.2f}-{max(ratios):.2f} over the {len(ratios)} rounds of the {name} section"
+        for name, ratios in spreads
+    )
+    text = (
+        "**Repetitions.** On this shared 2-core machine a figure moves between runs minutes apart, ratios to a"
+        " same-run baseline included: the engine's steps/s over plain Procrastinate's, measured in alternated"
+        f" rounds of this run, went {moved}. So the sections measured in rounds (tracing, peers) give the median of"
+        " their rounds with the spread of the rounds beside it; a figure of a section measured once is one sample, and"
+        " a difference smaller than that spread is not a finding."
+    )
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > 115:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line, ""]
+
+
 def _resume(sections):
     found = []
     for s in sections:
@@ -169,10 +219,13 @@ def render(meta: dict, sections: list[dict]) -> str:
             for r in meta.get("reruns", [])
         ),
         "",
-        "Commands: `make bench` (everything, < 15 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
+        *_repetitions(sections),
+        "Commands: `make bench` (everything, < 20 min on 2 cores), `make bench-smoke` or `BENCH_SMOKE=1 make bench`",
         "(tiny sizes, writes nothing: CI runs it after `make test`), `BENCH_ONLY=enqueue make bench` (a subset:",
-        "enqueue, throughput, webhook, longpoll, resume, console, recovery), `BENCH_SCALE=0.1 make bench` (smaller",
-        "cards, audit log, memory runs and waiting agents). Each section names its own script; each runs alone too.",
+        "enqueue, throughput, tracing, peers, webhook, longpoll, resume, console, recovery), `BENCH_SCALE=0.1 make",
+        "bench` (smaller cards, audit log, memory runs and waiting agents). Each section names its own script; each",
+        "runs alone too. The peers section (bench/peers.py) installs DBOS and LangGraph into a virtualenv of its own",
+        "(.bench-peers-venv) the first time; `make bench-smoke` leaves it out.",
         "",
         "## Goals",
         "",
@@ -208,6 +261,16 @@ def render(meta: dict, sections: list[dict]) -> str:
                 f"| throughput ({r['database']}, {w} worker processes): 1 write transaction per step |"
                 f" {engine['write_xacts_per_step']} per step, baseline {plain['write_xacts_per_step']}"
                 f" (engine's own: ~{extra:.2f}) | {'yes' if extra <= 1.05 else 'no'} |"
+            )
+    for _s, r in _results(sections, "peers"):
+        rounds = r["round_ratios"]
+        for peer, ratio in r["engine_vs"].items():
+            each = ", ".join(f"{x:.2f}" for x in rounds[peer])
+            out.append(
+                f"| peers: the engine's steps/s >= {r['goal']:g}x {peer}'s ({r['versions'][peer]}), same workload and"
+                " run |"
+                f" {r['median_steps_per_s']['engine']} / {r['median_steps_per_s'][peer]} = {ratio:.2f}"
+                f" (median of {r['rounds']} rounds; each round: {each}) | {'yes' if ratio >= r['goal'] else 'no'} |"
             )
     for title, resume in _resume(sections):
         met = resume["p99"] < 25 and resume["max"] < 100  # issue 21's goal (p50 is shown, not a goal)
@@ -261,6 +324,8 @@ def render(meta: dict, sections: list[dict]) -> str:
                 out += _enqueue_table(r)
         if s["section"] == "throughput":
             out += [THROUGHPUT_NOTE, ""]
+        if s["section"] == "peers":
+            out += [PEERS_NOTE, ""]
         out += ["```", s["output"].strip(), "```", ""]
         last_of_kind = s is [x for x in sections if x["section"] == s["section"]][-1]
         if last_of_kind and s["section"] in BOUNDS:

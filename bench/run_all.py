@@ -76,6 +76,19 @@ def cases(only: bool = True) -> list[tuple[str, str, list[str], dict, str]]:
                 "plain Procrastinate on the same workers; off and on alternate round by round (docs/observability.md)",
             )
         )
+    if pg15_up() and not SMOKE:
+        # Not in `make bench-smoke`: it would install the peers' virtualenv (~50 packages) on every CI run, to compare
+        # with other frameworks rather than check the console's code (bench/peers.py).
+        out.append(
+            (
+                "peers",
+                "peers: the engine against DBOS and LangGraph on the same workload, machine's PostgreSQL 15 (TCP)",
+                ["bench/peers.py", "--runs", str(n(1000, 10)), "--rounds", str(n(3, 1))],
+                {},
+                "the engine's own steps/s in the same rounds (each peer's ratio is the engine's median over the"
+                " peer's), and plain Procrastinate on the engine's worker",
+            )
+        )
     if pg15_up():
         out.append(
             (

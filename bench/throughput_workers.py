@@ -198,8 +198,8 @@ def measure(url: str, env: dict, tmp: Path, kind: str, workers_n: int, runs: int
 
 
 @contextlib.contextmanager
-def bench_database(args, name: str, drop_env: tuple[str, ...] = ()):
-    """A fresh database for a throughput batch (the machine's PostgreSQL 15 over TCP, `bench_<name>_<pid>`, or a
+def bench_database(args, name: str, drop_env: tuple[str, ...] = (), prefix: str = "bench"):
+    """A fresh database for a throughput batch (the machine's PostgreSQL 15 over TCP, `<prefix>_<name>_<pid>`, or a
     new embedded one in a temporary folder), migrated, seeded and with the plain baseline's table; Django set up on
     it. Yields (url, server version, temporary folder, the workers' environment); drops the database after."""
     tmp = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
@@ -210,7 +210,7 @@ def bench_database(args, name: str, drop_env: tuple[str, ...] = ()):
         if variable.startswith(("DATABASE_", "EMBEDDED_PGDATA", *drop_env)):
             del os.environ[variable]
     admin = None
-    dbname = f"bench_{name}_{os.getpid()}"
+    dbname = f"{prefix}_{name}_{os.getpid()}"
     if args.database == "pg15":
         admin = psycopg.connect(f"{args.pg_url}/postgres", autocommit=True)
         admin.execute(f'DROP DATABASE IF EXISTS "{dbname}"')

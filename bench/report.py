@@ -261,7 +261,8 @@ def render(meta: dict, sections: list[dict]) -> str:
             plain = next(x for x in r["results"] if x["kind"] == "plain" and str(x["workers"]) == str(w))
             out.append(
                 f"| throughput ({r['database']}, {w} worker processes): >= {goal:g} of plain Procrastinate's steps/s |"
-                f" {engine['steps_per_s']} / {plain['steps_per_s']} = {ratio:.2f} | {'yes' if ratio >= goal else 'no'} |"
+                f" {engine['steps_per_s']} / {plain['steps_per_s']} = {ratio:.2f} |"
+                f" {'yes' if ratio >= goal else 'no'} |"
             )
             if engine.get("wal_bytes_per_step") and plain.get("wal_bytes_per_step"):
                 wal = engine["wal_bytes_per_step"] / plain["wal_bytes_per_step"]

@@ -22,6 +22,13 @@ What each request gets is what `submission.submit` would have given it alone:
   its own, as `submit` does for a single run (the run's primary key is the fence: runs.submission._insert_again);
 * the statement failed otherwise (a value one request brought that the database refuses): `Alone`, and every
   request of the batch writes its run by itself, so each gets its own error and the others are unaffected.
+
+Webhook deliveries and approval-request asks write more than a run (the delivery's dedup row, the request, its
+card), so they are grouped another way (`atomic`): each request's work runs in a savepoint of its own inside one
+transaction on the leading request's connection and thread, in the requester's context (log fields, trace), and
+its result or exception goes back to its request once that transaction committed. A transaction that did not
+commit leaves each request to do its work again by itself, which its own key makes safe (the delivery id, the
+idempotency key). Grouped or not, each kind keeps its own queue: a batch is all runs or all works.
 """
 
 from __future__ import annotations

@@ -188,7 +188,6 @@ def _group_insert(run) -> bool:
     try:
         job_id, batch = group_commit.insert(run, sql, params, job)
     except group_commit.Alone:
-        run._state.adding = True
         return False
     run._state.adding = False
     run._state.db = connection.alias

@@ -26,30 +26,36 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def lock():
-    """Holds a SHARE lock on runs_run (INSERTs wait) from a session of its own, until `release()`."""
-    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
-        holder = Holder(other, "runs_run")
-        yield holder
+def hold():
+    """`hold(table)`: a SHARE lock on `table` (INSERTs into it wait), taken with `take()` from a session of its own
+    and held until `release()` or the test's end."""
+    holders = []
+
+    def make(table: str) -> Holder:
+        holders.append(Holder(psycopg.connect(database_url(connection.settings_dict), autocommit=False), table))
+        return holders[-1]
+
+    yield make
+    for holder in holders:
         holder.release()
+        holder.other.close()
 
 
 @pytest.fixture
-def deliveries_lock():
-    """The same on runs_webhookdelivery: a batch of deliveries waits in its first work."""
-    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
-        holder = Holder(other, "runs_webhookdelivery")
-        yield holder
-        holder.release()
+def lock(hold):
+    return hold("runs_run")
 
 
 @pytest.fixture
-def jobs_lock():
-    """The same on procrastinate_jobs: a statement that inserted its runs waits before its jobs."""
-    with psycopg.connect(database_url(connection.settings_dict), autocommit=False) as other:
-        holder = Holder(other, "procrastinate_jobs")
-        yield holder
-        holder.release()
+def jobs_lock(hold):
+    """A statement that inserted its runs waits before its jobs."""
+    return hold("procrastinate_jobs")
+
+
+@pytest.fixture
+def deliveries_lock(hold):
+    """A batch of deliveries waits in its first work."""
+    return hold("runs_webhookdelivery")
 
 
 class Holder:

@@ -8,8 +8,10 @@
 - Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now
   (approvals.rules.sla_state_q, the rule of approvals.rules.sla_state); each row sends the browser its seconds
   left and its due-soon window (static/sla.js keeps the state live).
-- Counts: one grouped query over (channel, risk, workflow, SLA state) gives every facet's counts (each facet
-  counted under the other facets' filters) and the total, whatever the number of cards.
+- Counts: kept by the cards' writes for what needs no clock (InboxCount: channel, risk, workflow, who may decide),
+  read from the cards for the SLA states, capped at SLA_COUNT_CAP (Inbox.facets); each facet counted under the other
+  facets' filters, and the total. Two queries, and no more rows than the number of kinds of cards plus the cap per
+  SLA count, whatever the number of open cards.
 - Live: the rows and the counts are two partials of templates/approvals/inbox.html that poll every 5 s and
   refresh on the `approvals-changed` event.
 - Bulk: POST /approvals/bulk decides several cards of one channel with one comment; each card is decided by
@@ -32,7 +34,8 @@ from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Subquery
+from django.db import connection
+from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -40,13 +43,14 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
-from approvals.access import cards_to_decide, visible_cards
+from approvals.access import cards_to_decide, deciding, visible_cards
 from approvals.diff import CLAIMS_UNCHANGED, REMOVED, against_current
 from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
-from approvals.models import Approval, Decision, RejectReason, latest_edits
+from approvals.models import Approval, Decision, InboxCount, RejectReason, latest_edits
 from approvals.rules import (
     OPEN_SLA_STATES,
     DecisionKind,
+    SlaState,
     due_soon_window,
     sla_state_expression,
     sla_state_q,
@@ -168,7 +172,7 @@ def format_cursor(card: Approval) -> str:
 class FacetValue:
     value: str
     label: str
-    count: int
+    count: Count
     selected: bool
     url: str
 
@@ -243,24 +247,31 @@ class Inbox:
         rows = rows[:PER_PAGE]
         return rows, (format_cursor(rows[-1]) if more else None)
 
-    def facets(self) -> tuple[dict[str, list[FacetValue]], int, int]:
+    def facets(self) -> tuple[dict[str, list[FacetValue]], Count, int]:
         """Counts for every value of every facet, each under the other facets' filters; the number of cards
-        matching every filter; and the number of open cards in all. One grouped query."""
-        groups = list(
-            open_cards_for(self.user, self.channels)
-            .annotate(sla=sla_state_expression(self.channels, self.now))
-            .values("channel_id", "risk", "workflow", "sla")
-            .annotate(n=Count("*"))
-            .order_by()
-        )
+        matching every filter; and the number of open cards in all. Two queries, whatever the number of cards.
+
+        Without a clock (channel, risk, workflow, the total) the counts are the sums the cards' writes keep
+        (InboxCount), for the keys this user may decide (approvals.access.deciding, and not decided by them yet).
+        An SLA state depends on the time, which no write follows: such a count is read from the cards, at most
+        SLA_COUNT_CAP of them ("1000+" beyond), but `on_time`, which is the kept count less those due soon and
+        breached when both are known, so that it is read only when they are not (SlaCounts)."""
         names = {c.pk: c.name for c in self.channels}
-        for group in groups:
-            group["channel"] = names[group["channel_id"]]
+        kept = [
+            {"channel": names[g["channel_id"]], "risk": g["risk"], "workflow": g["workflow"], "n": g["n"]}
+            for g in InboxCount.objects.filter(channel_id__in=names)
+            .filter(deciding(self.user))
+            .exclude(deciders__contains=[self.user.pk])
+            .values("channel_id", "risk", "workflow")
+            .annotate(n=Sum("n"))
+            .order_by()
+            if g["n"]
+        ]
 
-        def matches(group: dict, except_facet: str | None = None) -> bool:
-            return all(group[f] == v for f, v in self.filters.items() if f != except_facet)
+        def exact(filters: dict[str, str]) -> int:
+            return sum(g["n"] for g in kept if all(g[f] == v for f, v in filters.items()))
 
-        workflows = {g["workflow"] for g in groups} | (
+        workflows = {g["workflow"] for g in kept} | (
             {self.filters["workflow"]} if "workflow" in self.filters else set()
         )
         values = {
@@ -269,18 +280,37 @@ class Inbox:
             "workflow": [(w, w) for w in sorted(workflows)],
             "sla": SLA_STATES,
         }
-        facets = {}
-        for facet in FACETS:
-            counts: dict[str, int] = {}
-            for group in groups:
-                if matches(group, except_facet=facet):
-                    counts[group[facet]] = counts.get(group[facet], 0) + group["n"]
-            facets[facet] = [
-                FacetValue(value, label, counts.get(value, 0), self.filters.get(facet) == value, self.url(facet, value))
+        # What each count counts: the SLA state it needs (None: none) and the other filters.
+        wanted = {
+            (facet, value): _split({**{f: v for f, v in self.filters.items() if f != facet}, facet: value})
+            for facet in FACETS
+            for value, _ in values[facet]
+        }
+        wanted[("matching", "")] = _split(dict(self.filters))
+        sla_counts = SlaCounts.read(self, {(state, _frozen(f)) for state, f in wanted.values() if state}, exact)
+
+        def count(state: str | None, filters: dict[str, str]) -> Count:
+            return Count(exact(filters)) if state is None else sla_counts[(state, _frozen(filters))]
+
+        facets = {
+            facet: [
+                FacetValue(
+                    value,
+                    label,
+                    count(*wanted[(facet, value)]),
+                    self.filters.get(facet) == value,
+                    self.url(facet, value),
+                )
                 for value, label in values[facet]
             ]
-        matching = sum(g["n"] for g in groups if matches(g))
-        return facets, matching, sum(g["n"] for g in groups)
+            for facet in FACETS
+        }
+        return facets, count(*wanted[("matching", "")]), exact({})
+
+    def cards_where(self, state: str, filters: dict[str, str]) -> QuerySet[Approval]:
+        """The open cards this user may decide in SLA `state` under `filters` (channel, risk, workflow)."""
+        box = Inbox(self.user, self.channels, {**filters, "sla": state}, None, self.now)
+        return box.cards()
 
     def url(self, facet: str | None = None, value: str | None = None, after: str | None = None) -> str:
         """The inbox's URL with `facet` toggled to `value` (off when it is selected), from the first page."""
@@ -293,6 +323,91 @@ class Inbox:
         if after:
             params["after"] = after
         return "/?" + urlencode(params) if params else "/"
+
+
+# --- counts -------------------------------------------------------------------------------------------------------
+
+# At most this many cards are read for one SLA count (approvals.inbox.SlaCounts): beyond it the count says "1000+".
+SLA_COUNT_CAP = 1000
+
+
+@dataclass(frozen=True)
+class Count:
+    """A count as the inbox shows it: `n`, or at least `n` when `more` (an SLA count past SLA_COUNT_CAP)."""
+
+    n: int
+    more: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.n}+" if self.more else str(self.n)
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+
+def _split(filters: dict[str, str]) -> tuple[str | None, dict[str, str]]:
+    """(the SLA state filtered on or None, the other filters)."""
+    filters = dict(filters)
+    return filters.pop("sla", None), filters
+
+
+def _frozen(filters: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(filters.items()))
+
+
+class SlaCounts(dict):
+    """The counts that depend on the time, {(state, filters): Count}, in one query: each an index range of the
+    cards capped at SLA_COUNT_CAP + 1 rows (so that a count costs at most that many rows, whatever the number of open
+    cards). `on_time` is the kept count less `due_soon` and `breached` under the same filters when both are below
+    the cap (those ranges are the near ones, short in a healthy inbox); only when one is not is its own capped range
+    read, in the same query (PostgreSQL runs the subquery of a CASE branch it does not take not at all)."""
+
+    @classmethod
+    def read(cls, box: Inbox, wanted: set[tuple[str, tuple]], exact) -> SlaCounts:
+        counts = cls()
+        if not wanted:
+            return counts
+        near = sorted(
+            {(state, f) for state, f in wanted if state != SlaState.ON_TIME}
+            | {(state, f) for on, f in wanted if on == SlaState.ON_TIME for state in NEAR}
+        )
+        far = sorted(f for state, f in wanted if state == SlaState.ON_TIME)
+        column = {key: f"c{i}" for i, key in enumerate(near)}
+        inner, params = [], []
+        for (state, f), name in column.items():
+            sql, p = _capped(box.cards_where(state, dict(f)))
+            inner.append(f"({sql}) AS {name}")
+            params += p
+        outer, outer_params = [f"near.{name}" for name in column.values()], []
+        for f in far:
+            sql, p = _capped(box.cards_where(SlaState.ON_TIME, dict(f)))
+            known = " AND ".join(f"near.{column[(state, f)]} <= {SLA_COUNT_CAP}" for state in NEAR)
+            outer.append(f"CASE WHEN {known} THEN NULL ELSE ({sql}) END")
+            outer_params += p
+        with connection.cursor() as cursor:  # the outer columns' parameters come first in the text
+            cursor.execute(f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)}) AS near", outer_params + params)
+            row = cursor.fetchone()
+        for key, n in zip(near, row, strict=False):
+            counts[key] = _count(n)
+        for f, n in zip(far, row[len(near) :], strict=True):
+            if n is None:  # both near counts known: the rest of the kept count is on time, exactly
+                counts[(SlaState.ON_TIME, f)] = Count(max(0, exact(dict(f)) - sum(counts[(s, f)].n for s in NEAR)))
+            else:
+                counts[(SlaState.ON_TIME, f)] = _count(n)
+        return counts
+
+
+NEAR = (SlaState.BREACHED, SlaState.DUE_SOON)
+
+
+def _capped(cards: QuerySet[Approval]) -> tuple[str, tuple]:
+    """SQL counting `cards` up to SLA_COUNT_CAP + 1 rows, and its parameters."""
+    sql, params = cards.order_by().values("pk")[: SLA_COUNT_CAP + 1].query.sql_with_params()
+    return f"SELECT count(*) FROM ({sql}) AS capped", params
+
+
+def _count(n: int) -> Count:
+    return Count(SLA_COUNT_CAP, more=True) if n > SLA_COUNT_CAP else Count(n)
 
 
 def pending_edit_columns() -> dict:

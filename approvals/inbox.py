@@ -253,51 +253,47 @@ class Inbox:
 
         Without a clock (channel, risk, workflow, the total) the counts are the sums the cards' writes keep
         (InboxCount), for the keys this user may decide (approvals.access.deciding, and not decided by them yet).
-        An SLA state depends on the time, which no write follows: such a count is read from the cards, at most
-        SLA_COUNT_CAP of them ("1000+" beyond), but `on_time`, which is the kept count less those due soon and
-        breached when both are known, so that it is read only when they are not (SlaCounts)."""
+        An SLA state depends on the time, which no write follows: those counts come from the cards (sla_groups),
+        exact while a state has at most SLA_COUNT_CAP of them, else at least what was read ("340+")."""
         names = {c.pk: c.name for c in self.channels}
-        kept = [
-            {"channel": names[g["channel_id"]], "risk": g["risk"], "workflow": g["workflow"], "n": g["n"]}
-            for g in InboxCount.objects.filter(channel_id__in=names)
+        kept: dict[tuple[str, str, str], int] = {}
+        for g in (
+            InboxCount.objects.filter(channel_id__in=names)
             .filter(deciding(self.user))
             .exclude(deciders__contains=[self.user.pk])
             .values("channel_id", "risk", "workflow")
             .annotate(n=Sum("n"))
             .order_by()
-            if g["n"]
-        ]
+        ):
+            if g["n"]:
+                kept[(names[g["channel_id"]], g["risk"], g["workflow"])] = g["n"]
+        by_state, complete = self.sla_groups(kept)
 
-        def exact(filters: dict[str, str]) -> int:
-            return sum(g["n"] for g in kept if all(g[f] == v for f, v in filters.items()))
+        def count(filters: dict[str, str]) -> Count:
+            state, others = _split(filters)
+            groups = kept if state is None else by_state[state]
+            n = sum(
+                n
+                for key, n in groups.items()
+                if all(dict(zip(KEPT, key, strict=True))[f] == v for f, v in others.items())
+            )
+            if state is None or complete[state]:
+                return Count(n)
+            return Count(min(n, SLA_COUNT_CAP), more=True)
 
-        workflows = {g["workflow"] for g in kept} | (
-            {self.filters["workflow"]} if "workflow" in self.filters else set()
-        )
+        workflows = {w for _, _, w in kept} | ({self.filters["workflow"]} if "workflow" in self.filters else set())
         values = {
             "channel": [(c.name, c.name) for c in self.channels],
             "risk": list(Approval.Risk.choices),
             "workflow": [(w, w) for w in sorted(workflows)],
             "sla": SLA_STATES,
         }
-        # What each count counts: the SLA state it needs (None: none) and the other filters.
-        wanted = {
-            (facet, value): _split({**{f: v for f, v in self.filters.items() if f != facet}, facet: value})
-            for facet in FACETS
-            for value, _ in values[facet]
-        }
-        wanted[("matching", "")] = _split(dict(self.filters))
-        sla_counts = SlaCounts.read(self, {(state, _frozen(f)) for state, f in wanted.values() if state}, exact)
-
-        def count(state: str | None, filters: dict[str, str]) -> Count:
-            return Count(exact(filters)) if state is None else sla_counts[(state, _frozen(filters))]
-
         facets = {
             facet: [
                 FacetValue(
                     value,
                     label,
-                    count(*wanted[(facet, value)]),
+                    count({**{f: v for f, v in self.filters.items() if f != facet}, facet: value}),
                     self.filters.get(facet) == value,
                     self.url(facet, value),
                 )
@@ -305,12 +301,36 @@ class Inbox:
             ]
             for facet in FACETS
         }
-        return facets, count(*wanted[("matching", "")]), exact({})
+        return facets, count(self.filters), sum(kept.values())
 
-    def cards_where(self, state: str, filters: dict[str, str]) -> QuerySet[Approval]:
-        """The open cards this user may decide in SLA `state` under `filters` (channel, risk, workflow)."""
-        box = Inbox(self.user, self.channels, {**filters, "sla": state}, None, self.now)
-        return box.cards()
+    def sla_groups(self, kept: dict[tuple[str, str, str], int]) -> tuple[dict[str, dict], dict[str, bool]]:
+        """The open cards this user may decide in each SLA state, counted by (channel, risk, workflow), and
+        whether that is all of them: one query reading at most SLA_COUNT_CAP + 1 cards of each state (an index
+        range each), so at most three times that whatever the number of open cards. On time is the kept count
+        less the others when they are complete (the near states are short in a healthy inbox; on time is most)."""
+        names = {c.pk: c.name for c in self.channels}
+        parts, params = [], []
+        for state, _ in SLA_STATES:
+            cards = self.with_filters({"sla": state}).cards().order_by().values("channel_id", "risk", "workflow")
+            sql, p = cards[: SLA_COUNT_CAP + 1].query.sql_with_params()
+            parts.append(f"SELECT %s::text, channel_id, risk, workflow, count(*) FROM ({sql}) AS read GROUP BY 2, 3, 4")
+            params += [state, *p]
+        by_state: dict[str, dict] = {state: {} for state, _ in SLA_STATES}
+        with connection.cursor() as cursor:
+            cursor.execute(" UNION ALL ".join(parts), params)
+            for state, channel_id, risk, workflow, n in cursor:
+                by_state[state][(names[channel_id], risk, workflow)] = n
+        complete = {state: sum(groups.values()) <= SLA_COUNT_CAP for state, groups in by_state.items()}
+        near = [SlaState.BREACHED, SlaState.DUE_SOON]
+        if not complete[SlaState.ON_TIME] and all(complete[state] for state in near):
+            by_state[SlaState.ON_TIME] = {
+                key: max(0, n - sum(by_state[state].get(key, 0) for state in near)) for key, n in kept.items()
+            }
+            complete[SlaState.ON_TIME] = True
+        return by_state, complete
+
+    def with_filters(self, filters: dict[str, str]) -> Inbox:
+        return Inbox(self.user, self.channels, filters, None, self.now)
 
     def url(self, facet: str | None = None, value: str | None = None, after: str | None = None) -> str:
         """The inbox's URL with `facet` toggled to `value` (off when it is selected), from the first page."""
@@ -327,13 +347,15 @@ class Inbox:
 
 # --- counts -------------------------------------------------------------------------------------------------------
 
-# At most this many cards are read for one SLA count (approvals.inbox.SlaCounts): beyond it the count says "1000+".
+# At most this many cards of one SLA state are read for the counts (Inbox.sla_groups): beyond it, the counts of that
+# state say "at least" ("1000+").
 SLA_COUNT_CAP = 1000
+KEPT = ("channel", "risk", "workflow")  # the facets whose counts the cards' writes keep (InboxCount)
 
 
 @dataclass(frozen=True)
 class Count:
-    """A count as the inbox shows it: `n`, or at least `n` when `more` (an SLA count past SLA_COUNT_CAP)."""
+    """A count as the inbox shows it: `n`, or at least `n` when `more` (an SLA state past SLA_COUNT_CAP cards)."""
 
     n: int
     more: bool = False
@@ -342,72 +364,13 @@ class Count:
         return f"{self.n}+" if self.more else str(self.n)
 
     def __bool__(self) -> bool:
-        return self.n > 0
+        return self.n > 0 or self.more
 
 
 def _split(filters: dict[str, str]) -> tuple[str | None, dict[str, str]]:
     """(the SLA state filtered on or None, the other filters)."""
-    filters = dict(filters)
-    return filters.pop("sla", None), filters
-
-
-def _frozen(filters: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(filters.items()))
-
-
-class SlaCounts(dict):
-    """The counts that depend on the time, {(state, filters): Count}, in one query: each an index range of the
-    cards capped at SLA_COUNT_CAP + 1 rows (so that a count costs at most that many rows, whatever the number of open
-    cards). `on_time` is the kept count less `due_soon` and `breached` under the same filters when both are below
-    the cap (those ranges are the near ones, short in a healthy inbox); only when one is not is its own capped range
-    read, in the same query (PostgreSQL runs the subquery of a CASE branch it does not take not at all)."""
-
-    @classmethod
-    def read(cls, box: Inbox, wanted: set[tuple[str, tuple]], exact) -> SlaCounts:
-        counts = cls()
-        if not wanted:
-            return counts
-        near = sorted(
-            {(state, f) for state, f in wanted if state != SlaState.ON_TIME}
-            | {(state, f) for on, f in wanted if on == SlaState.ON_TIME for state in NEAR}
-        )
-        far = sorted(f for state, f in wanted if state == SlaState.ON_TIME)
-        column = {key: f"c{i}" for i, key in enumerate(near)}
-        inner, params = [], []
-        for (state, f), name in column.items():
-            sql, p = _capped(box.cards_where(state, dict(f)))
-            inner.append(f"({sql}) AS {name}")
-            params += p
-        outer, outer_params = [f"near.{name}" for name in column.values()], []
-        for f in far:
-            sql, p = _capped(box.cards_where(SlaState.ON_TIME, dict(f)))
-            known = " AND ".join(f"near.{column[(state, f)]} <= {SLA_COUNT_CAP}" for state in NEAR)
-            outer.append(f"CASE WHEN {known} THEN NULL ELSE ({sql}) END")
-            outer_params += p
-        with connection.cursor() as cursor:  # the outer columns' parameters come first in the text
-            cursor.execute(f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)}) AS near", outer_params + params)
-            row = cursor.fetchone()
-        for key, n in zip(near, row, strict=False):
-            counts[key] = _count(n)
-        for f, n in zip(far, row[len(near) :], strict=True):
-            if n is None:  # both near counts known: the rest of the kept count is on time, exactly
-                counts[(SlaState.ON_TIME, f)] = Count(max(0, exact(dict(f)) - sum(counts[(s, f)].n for s in NEAR)))
-            else:
-                counts[(SlaState.ON_TIME, f)] = _count(n)
-        return counts
-
-
-NEAR = (SlaState.BREACHED, SlaState.DUE_SOON)
-
-
-def _capped(cards: QuerySet[Approval]) -> tuple[str, tuple]:
-    """SQL counting `cards` up to SLA_COUNT_CAP + 1 rows, and its parameters."""
-    sql, params = cards.order_by().values("pk")[: SLA_COUNT_CAP + 1].query.sql_with_params()
-    return f"SELECT count(*) FROM ({sql}) AS capped", params
-
-
-def _count(n: int) -> Count:
-    return Count(SLA_COUNT_CAP, more=True) if n > SLA_COUNT_CAP else Count(n)
+    others = dict(filters)
+    return others.pop("sla", None), others
 
 
 def pending_edit_columns() -> dict:

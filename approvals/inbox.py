@@ -30,12 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
 from django.db import connection
-from django.db.models import Exists, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import BooleanField, Exists, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.expressions import RawSQL
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -52,6 +54,7 @@ from approvals.rules import (
     DecisionKind,
     SlaState,
     due_soon_window,
+    sla_ranges,
     sla_state_expression,
     sla_state_q,
     started_the_run,
@@ -208,8 +211,13 @@ class Inbox:
             return Q(workflow=self.filters["workflow"])
         return sla_state_q(self.filters["sla"], self.channels, self.now)
 
+    @cached_property
+    def open_cards(self) -> QuerySet[Approval]:
+        """open_cards_for this user: built once (its access rules are the costly part to build), then filtered."""
+        return open_cards_for(self.user, self.channels)
+
     def cards(self) -> QuerySet[Approval]:
-        cards = open_cards_for(self.user, self.channels)
+        cards = self.open_cards
         for facet in self.filters:
             if facet == "channel":  # by id: the channel is known, no join needed
                 channel = next(c for c in self.channels if c.name == self.filters["channel"])
@@ -277,7 +285,7 @@ class Inbox:
                 for key, n in groups.items()
                 if all(dict(zip(KEPT, key, strict=True))[f] == v for f, v in others.items())
             )
-            if state is None or complete[state]:
+            if state is None or all(complete[(state, c)] for c in names.values() if others.get("channel", c) == c):
                 return Count(n)
             return Count(min(n, SLA_COUNT_CAP), more=True)
 
@@ -303,34 +311,45 @@ class Inbox:
         }
         return facets, count(self.filters), sum(kept.values())
 
-    def sla_groups(self, kept: dict[tuple[str, str, str], int]) -> tuple[dict[str, dict], dict[str, bool]]:
+    def sla_groups(self, kept: dict[tuple[str, str, str], int]) -> tuple[dict[str, dict], dict[tuple[str, str], bool]]:
         """The open cards this user may decide in each SLA state, counted by (channel, risk, workflow), and
-        whether that is all of them: one query reading at most SLA_COUNT_CAP + 1 cards of each state (an index
-        range each), so at most three times that whatever the number of open cards. On time is the kept count
-        less the others when they are complete (the near states are short in a healthy inbox; on time is most)."""
+        whether that is all of them, per (state, channel). One query: each channel's range of due_at for each state
+        (rules.sla_ranges: an index range) read up to SLA_COUNT_CAP + 1 cards, so at most three times that per
+        channel whatever the number of open cards. On time is the kept count less the others where they are
+        complete: the near states are short in a healthy inbox, on time is most of it."""
+        ranges = sla_ranges(self.channels, self.now)
+        in_range = RawSQL(
+            '"approvals_approval"."channel_id" = ranges.channel_id'
+            ' AND "approvals_approval"."due_at" > ranges.after AND "approvals_approval"."due_at" < ranges.before',
+            (),
+            output_field=BooleanField(),
+        )
+        cards = self.open_cards.filter(in_range).order_by().values("channel_id", "risk", "workflow")
+        sql, params = cards[: SLA_COUNT_CAP + 1].query.sql_with_params()
+        rows = ", ".join(["(%s::text, %s::bigint, %s::timestamptz, %s::timestamptz)"] * len(ranges))
         names = {c.pk: c.name for c in self.channels}
-        parts, params = [], []
-        for state, _ in SLA_STATES:
-            cards = self.with_filters({"sla": state}).cards().order_by().values("channel_id", "risk", "workflow")
-            sql, p = cards[: SLA_COUNT_CAP + 1].query.sql_with_params()
-            parts.append(f"SELECT %s::text, channel_id, risk, workflow, count(*) FROM ({sql}) AS read GROUP BY 2, 3, 4")
-            params += [state, *p]
         by_state: dict[str, dict] = {state: {} for state, _ in SLA_STATES}
+        read = {(r.state.value, r.channel.name): 0 for r in ranges}
         with connection.cursor() as cursor:
-            cursor.execute(" UNION ALL ".join(parts), params)
+            cursor.execute(
+                f"SELECT ranges.state, read.channel_id, read.risk, read.workflow, count(*)"
+                f" FROM (VALUES {rows}) AS ranges (state, channel_id, after, before)"
+                f" CROSS JOIN LATERAL ({sql}) AS read GROUP BY 1, 2, 3, 4",
+                [v for r in ranges for v in (r.state.value, r.channel.pk, r.after, r.before)] + list(params),
+            )
             for state, channel_id, risk, workflow, n in cursor:
                 by_state[state][(names[channel_id], risk, workflow)] = n
-        complete = {state: sum(groups.values()) <= SLA_COUNT_CAP for state, groups in by_state.items()}
-        near = [SlaState.BREACHED, SlaState.DUE_SOON]
-        if not complete[SlaState.ON_TIME] and all(complete[state] for state in near):
-            by_state[SlaState.ON_TIME] = {
-                key: max(0, n - sum(by_state[state].get(key, 0) for state in near)) for key, n in kept.items()
-            }
-            complete[SlaState.ON_TIME] = True
+                read[(state, names[channel_id])] += n
+        complete = {key: n <= SLA_COUNT_CAP for key, n in read.items()}
+        for channel in self.channels:
+            near = [(state, channel.name) for state in (SlaState.BREACHED, SlaState.DUE_SOON)]
+            if complete[(SlaState.ON_TIME, channel.name)] or not all(complete[key] for key in near):
+                continue
+            for key, n in kept.items():
+                if key[0] == channel.name:
+                    by_state[SlaState.ON_TIME][key] = max(0, n - sum(by_state[s].get(key, 0) for s, _ in near))
+            complete[(SlaState.ON_TIME, channel.name)] = True
         return by_state, complete
-
-    def with_filters(self, filters: dict[str, str]) -> Inbox:
-        return Inbox(self.user, self.channels, filters, None, self.now)
 
     def url(self, facet: str | None = None, value: str | None = None, after: str | None = None) -> str:
         """The inbox's URL with `facet` toggled to `value` (off when it is selected), from the first page."""
@@ -347,8 +366,8 @@ class Inbox:
 
 # --- counts -------------------------------------------------------------------------------------------------------
 
-# At most this many cards of one SLA state are read for the counts (Inbox.sla_groups): beyond it, the counts of that
-# state say "at least" ("1000+").
+# At most this many cards of one SLA state on one channel are read for the counts (Inbox.sla_groups): beyond it, the
+# counts that include them say "at least" ("1000+").
 SLA_COUNT_CAP = 1000
 KEPT = ("channel", "risk", "workflow")  # the facets whose counts the cards' writes keep (InboxCount)
 

@@ -345,9 +345,12 @@ class Inbox:
             near = [(state, channel.name) for state in (SlaState.BREACHED, SlaState.DUE_SOON)]
             if complete[(SlaState.ON_TIME, channel.name)] or not all(complete[key] for key in near):
                 continue
+            on_time = by_state[SlaState.ON_TIME]
+            for key in [key for key in on_time if key[0] == channel.name]:
+                del on_time[key]  # what was read of it, replaced by the whole
             for key, n in kept.items():
                 if key[0] == channel.name:
-                    by_state[SlaState.ON_TIME][key] = max(0, n - sum(by_state[s].get(key, 0) for s, _ in near))
+                    on_time[key] = max(0, n - sum(by_state[s].get(key, 0) for s, _ in near))
             complete[(SlaState.ON_TIME, channel.name)] = True
         return by_state, complete
 

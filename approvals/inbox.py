@@ -332,9 +332,9 @@ class Inbox:
         read = {(r.state.value, r.channel.name): 0 for r in ranges}
         with connection.cursor() as cursor:
             cursor.execute(
-                f"SELECT ranges.state, read.channel_id, read.risk, read.workflow, count(*)"
-                f" FROM (VALUES {rows}) AS ranges (state, channel_id, after, before)"
-                f" CROSS JOIN LATERAL ({sql}) AS read GROUP BY 1, 2, 3, 4",
+                f"SELECT ranges.state, read.channel_id, read.risk, read.workflow, read.n"
+                f" FROM (VALUES {rows}) AS ranges (state, channel_id, after, before) CROSS JOIN LATERAL"
+                f" (SELECT channel_id, risk, workflow, count(*) AS n FROM ({sql}) AS capped GROUP BY 1, 2, 3) AS read",
                 [v for r in ranges for v in (r.state.value, r.channel.pk, r.after, r.before)] + list(params),
             )
             for state, channel_id, risk, workflow, n in cursor:

@@ -51,6 +51,12 @@ def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[App
     """The cards `user` may decide, open or decided: those they see, but those of runs they started, and those
     whose policy's current stage asks others (rules.Asking, as the card's asked_* columns: anyone on the channel,
     the user, a group of theirs, or someone they cover for now)."""
+    return visible_cards(user, channels).filter(deciding(user))
+
+
+def deciding(user) -> Q:
+    """Of the cards a user sees, those they may decide (cards_to_decide), over the columns a card shares with its
+    inbox count (approvals.models.InboxCount: channel, run_created_by, asked_*), so that both read one rule."""
     # Subqueries, not lists read first: the inbox costs the same number of queries whoever asks.
     groups = ArraySubquery(User.groups.through.objects.filter(user_id=user.pk).values("group_id"))
     # Those the user covers for now who still hold the right to decide this card themselves (the rule of
@@ -66,7 +72,7 @@ def cards_to_decide(user, channels: list[Channel] | None = None) -> QuerySet[App
         | Q(asked_groups__overlap=groups)
         | Q(asked_users__overlap=covering)
     )
-    return visible_cards(user, channels).exclude(run_created_by=user).filter(asked)
+    return ~Q(run_created_by=user) & asked
 
 
 def _may_approve_the_cards_channel() -> Q:

@@ -8,8 +8,10 @@
 - Filters: channel, risk, workflow and SLA state. The SLA state is computed in SQL from due_at and now
   (approvals.rules.sla_state_q, the rule of approvals.rules.sla_state); each row sends the browser its seconds
   left and its due-soon window (static/sla.js keeps the state live).
-- Counts: one grouped query over (channel, risk, workflow, SLA state) gives every facet's counts (each facet
-  counted under the other facets' filters) and the total, whatever the number of cards.
+- Counts: kept by the cards' writes for what needs no clock (InboxCount: channel, risk, workflow, who may decide),
+  read from the cards for the SLA states, capped at SLA_COUNT_CAP (Inbox.facets); each facet counted under the other
+  facets' filters, and the total. Two queries, and no more rows than the number of kinds of cards plus the cap per
+  SLA count, whatever the number of open cards.
 - Live: the rows and the counts are two partials of templates/approvals/inbox.html that poll every 5 s and
   refresh on the `approvals-changed` event.
 - Bulk: POST /approvals/bulk decides several cards of one channel with one comment; each card is decided by
@@ -28,11 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cached_property
 from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Subquery
+from django.db import connection
+from django.db.models import BooleanField, Exists, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.expressions import RawSQL
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -40,14 +45,16 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from django_htmx.http import trigger_client_event
 
-from approvals.access import cards_to_decide, visible_cards
+from approvals.access import cards_to_decide, deciding, visible_cards
 from approvals.diff import CLAIMS_UNCHANGED, REMOVED, against_current
 from approvals.errors import AlreadyDecided, DecisionError, StaleVersion
-from approvals.models import Approval, Decision, RejectReason, latest_edits
+from approvals.models import Approval, Decision, InboxCount, RejectReason, latest_edits
 from approvals.rules import (
     OPEN_SLA_STATES,
     DecisionKind,
+    SlaState,
     due_soon_window,
+    sla_ranges,
     sla_state_expression,
     sla_state_q,
     started_the_run,
@@ -168,7 +175,7 @@ def format_cursor(card: Approval) -> str:
 class FacetValue:
     value: str
     label: str
-    count: int
+    count: Count
     selected: bool
     url: str
 
@@ -204,8 +211,13 @@ class Inbox:
             return Q(workflow=self.filters["workflow"])
         return sla_state_q(self.filters["sla"], self.channels, self.now)
 
+    @cached_property
+    def open_cards(self) -> QuerySet[Approval]:
+        """open_cards_for this user: built once (its access rules are the costly part to build), then filtered."""
+        return open_cards_for(self.user, self.channels)
+
     def cards(self) -> QuerySet[Approval]:
-        cards = open_cards_for(self.user, self.channels)
+        cards = self.open_cards
         for facet in self.filters:
             if facet == "channel":  # by id: the channel is known, no join needed
                 channel = next(c for c in self.channels if c.name == self.filters["channel"])
@@ -243,44 +255,104 @@ class Inbox:
         rows = rows[:PER_PAGE]
         return rows, (format_cursor(rows[-1]) if more else None)
 
-    def facets(self) -> tuple[dict[str, list[FacetValue]], int, int]:
+    def facets(self) -> tuple[dict[str, list[FacetValue]], Count, int]:
         """Counts for every value of every facet, each under the other facets' filters; the number of cards
-        matching every filter; and the number of open cards in all. One grouped query."""
-        groups = list(
-            open_cards_for(self.user, self.channels)
-            .annotate(sla=sla_state_expression(self.channels, self.now))
-            .values("channel_id", "risk", "workflow", "sla")
-            .annotate(n=Count("*"))
-            .order_by()
-        )
+        matching every filter; and the number of open cards in all. Two queries, whatever the number of cards.
+
+        Without a clock (channel, risk, workflow, the total) the counts are the sums the cards' writes keep
+        (InboxCount), for the keys this user may decide (approvals.access.deciding, and not decided by them yet).
+        An SLA state depends on the time, which no write follows: those counts come from the cards (sla_groups),
+        exact while a state has at most SLA_COUNT_CAP of them, else at least what was read ("340+")."""
         names = {c.pk: c.name for c in self.channels}
-        for group in groups:
-            group["channel"] = names[group["channel_id"]]
+        kept: dict[tuple[str, str, str], int] = {}
+        for g in (
+            InboxCount.objects.filter(channel_id__in=names)
+            .filter(deciding(self.user))
+            .exclude(deciders__contains=[self.user.pk])
+            .values("channel_id", "risk", "workflow")
+            .annotate(n=Sum("n"))
+            .order_by()
+        ):
+            if g["n"]:
+                kept[(names[g["channel_id"]], g["risk"], g["workflow"])] = g["n"]
+        by_state, complete = self.sla_groups(kept)
 
-        def matches(group: dict, except_facet: str | None = None) -> bool:
-            return all(group[f] == v for f, v in self.filters.items() if f != except_facet)
+        def count(filters: dict[str, str]) -> Count:
+            state, others = _split(filters)
+            groups = kept if state is None else by_state[state]
+            n = sum(
+                n
+                for key, n in groups.items()
+                if all(dict(zip(KEPT, key, strict=True))[f] == v for f, v in others.items())
+            )
+            if state is None or all(complete[(state, c)] for c in names.values() if others.get("channel", c) == c):
+                return Count(n)
+            return Count(min(n, SLA_COUNT_CAP), more=True)
 
-        workflows = {g["workflow"] for g in groups} | (
-            {self.filters["workflow"]} if "workflow" in self.filters else set()
-        )
+        workflows = {w for _, _, w in kept} | ({self.filters["workflow"]} if "workflow" in self.filters else set())
         values = {
             "channel": [(c.name, c.name) for c in self.channels],
             "risk": list(Approval.Risk.choices),
             "workflow": [(w, w) for w in sorted(workflows)],
             "sla": SLA_STATES,
         }
-        facets = {}
-        for facet in FACETS:
-            counts: dict[str, int] = {}
-            for group in groups:
-                if matches(group, except_facet=facet):
-                    counts[group[facet]] = counts.get(group[facet], 0) + group["n"]
-            facets[facet] = [
-                FacetValue(value, label, counts.get(value, 0), self.filters.get(facet) == value, self.url(facet, value))
+        facets = {
+            facet: [
+                FacetValue(
+                    value,
+                    label,
+                    count({**{f: v for f, v in self.filters.items() if f != facet}, facet: value}),
+                    self.filters.get(facet) == value,
+                    self.url(facet, value),
+                )
                 for value, label in values[facet]
             ]
-        matching = sum(g["n"] for g in groups if matches(g))
-        return facets, matching, sum(g["n"] for g in groups)
+            for facet in FACETS
+        }
+        return facets, count(self.filters), sum(kept.values())
+
+    def sla_groups(self, kept: dict[tuple[str, str, str], int]) -> tuple[dict[str, dict], dict[tuple[str, str], bool]]:
+        """The open cards this user may decide in each SLA state, counted by (channel, risk, workflow), and
+        whether that is all of them, per (state, channel). One query: each channel's range of due_at for each state
+        (rules.sla_ranges: an index range) read up to SLA_COUNT_CAP + 1 cards, so at most three times that per
+        channel whatever the number of open cards. On time is the kept count less the others where they are
+        complete: the near states are short in a healthy inbox, on time is most of it."""
+        ranges = sla_ranges(self.channels, self.now)
+        in_range = RawSQL(
+            '"approvals_approval"."channel_id" = ranges.channel_id'
+            ' AND "approvals_approval"."due_at" > ranges.after AND "approvals_approval"."due_at" < ranges.before',
+            (),
+            output_field=BooleanField(),
+        )
+        cards = self.open_cards.filter(in_range).order_by().values("channel_id", "risk", "workflow")
+        sql, params = cards[: SLA_COUNT_CAP + 1].query.sql_with_params()
+        rows = ", ".join(["(%s::text, %s::bigint, %s::timestamptz, %s::timestamptz)"] * len(ranges))
+        names = {c.pk: c.name for c in self.channels}
+        by_state: dict[str, dict] = {state: {} for state, _ in SLA_STATES}
+        read = {(r.state.value, r.channel.name): 0 for r in ranges}
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT ranges.state, read.channel_id, read.risk, read.workflow, read.n"
+                f" FROM (VALUES {rows}) AS ranges (state, channel_id, after, before) CROSS JOIN LATERAL"
+                f" (SELECT channel_id, risk, workflow, count(*) AS n FROM ({sql}) AS capped GROUP BY 1, 2, 3) AS read",
+                [v for r in ranges for v in (r.state.value, r.channel.pk, r.after, r.before)] + list(params),
+            )
+            for state, channel_id, risk, workflow, n in cursor:
+                by_state[state][(names[channel_id], risk, workflow)] = n
+                read[(state, names[channel_id])] += n
+        complete = {key: n <= SLA_COUNT_CAP for key, n in read.items()}
+        for channel in self.channels:
+            near = [(state, channel.name) for state in (SlaState.BREACHED, SlaState.DUE_SOON)]
+            if complete[(SlaState.ON_TIME, channel.name)] or not all(complete[key] for key in near):
+                continue
+            on_time = by_state[SlaState.ON_TIME]
+            for key in [key for key in on_time if key[0] == channel.name]:
+                del on_time[key]  # what was read of it, replaced by the whole
+            for key, n in kept.items():
+                if key[0] == channel.name:
+                    on_time[key] = max(0, n - sum(by_state[s].get(key, 0) for s, _ in near))
+            complete[(SlaState.ON_TIME, channel.name)] = True
+        return by_state, complete
 
     def url(self, facet: str | None = None, value: str | None = None, after: str | None = None) -> str:
         """The inbox's URL with `facet` toggled to `value` (off when it is selected), from the first page."""
@@ -293,6 +365,34 @@ class Inbox:
         if after:
             params["after"] = after
         return "/?" + urlencode(params) if params else "/"
+
+
+# --- counts -------------------------------------------------------------------------------------------------------
+
+# At most this many cards of one SLA state on one channel are read for the counts (Inbox.sla_groups): beyond it, the
+# counts that include them say "at least" ("1000+").
+SLA_COUNT_CAP = 1000
+KEPT = ("channel", "risk", "workflow")  # the facets whose counts the cards' writes keep (InboxCount)
+
+
+@dataclass(frozen=True)
+class Count:
+    """A count as the inbox shows it: `n`, or at least `n` when `more` (an SLA state past SLA_COUNT_CAP cards)."""
+
+    n: int
+    more: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.n}+" if self.more else str(self.n)
+
+    def __bool__(self) -> bool:
+        return self.n > 0 or self.more
+
+
+def _split(filters: dict[str, str]) -> tuple[str | None, dict[str, str]]:
+    """(the SLA state filtered on or None, the other filters)."""
+    others = dict(filters)
+    return others.pop("sla", None), others
 
 
 def pending_edit_columns() -> dict:

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.contrib.postgres.fields import ArrayField
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import Q
 from django.dispatch import Signal
 from django.utils import timezone
@@ -509,6 +509,65 @@ class Decision(models.Model):
 def latest_edits() -> models.QuerySet[Decision]:
     """Edit decisions, the latest first: a card's first one is what runs in place of its proposal."""
     return Decision.objects.filter(decision=DecisionKind.EDIT).order_by("-created_at", "-pk")
+
+
+class InboxCount(models.Model):
+    """How many open cards there are of each kind the inbox tells apart without a clock, kept by PostgreSQL: a
+    trigger on the cards and one on the decisions (migration 0016) add a row of +n or -n in the transaction of
+    every write that opens, closes or moves an open card, whatever makes it (the ORM, raw SQL, admin, bulk). The
+    count of a key is the sum of its rows; `compact` folds them into one row per key, periodically.
+
+    A key is what the inbox filters on (channel, risk, workflow) and what says who may decide the card
+    (approvals.access.deciding: who started its run, whom its stage asks, who decided it already), so that a
+    reviewer's counts are the sum of the rows they may decide, exactly as their rows (approvals.inbox). Adding rows
+    rather than updating one per key: no writer waits for another's counter (nor deadlocks on one)."""
+
+    KEY = (
+        *("channel_id", "risk", "workflow", "run_created_by_id"),
+        *("asked_anyone", "asked_users", "asked_groups", "deciders"),
+    )
+
+    channel = models.ForeignKey(
+        Channel, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, related_name="+"
+    )
+    risk = models.CharField(max_length=8)
+    workflow = models.CharField(max_length=100)
+    run_created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        db_index=False,
+        related_name="+",
+    )
+    asked_anyone = models.BooleanField()
+    asked_users = ArrayField(models.IntegerField())
+    asked_groups = ArrayField(models.IntegerField())
+    # The people who decided the card already, sorted (its decisions' actors): an open card they decided waits
+    # for someone else (the two-person rule, a policy's quorum), and is not in their inbox.
+    deciders = ArrayField(models.IntegerField())
+    n = models.IntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.n:+d} open on channel {self.channel_id}, {self.risk}, {self.workflow}"
+
+    @classmethod
+    def compact(cls) -> int:
+        """Fold the rows into one per key (none for a key whose rows sum to 0); returns the rows left. One
+        transaction: a reader sees the rows before or after it, whose sums are the same. Writers only insert, and
+        rows committed after this started are left for the next time, so it never waits for a writer nor makes one
+        wait; a second compaction at the same time does nothing."""
+        key = ", ".join(cls.KEY)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_xact_lock(hashtext('approvals_inboxcount.compact'))")
+            if not cursor.fetchone()[0]:
+                return 0
+            cursor.execute(
+                f"WITH gone AS (DELETE FROM approvals_inboxcount RETURNING {key}, n)"
+                f" INSERT INTO approvals_inboxcount ({key}, n)"
+                f" SELECT {key}, sum(n) FROM gone GROUP BY {key} HAVING sum(n) <> 0"
+            )
+            return cursor.rowcount
 
 
 class NotificationStatus(models.TextChoices):

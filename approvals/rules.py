@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth import get_user_model
@@ -254,6 +254,34 @@ def sla_state_expression(channels: Iterable[Channel], now: datetime) -> Case:
         default=Value(SlaState.ON_TIME),
         output_field=CharField(),
     )
+
+
+@dataclass(frozen=True)
+class SlaRange:
+    """The open cards of one channel in one SLA state at some `now`: those with `after < due_at < before`."""
+
+    state: SlaState
+    channel: Channel
+    after: datetime
+    before: datetime
+
+
+_TICK = timedelta(microseconds=1)  # PostgreSQL's timestamps count microseconds: `x - _TICK < due_at` is `x <= due_at`
+_EVER = datetime.min.replace(tzinfo=UTC), datetime.max.replace(tzinfo=UTC)
+
+
+def sla_ranges(channels: Iterable[Channel], now: datetime) -> list[SlaRange]:
+    """The rule of sla_state as one range of due_at per channel and state (breached up to now, due soon until the
+    channel's window, on time after it), for a query that reads each as an index range and caps it."""
+    ranges = []
+    for channel in channels:
+        soon = now + due_soon_window(channel.sla)
+        ranges += [
+            SlaRange(SlaState.BREACHED, channel, _EVER[0], now + _TICK),
+            SlaRange(SlaState.DUE_SOON, channel, now, soon),
+            SlaRange(SlaState.ON_TIME, channel, soon - _TICK, _EVER[1]),
+        ]
+    return ranges
 
 
 # --- approval policies ------------------------------------------------------------------------------------------

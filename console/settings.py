@@ -362,6 +362,8 @@ RUBBER_STAMP_SECONDS = env_int("RUBBER_STAMP_SECONDS", 10)
 # Approval SLAs (approvals.sla): the sweep that catches any open card past its deadline (the safety net
 # behind each card's own timer job), and the notifier that tells an escalation group about a card.
 SLA_SWEEP_SECONDS, SLA_SWEEP_CRON = schedules.periodic_from_env("SLA_SWEEP", default_seconds=30)
+# The inbox's counts (approvals.models.InboxCount): how often their rows are folded into one per key.
+INBOX_COMPACT_SECONDS, INBOX_COMPACT_CRON = schedules.periodic_from_env("INBOX_COMPACT", default_seconds=30)
 NOTIFY_BACKENDS = env_list("NOTIFY_BACKENDS", "email,webhook")  # the webhook only when its URL is set
 NOTIFY_WEBHOOK_URL = env_str("NOTIFY_WEBHOOK_URL")
 # Signs the notification webhook (Standard Webhooks, like the deliveries we receive): `whsec_<base64>` or a plain

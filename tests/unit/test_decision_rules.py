@@ -161,6 +161,29 @@ def test_the_sla_state_of_a_card():
     assert set(rules.OPEN_SLA_STATES) == set(SlaState) - {SlaState.DECIDED}
 
 
+def test_the_sla_ranges_are_the_sla_state():
+    """The inbox's counts read each state as a range of due_at per channel (rules.sla_ranges): the same rule, to the
+    microsecond at each boundary."""
+    channels = [SimpleNamespace(name="slow", sla=timedelta(hours=4)), SimpleNamespace(name="fast", sla=timedelta(0))]
+    tick = timedelta(microseconds=1)
+    for channel in channels:
+        ranges = [r for r in rules.sla_ranges(channels, NOW) if r.channel is channel]
+        assert [r.state for r in ranges] == [SlaState.BREACHED, SlaState.DUE_SOON, SlaState.ON_TIME]
+        window = rules.due_soon_window(channel.sla)
+        for due_at in (
+            NOW - timedelta(days=400),
+            NOW - tick,
+            NOW,
+            NOW + tick,
+            NOW + window - tick,
+            NOW + window,
+            NOW + window + tick,
+            NOW + timedelta(days=400),
+        ):
+            inside = [r.state for r in ranges if r.after < due_at < r.before]
+            assert inside == [rules.sla_state(due_at, channel.sla, NOW)], due_at
+
+
 # --- a policy's shape -------------------------------------------------------------------------------------------
 
 

@@ -85,6 +85,7 @@ def test_each_runs_job_has_a_lock_of_its_own(queue):
         (run_tasks.requeue_stalled_jobs, "maintenance", False),  # periodic: the next tick is the retry
         (run_tasks.recover_runs, "maintenance", False),
         (approval_tasks.sla_sweep, "hitl", False),
+        (approval_tasks.compact_inbox_counts, "maintenance", False),  # periodic: the next tick is the retry
     ],
 )
 def test_each_task_runs_on_its_queue_and_retries_only_with_backoff(task, queue_name, retried):
@@ -97,7 +98,7 @@ def test_every_task_of_ours_is_on_a_queue_of_ours():
     # The apps' own tasks: tests register tasks of their own on the same app, which a test may have imported first.
     apps = {"core", "jobs", "runs", "approvals", "external", "slackapp", "demo", "console"}
     ours = [task for task in app.tasks.values() if task.func.__module__.split(".")[0] in apps]
-    assert len(ours) == 6
+    assert len(ours) == 7
     assert {task.queue for task in ours} == {"agent", "outbound", "hitl", "maintenance"}
 
 
@@ -133,6 +134,7 @@ def test_the_sweeps_are_deferred_at_their_periods_one_waiting_at_a_time(queue, s
         "requeue_stalled_jobs": [tick],
         "runs.tasks.recover_runs": [tick],
         "approvals.tasks.sla_sweep": [tick],
+        "approvals.tasks.compact_inbox_counts": [tick],
     }
     by_task = {job["task_name"]: job for job in queue.jobs.values()}
     assert by_task["requeue_stalled_jobs"]["queue_name"] == "maintenance"
@@ -141,18 +143,20 @@ def test_the_sweeps_are_deferred_at_their_periods_one_waiting_at_a_time(queue, s
         "requeue_stalled_jobs",
         "recover_runs",
         "sla_sweep",
+        "compact_inbox_counts",
     }
 
     # 10 s later the stalled-job sweeps are due again, but theirs still wait: a slow sweep is not stacked up.
     _defer_ticks_at(TICK + 10 + SOON_AFTER, deferrer)
-    assert len(queue.jobs) == 3
-    # Once they ran, the next tick defers them again; the SLA sweep waits for its 30 s.
+    assert len(queue.jobs) == 4
+    # Once they ran, the next tick defers them again; the SLA sweep and the compaction wait for their 30 s.
     for job in queue.jobs.values():
         job["status"] = "succeeded"
     _defer_ticks_at(TICK + 20 + SOON_AFTER, deferrer)
     assert _waiting(queue) == {"requeue_stalled_jobs": [tick + 20], "runs.tasks.recover_runs": [tick + 20]}
     _defer_ticks_at(TICK + 30 + SOON_AFTER, deferrer)
     assert _waiting(queue)["approvals.tasks.sla_sweep"] == [tick + 30]
+    assert _waiting(queue)["approvals.tasks.compact_inbox_counts"] == [tick + 30]
 
 
 def test_a_periodic_sweep_is_not_deferred_for_a_tick_long_past(queue):

@@ -44,19 +44,26 @@ INSERT, 300-510 with a `pg_notify`). So each accepted run paid one pass through 
 statement, one commit (runs/group_commit.py; docs/DESIGN-NOTES.md, HTTP), and the trigger's notification no longer
 names the job, so PostgreSQL folds a batch's notifications into one (jobs/migrations/0003): one pass through the
 queue and one wake-up per batch. No request is answered before its batch committed (a system test kills the web
-process mid-batch: docs/RELIABILITY.md). In this run, at 16 connections: {runs_rps} req/s with it against
-{single_rps} with each run in a commit of its own (`production-single`, GROUP_COMMIT=0, the same server and
-database), p99 {runs_p99} ms against {single_p99} ms.
+process mid-batch: docs/RELIABILITY.md). What it lifts is the database's bound, measured apart from the web tier
+by `bench/notify_probe.py --batch 8` (16 clients, PostgreSQL 15, 2026-12-06, load 2.1): 1,024-1,492 rows/s when
+each row's commit notifies, 9,706-10,806 rows/s in commits of 8 rows that notify once, against 3,958-4,592 plain
+INSERT commits/s. That bound is the database's, shared by every web process of a deployment; the web tier's own
+CPU is per process and scales out.
 
-**What bounds it now: the web tier's CPU.** {runs_cpu} ms of web CPU per `POST /api/runs` against the floor's
-{floor_cpu} ms ({floor_rps} req/s, p99 {floor_p99} ms), on two cores shared with PostgreSQL and wrk (load average
-{load}): {ratio} of the floor. The goal, 0.35 of the floor with a p99 under 50 ms, needs about 1.2 ms per request.
-What each layer costs is measured in [docs/PROFILE-api.md](PROFILE-api.md) (round 3): Django's and ninja's
-per-request machinery is about half, the token's round trip 15 %, the run's INSERT parameters and statement 28 %.
-The lever that would reach the goal, a lean path at the ASGI edge that skips that machinery, is not taken: each
-rule the machinery applies to an API request (request id and log line, outage answer, NUL check, security headers,
-axes, personal-data masking, the request's span) would have to be kept twice. The next levers inside the one door
-are listed there."""
+**On this machine the figure is bound by the web tier's CPU, and group commit does not move it.** In this run, at
+16 connections: {runs_rps} req/s with group commit against {single_rps} with each run in a commit of its own
+(`production-single`, GROUP_COMMIT=0, the same server and database), p99 {runs_p99} ms against {single_p99} ms.
+Two web processes and PostgreSQL share 2 cores: {runs_cpu} ms of web CPU per `POST /api/runs` under load against
+the floor's {floor_cpu} ms ({floor_rps} req/s, p99 {floor_p99} ms), load average {load}: {ratio} of the floor.
+Django's request path alone is below the goal: `POST /bench/insert`, one INSERT and no NOTIFY, no token and no
+validation, served {insert_rps} req/s, {insert_ratio} of the floor. So 0.35 of the floor (and a p99 under 50 ms,
+which a closed loop of 16 needs well over 320 req/s for) is out of reach on any path through Django's request
+handling here. What each layer costs is in [docs/PROFILE-api.md](PROFILE-api.md) (round 3). The lever that would
+reach it, a lean path at the ASGI edge that skips that machinery for the agents' hot endpoints, is not taken:
+each rule the machinery applies to an API request (request id and log line, outage answer, NUL check, security
+headers, axes, personal-data masking, the request's span, the pool's return) would have to be kept a second time
+beside the first, and a second door that forgot one is how the external door broke (issue 27). The levers inside
+the one door are listed there."""
 
 THROUGHPUT_NOTE = """\
 Write transactions are transaction ids consumed (cluster-wide: exact on the private embedded server, other
@@ -352,6 +359,7 @@ def render(meta: dict, sections: list[dict]) -> str:
         runs16 = next((x for x in r["runs"] if x["connections"] == 16), r["runs"][-1])
         single = (r.get("compared") or {}).get("production-single", {}).get("runs", [])
         single16 = next((x for x in single if x["connections"] == 16), None)
+        insert16 = next((x for x in r["baseline"] if x["connections"] == 16), None)
         out += [
             "## What bounds the enqueue figure",
             "",
@@ -365,6 +373,8 @@ def render(meta: dict, sections: list[dict]) -> str:
                 single_rps=single16["rps"] if single16 else "?",
                 single_p99=single16["p99_ms"] if single16 else "?",
                 ratio=f"{runs16['rps'] / floor16['rps']:.2f}" if floor16 else "?",
+                insert_rps=insert16["rps"] if insert16 else "?",
+                insert_ratio=f"{insert16['rps'] / floor16['rps']:.2f}" if floor16 and insert16 else "?",
                 load=r["load_before"],
             ),
             "",

@@ -57,12 +57,13 @@ def advance(run_id, job: JobInfo | None = None) -> None:
     """Drive the run while holding its advisory lock (runs.ownership): a job that finds the lock held by a live
     session leaves the run to it, however stale that owner's heartbeat looks, and tries again later."""
     job = job or JobInfo()
-    with ownership.hold(run_id) as held:
-        if not held:
-            _try_again_later(run_id, job)
-            return
+    with ownership.taking(run_id) as lock:
         try:
-            run, took_over = Run.claim(run_id, ownership.new_token(job.worker, job.job_id))
+            # The lock and the claim in one round trip (Run.take): what a decided run waits for before its step.
+            run, took_over = Run.take(run_id, ownership.new_token(job.worker, job.job_id), lock)
+            if not lock.taken:
+                _try_again_later(run_id, job)
+                return
             if run is None:
                 return
             with structlog.contextvars.bound_contextvars(run_id=str(run.id), trace_id=run.trace_id, job_id=job.job_id):
@@ -390,6 +391,7 @@ def _run_step(run: Run, workflow: Workflow, step_def: StepDef, outputs: dict, un
             latency_ms=_ms(started),
             **(step_def.versions or {}),
             tape=ctx.known.scrub(ctx.tape.stored()),
+            new=seq not in unfinished,  # no earlier attempt left a row of it (as the claim read them)
             finish=last,
             result=result,
         )

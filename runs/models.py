@@ -22,7 +22,7 @@ from core import tracing
 from core.models import AuditEntry
 from runs import gates, ownership
 from runs.errors import OwnershipLost, TransitionRefused
-from runs.sql import prepared_cursor, queries
+from runs.sql import pipelined, prepared_cursor, queries
 from runs.transitions import FINISHED, OWNED, PARKED, TRANSITIONS, RunStatus
 
 
@@ -95,7 +95,11 @@ class Run(models.Model):
     # A fork (runs.forks): the run it was forked from, at which step and why. It reuses the original's outputs
     # before that step and shares its effects' receipts by key (`effects_of`: the original's id, which its
     # effects' default keys start with), so nothing the original did is done again.
-    fork_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks")
+    # Indexed only where set (runs_run_fork_of, below): nearly every run is no fork, and a run's status changes
+    # (its start and its end, updates that cannot be HOT) would otherwise add a NULL entry each time.
+    fork_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks", db_index=False
+    )
     fork_from_step = models.PositiveIntegerField(null=True, blank=True)
     fork_reason = models.CharField(max_length=500, blank=True, default="", db_default="")
     effects_of = models.UUIDField(null=True, blank=True)
@@ -143,6 +147,7 @@ class Run(models.Model):
                 condition=Q(status=RunStatus.QUEUED, waiting_for_slot_since__isnull=False),
                 name="runs_run_waiting_for_slot",
             ),
+            models.Index(fields=["fork_of"], condition=Q(fork_of__isnull=False), name="runs_run_fork_of"),
         ]
         constraints = [
             models.UniqueConstraint(
@@ -273,6 +278,62 @@ class Run(models.Model):
             Run.wake_waiting_for_slot(self.tenant)  # a slot of its tenant is free
 
     @classmethod
+    def take(cls, run_id, owner: str, lock: ownership.Taking) -> tuple[Run | None, bool]:
+        """A job's first statements, in one round trip (sql.pipelined: one transaction, in autocommit): the run's
+        lock and, if it was taken, the run's row and its tenant's lock (`claim_take`); then the start of a queued
+        run under `owner` (`start`, which checks the lock in its own statement) and the run's step rows, in a
+        statement whose snapshot comes after those locks (`start_then_steps`). Sets
+        `lock.taken`; returns as Run.claim does. A queued run that started (a new run, a decided one resuming), or
+        one with nothing to drive (parked, finished), needs nothing more; any other (running: its owner's session
+        ended; queued without a free slot, or cancelled) goes on with Run.claim, under the lock.
+
+        Django's health check of a connection kept from an earlier job (a `SELECT 1` before its first query) is
+        this statement: if the kept connection turns out dead, it is closed and the statements are sent again on a
+        new one (a session that ended took whatever the first sending did with it, its lock included)."""
+        fields = _run_fields()
+        params = {
+            "id": run_id,
+            "owner": owner,
+            "now": timezone.now(),
+            "max": settings.TENANT_MAX_RUNNING,
+            **ownership.lock_params(run_id),
+        }
+        statements = ((_claim_take_sql(), params), (queries["start_then_steps"], params))
+        kept = (
+            connection.connection is not None
+            and connection.health_check_enabled
+            and not connection.health_check_done
+            and not connection.in_atomic_block
+        )
+        lock.taken = None  # not known until the statement answers
+        try:
+            taken, started = pipelined(*statements, health_check=False)
+        except DatabaseError:
+            if not kept or connection.is_usable():
+                raise
+            connection.close()
+            taken, started = pipelined(*statements, health_check=False)
+        connection.health_check_done = True
+        row = taken.rows[0]
+        lock.taken = bool(row[0])
+        if not lock.taken or row[1] is None:
+            return None, False  # another session holds the run's lock, or there is no such run
+        values = [
+            value if convert is None else convert(value, None, connection)
+            for (_, convert), value in zip(fields, row[1 : len(fields) + 1], strict=True)
+        ]
+        run = cls.from_db(connection.alias, [attname for attname, _ in fields], values)
+        count, rows = started.rows[0]
+        if count == 1:
+            run.step_rows = (json.loads(rows) if isinstance(rows, str | bytes) else rows) or []
+            run.status, run.owner, run.waiting_for_slot_since = TRANSITIONS["start"].target, owner, None
+            run.updated_at = params["now"]
+            return run, False
+        if run.status not in (cls.Status.QUEUED, *OWNED):
+            return None, False  # parked or finished: nothing to drive
+        return cls.claim(run_id, owner)
+
+    @classmethod
     def claim(cls, run_id, owner: str) -> tuple[Run | None, bool]:
         """The job holding the run's advisory lock takes it: queued -> running, or running -> running under a
         new owner (the previous owner's session ended, or it would still hold the lock: the run resumes from
@@ -328,6 +389,7 @@ class Run(models.Model):
         prompt_version: str = "",
         tools_version: str = "",
         tape: list | None = None,
+        new: bool = False,
         finish: bool = False,
         result=None,
     ):
@@ -336,7 +398,9 @@ class Run(models.Model):
         data-modifying CTE, atomic on its own in autocommit): the run's UPDATE checks the owner and the cursor,
         and the step's row is inserted only from the row that UPDATE returned, so a job that lost the run writes
         nothing and gets OwnershipLost. The run's totals are not added to here: each model call counted itself as
-        it answered (ModelUsage).
+        it answered (ModelUsage). `new`: no earlier attempt left a row for this step (the engine knows from the
+        rows it read at the claim), so the row is a plain INSERT (less WAL than an upsert's speculative insertion);
+        a row there after all is an IntegrityError, with nothing written.
 
         Returns the output as stored (jsonb rewrites numbers, dates become strings: later steps see what a replay
         would see), and refreshes `cancel_requested` from the row it updated (a cancel committed while the step
@@ -350,52 +414,47 @@ class Run(models.Model):
         # Rounded as the column stores it, so the copy in memory stays equal to the row.
         cost = Decimal(usage.cost).quantize(_COST_QUANTUM, rounding=ROUND_HALF_UP)
         now = timezone.now()
-        finished = {}
-        if finish:
-            finished = {
-                "result": None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
-                "cancelled": json.dumps(_CANCELLED),
-                "tenant": self.tenant,
-                "max": settings.TENANT_MAX_RUNNING,
-            }
+        params = {
+            **ownership.lock_params(self.pk),
+            "run": self.pk,
+            "owner": self.owner,
+            "seq": seq,
+            "next": seq + 1,
+            "tokens_in": usage.tokens_in,
+            "tokens_out": usage.tokens_out,
+            "cost": cost,
+            "now": now,
+            "name": name,
+            "kind": kind,
+            "input": json.dumps(input, cls=DjangoJSONEncoder),
+            "input_hash": input_hash,
+            "output": None if output is None else json.dumps(output, cls=DjangoJSONEncoder),  # NULL, as the ORM
+            "attempt": self.attempt + 1,
+            "latency_ms": latency_ms,
+            "prompt_version": prompt_version,
+            "tools_version": tools_version,
+            "tape": None if tape is None else json.dumps(tape, cls=DjangoJSONEncoder),
+            "started_at": started_at,
+        }
+        statement = ("checkpoint_finish" if finish else "checkpoint") + ("_new" if new else "")
         waiting = None
-        # The steps before the last: one prepared statement (sql.prepared_cursor). The last step's: the wake-up's
-        # count, a statement of its own (its snapshot comes after the tenant's lock), in the same query string
-        # when the binding is client-side (Run._row_for_update): once a run, one round trip.
-        with connection.cursor() if finish else prepared_cursor() as cursor:
-            together = finish and isinstance(cursor.cursor, psycopg.ClientCursor)
-            cursor.execute(
-                (queries["checkpoint_finish"] + ";" + queries["wake"] if together else queries["checkpoint_finish"])
-                if finish
-                else queries["checkpoint"],
-                {
-                    **finished,
-                    **ownership.lock_params(self.pk),
-                    "run": self.pk,
-                    "owner": self.owner,
-                    "seq": seq,
-                    "next": seq + 1,
-                    "tokens_in": usage.tokens_in,
-                    "tokens_out": usage.tokens_out,
-                    "cost": cost,
-                    "now": now,
-                    "name": name,
-                    "kind": kind,
-                    "input": json.dumps(input, cls=DjangoJSONEncoder),
-                    "input_hash": input_hash,
-                    "output": None if output is None else json.dumps(output, cls=DjangoJSONEncoder),  # NULL, as the ORM
-                    "attempt": self.attempt + 1,
-                    "latency_ms": latency_ms,
-                    "prompt_version": prompt_version,
-                    "tools_version": tools_version,
-                    "tape": None if tape is None else json.dumps(tape, cls=DjangoJSONEncoder),
-                    "started_at": started_at,
-                },
+        if finish:
+            # The last step's: the wake-up's count is a statement of its own (its snapshot comes after the
+            # tenant's lock), sent with the checkpoint in one round trip (with the transaction's BEGIN), both
+            # prepared: once a run.
+            params.update(
+                result=None if result is None else json.dumps(result, cls=DjangoJSONEncoder),
+                cancelled=json.dumps(_CANCELLED),
+                tenant=self.tenant,
+                max=settings.TENANT_MAX_RUNNING,
             )
-            row = cursor.fetchone()
-            if together:
-                cursor.nextset()
-                waiting = cursor.fetchall()
+            checkpointed, woken = pipelined((queries[statement], params), (queries["wake"], params))
+            row, waiting = (checkpointed.rows or [None])[0], woken.rows
+        else:
+            # The steps before the last: one prepared statement (sql.prepared_cursor), in autocommit.
+            with prepared_cursor() as cursor:
+                cursor.execute(queries[statement], params)
+                row = cursor.fetchone()
         if row is None:
             raise OwnershipLost(f"run {self.pk}: cannot go to its next step from its current state")
         self.cancel_requested, stored, self.undo_reason = row[:3]
@@ -676,10 +735,18 @@ def _run_fields() -> list:
     return _RUN_FIELDS
 
 
+def _run_columns() -> str:
+    return ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
+
+
 @functools.cache
 def _claim_select_sql() -> str:
-    columns = ", ".join(f'"{Run._meta.get_field(attname).column}"' for attname, _ in _run_fields())
-    return queries["claim"].format(columns=columns)
+    return queries["claim"].format(columns=_run_columns())
+
+
+@functools.cache
+def _claim_take_sql() -> str:
+    return queries["claim_take"].format(columns=_run_columns())
 
 
 _RUN_FIELDS = None
@@ -706,7 +773,8 @@ class Step(models.Model):
     Kind = StepKind
     Status = StepStatus
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    # No index of its own: the unique (run, seq) below starts with it (one index fewer to write at every step).
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps", db_index=False)
     seq = models.PositiveIntegerField()
     name = models.CharField(max_length=100)
     kind = models.CharField(max_length=8, choices=Kind.choices)

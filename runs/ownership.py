@@ -10,6 +10,11 @@ lock: a job whose session was cut (a PostgreSQL restart, a partition, `pg_termin
 token, and Django opens a new session for its next statement. So every write that belongs to a step also checks,
 in its own statement, that the session it runs in holds the run's lock (`HELD_SQL`): a job that lost its session
 lost the run with it, and its next write raises OwnershipLost. docs/DESIGN-NOTES.md says why this is sound.
+
+The check asks PostgreSQL's lock manager, not pg_locks (which copies the whole cluster's lock table at every call):
+a holder takes the lock twice (`take`), and the check gives one back and takes it again, which only the session
+holding it can do, and which never lets it go (runs/sql/queries.sql, run_lock_held). So whoever takes a run's lock
+takes it through this module (`hold`, or Run.take's statement), and lets it go through it (both counts).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from contextlib import contextmanager
 from django.db import DatabaseError, connection
 from django.db.models import BooleanField
 from django.db.models.expressions import RawSQL
+from psycopg.types.numeric import Int4
 
 from runs.sql import queries
 
@@ -46,18 +52,17 @@ def _signed(word: int) -> int:
 HELD_SQL = queries["run_lock_held"]
 
 
-def lock_params(run_id) -> dict[str, int]:
-    """HELD_SQL's parameters for the run: its keys as pg_locks shows them (unsigned)."""
+def lock_params(run_id) -> dict[str, Int4]:
+    """HELD_SQL's parameters for the run, and those of the statements that take it (`{take}`) and let it go: its
+    two keys, as the integers pg_advisory_lock takes (typed: one prepared statement whatever their values)."""
     hi, lo = key(run_id)
-    return {"lock_hi": hi & _MASK, "lock_lo": lo & _MASK}
+    return {"lock_hi": Int4(hi), "lock_lo": Int4(lo)}
 
 
 def held(run_id) -> RawSQL:
     """HELD_SQL as a condition for a queryset's filter()."""
-    params = lock_params(run_id)
-    return RawSQL(
-        queries["run_lock_held_positional"], [params["lock_hi"], params["lock_lo"]], output_field=BooleanField()
-    )
+    hi, lo = key(run_id)
+    return RawSQL(queries["run_lock_held_positional"], [hi, lo, hi, lo], output_field=BooleanField())
 
 
 def new_token(worker: str | None, job_id: int | None) -> str:
@@ -70,17 +75,45 @@ def new_token(worker: str | None, job_id: int | None) -> str:
 def hold(run_id) -> Iterator[bool]:
     """Try to take the run's lock on this thread's connection; yields whether it was taken. Held until the
     block ends; if the unlock cannot be sent, the connection is closed, which ends the session and the lock."""
-    with connection.cursor() as cursor:
-        cursor.execute(queries["try_lock_run"], key(run_id))
-        taken = cursor.fetchone()[0]
+    taken = take(run_id)
     try:
         yield taken
     finally:
         if taken:
-            _unlock(run_id)
+            unlock(run_id)
 
 
-def _unlock(run_id) -> None:
+def take(run_id) -> bool:
+    """Take the run's lock on this thread's connection (both counts: HELD_SQL says why) if no other session holds
+    it; whether it was taken. Let it go with `unlock`."""
+    with connection.cursor() as cursor:
+        cursor.execute(queries["try_lock_run"], lock_params(run_id))
+        return cursor.fetchone()[0]
+
+
+class Taking:
+    """The run's lock as a job takes it with its first statement (Run.take): `taken` once that statement says so,
+    None while it is not known (the statement failed: it may have been taken before it did)."""
+
+    def __init__(self, run_id) -> None:
+        self.run_id = run_id
+        self.taken: bool | None = False
+
+
+@contextmanager
+def taking(run_id) -> Iterator[Taking]:
+    """The lock of the run that Run.take takes, let go when the block ends (when taken, or maybe taken)."""
+    lock = Taking(run_id)
+    try:
+        yield lock
+    finally:
+        if lock.taken is not False:
+            unlock(run_id)
+
+
+def unlock(run_id) -> None:
+    """Let the run's lock go (both counts). If that cannot be sent, the connection is closed: the session ends, and
+    its locks with it."""
     try:
         if connection.in_atomic_block and connection.needs_rollback:
             # A session lock survives the rollback, but no statement runs in an aborted transaction.
@@ -88,7 +121,7 @@ def _unlock(run_id) -> None:
         with connection.cursor() as cursor:
             # False (and a warning in the server's log) when this session no longer holds it: the session the
             # lock was taken on ended during the job, and Django opened a new one.
-            cursor.execute(queries["unlock_run"], key(run_id))
+            cursor.execute(queries["unlock_run"], lock_params(run_id))
     except DatabaseError:
         if not connection.in_atomic_block:
             connection.close()  # the session ends, and its locks with it

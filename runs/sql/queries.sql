@@ -2,6 +2,7 @@
 -- (procrastinate's own procrastinate/sql/queries.sql is the model). runs/sql/__init__.py reads them once, as
 -- `queries[name]`, filling in:
 --   {held}            the condition that this session holds the run's lock (run_lock_held below);
+--   {take}            the run's lock, taken if nobody else holds it (take_run_lock below: true when taken);
 --   {name.leaving}    the condition on a run's status that the transition `name` of runs.transitions
 --                     (TRANSITIONS) may leave: "= 'running'", "IN ('waiting_human', 'paused')";
 --   {name.target}     its target status, quoted;
@@ -9,24 +10,29 @@
 -- caller to fill in. Parameters are psycopg's: %(name)s, or %s.
 
 -- run_lock_held --
--- A condition (SQL) true only in the session that holds the lock of the run {hi}/{lo} (runs.ownership): pg_locks
--- shows a two-key advisory lock as classid (first key) and objid (second key), unsigned (oid);
--- runs.ownership.lock_params gives the parameters. It reads the lock table, not the run: what PostgreSQL releases
--- with the session.
-EXISTS (
-    SELECT 1 FROM pg_locks
-    WHERE locktype = 'advisory' AND objsubid = 2 AND granted AND pid = pg_backend_pid()
-        AND classid = {hi}::bigint::oid AND objid = {lo}::bigint::oid
-        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-)
+-- A condition (SQL) true only in the session that holds the lock of the run {hi}/{lo} (runs.ownership), asked of
+-- PostgreSQL's lock manager itself: a holder takes the lock twice (take_run_lock), so that giving one back
+-- (pg_advisory_unlock: true only in the session that holds it) leaves it held, and taking it again restores the
+-- count. Both are bookkeeping on the session's own count of a lock it holds (no shared lock table is touched, no
+-- other session can come in between); in a session that does not hold it, the unlock says false (and the server's
+-- log a warning) and nothing is taken. Net nothing, however many times a statement evaluates it. It reads the lock,
+-- not the run: what PostgreSQL releases with the session. (pg_locks says the same, but copies the whole cluster's
+-- lock table at every call: 0.15-0.45 ms of the server's CPU, half of a step's checkpoint; docs/PROFILE-engine.md.)
+CASE WHEN pg_advisory_unlock({hi}, {lo}) THEN pg_try_advisory_lock({hi}, {lo}) ELSE false END
+
+-- take_run_lock --
+-- The run's session lock, taken twice (run_lock_held says why) if nobody else holds it: the second is this
+-- session's own count of a lock it holds, which cannot fail. False when another session holds it.
+CASE WHEN pg_try_advisory_lock({hi}, {lo}) THEN pg_try_advisory_lock({hi}, {lo}) ELSE false END
 
 -- try_lock_run --
 -- runs.ownership.hold: take the run's session lock if nobody holds it.
-SELECT pg_try_advisory_lock(%s, %s)
+SELECT {take}
 
 -- unlock_run --
--- runs.ownership.hold: let it go (false, and a warning in the server's log, when this session no longer holds it).
-SELECT pg_advisory_unlock(%s, %s)
+-- runs.ownership: let it go, both counts (false, and a warning in the server's log, when this session no longer
+-- holds it).
+SELECT CASE WHEN pg_advisory_unlock(%(lock_hi)s, %(lock_lo)s) THEN pg_advisory_unlock(%(lock_hi)s, %(lock_lo)s) ELSE false END
 
 -- lock_tenant --
 -- A tenant's transaction lock, which serialises the claims of its runs with the wake-ups of those waiting for a
@@ -39,13 +45,21 @@ SELECT pg_advisory_xact_lock(hashtext(%s))
 -- outer query takes the tenant's lock. {{columns}}: the run's columns, in the order of its model's fields.
 WITH r AS MATERIALIZED (SELECT {{columns}} FROM runs_run WHERE id = %(id)s FOR UPDATE) SELECT r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)), {held} FROM r
 
+-- claim_take --
+-- Run.take, a job's first statement: the run's lock (take_run_lock) and, only when it was taken, what claim does
+-- (the run's row locked FOR UPDATE, then its tenant's transaction lock). One row: whether the lock was taken, then
+-- the run's columns and the tenant's lock (NULLs when it was not taken, or there is no such run). {{columns}}: as
+-- in claim.
+WITH l AS MATERIALIZED (SELECT {take} AS taken), r AS MATERIALIZED (SELECT {{columns}} FROM runs_run WHERE id = %(id)s AND (SELECT taken FROM l) FOR UPDATE) SELECT l.taken, r.*, pg_advisory_xact_lock(hashtext('tenant:' || r.tenant)) FROM l LEFT JOIN r ON true
+
 -- start --
 -- Run.claim's start of a queued run: the CAS, under the tenant's lock (taken by the statement before), only when
 -- the tenant has a free slot and no older run of it waits for one (oldest first, as Run.waiting_for_slot orders
 -- them). Not when a cancel was requested (the claim ends the run cancelled instead), unless it is to be undone. The tenant, priority and age
--- are the row's own, which the claim holds locked.
+-- are the row's own, which the claim holds locked. Only from the session that holds the run's lock (Run.take sends
+-- it whether claim_take took the lock or not).
 UPDATE runs_run r SET status = {start.target}, owner = %(owner)s, waiting_for_slot_since = NULL, updated_at = %(now)s
-WHERE r.id = %(id)s AND r.status {start.leaving} AND (NOT r.cancel_requested OR r.undo_reason <> '')
+WHERE r.id = %(id)s AND r.status {start.leaving} AND (NOT r.cancel_requested OR r.undo_reason <> '') AND {held}
     AND (SELECT count(*) FROM runs_run WHERE tenant = r.tenant AND status = 'running') < %(max)s
     AND NOT EXISTS (
         SELECT 1 FROM runs_run w
@@ -53,6 +67,11 @@ WHERE r.id = %(id)s AND r.status {start.leaving} AND (NOT r.cancel_requested OR 
             AND w.id <> r.id
             AND (w.priority > r.priority OR (w.priority = r.priority AND w.created_at < r.created_at))
     )
+
+-- start_then_steps --
+-- Run.take's second statement: start, then step_rows, in one statement (both need a snapshot taken after
+-- claim_take's locks, which this statement's is). The number of runs started (0 or 1), then the step rows.
+WITH started AS ({start} RETURNING r.id) SELECT (SELECT count(*) FROM started), ({step_rows})
 
 -- step_rows --
 -- Run.claim's read of the run's step rows ([name, seq, status, output, input_hash] by seq: what the engine
@@ -92,7 +111,10 @@ LIMIT GREATEST(%(max)s - (SELECT count(*) FROM runs_run WHERE tenant = %(tenant)
 -- Run.checkpoint's one statement. The step's row comes from the run's UPDATE (no row: nothing is inserted), and
 -- a row an earlier attempt left (failed, unknown, waiting) is updated as it was by the engine's upsert, its
 -- tokens and cost added to (every attempt's; the run's totals were counted as the model answered: ModelUsage).
--- {finish} and {lock}: nothing, or (queries["checkpoint_finish"]) checkpoint_ends_run and its lock.
+-- {finish} and {lock}: nothing, or (queries["checkpoint_finish"]) checkpoint_ends_run and its lock. {upsert}:
+-- checkpoint_upsert, or (queries["checkpoint_new"], queries["checkpoint_finish_new"]) nothing, for a step no
+-- earlier attempt left a row of: a plain INSERT, whose WAL is its row's (an INSERT ... ON CONFLICT writes a
+-- speculative insertion and its confirmation); a row there after all is a unique violation, nothing written.
 WITH moved AS (
     UPDATE runs_run
     SET "cursor" = %(next)s, attempt = 0, error = '', updated_at = %(now)s{finish}
@@ -107,16 +129,20 @@ WITH moved AS (
         %(input_hash)s::varchar, %(output)s::jsonb, 'done', %(attempt)s::integer, '', %(tokens_in)s::integer,
         %(tokens_out)s::integer, %(cost)s::numeric, %(latency_ms)s::double precision, %(prompt_version)s::varchar,
         %(tools_version)s::varchar, %(tape)s::jsonb, %(started_at)s::timestamptz, %(now)s::timestamptz
-    FROM moved
+    FROM moved{upsert}
+    RETURNING s.output
+)
+SELECT moved.cancel_requested, step.output, moved.undo_reason{lock} FROM moved, step
+
+-- checkpoint_upsert --
+-- The checkpoint's completion of the row an earlier attempt left (checkpoint's {upsert}).
+
     ON CONFLICT (run_id, seq) DO UPDATE SET
         status = EXCLUDED.status, attempt = EXCLUDED.attempt, error = EXCLUDED.error, output = EXCLUDED.output,
         tokens_in = s.tokens_in + EXCLUDED.tokens_in, tokens_out = s.tokens_out + EXCLUDED.tokens_out,
         cost = s.cost + EXCLUDED.cost,
         latency_ms = EXCLUDED.latency_ms, prompt_version = EXCLUDED.prompt_version,
         tools_version = EXCLUDED.tools_version, tape = EXCLUDED.tape, started_at = EXCLUDED.started_at, ended_at = EXCLUDED.ended_at
-    RETURNING s.output
-)
-SELECT moved.cancel_requested, step.output, moved.undo_reason{lock} FROM moved, step
 
 -- checkpoint_ends_run --
 -- The last step's checkpoint also ends the run (Run.checkpoint(finish=True)): succeeded with its result, or

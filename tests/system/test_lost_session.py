@@ -62,8 +62,8 @@ def owner_backend(run: Run) -> int | None:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
-            " AND classid = %(lock_hi)s::bigint::oid AND objid = %(lock_lo)s::bigint::oid",
-            ownership.lock_params(run.pk),
+            " AND classid = %s::bigint::oid AND objid = %s::bigint::oid",
+            [word & 0xFFFFFFFF for word in ownership.key(run.pk)],  # as pg_locks shows them: unsigned
         )
         row = cursor.fetchone()
     return row[0] if row else None

@@ -64,9 +64,10 @@ def test_every_placeholder_is_filled_and_doubled_braces_are_left_for_the_caller(
         name: {field for _, field, _, _ in string.Formatter().parse(statement) if field is not None}
         for name, statement in sql.queries.items()
     }
-    # The caller's own: Run's columns (the claim), the INSERT and its primary key (runs.submission).
+    # The caller's own: Run's columns (the claims), the INSERT and its primary key (runs.submission).
     assert {name: fields for name, fields in left.items() if fields} == {
         "claim": {"columns"},
+        "claim_take": {"columns"},
         "insert_run_with_first_job": {"insert", "pk"},
         "insert_runs_with_first_jobs": {"insert", "pk"},  # runs.group_commit
     }
@@ -77,6 +78,18 @@ def test_the_lock_condition_is_filled_in_with_the_runs_keys():
     assert "%(lock_hi)s" in held and "%(lock_lo)s" in held and "{" not in held
     assert sql.queries["run_lock_held_positional"] == held.replace("%(lock_hi)s", "%s").replace("%(lock_lo)s", "%s")
     assert held in sql.queries["claim"]  # the claim asks whether this session holds the run's lock
+    # Every write of the run's owner checks it in its own statement, the start of a queued run included.
+    for name in ("start", "start_then_steps", "owned", "finish", "checkpoint", "checkpoint_new", "checkpoint_finish"):
+        assert held in sql.queries[name], name
+    # It asks the lock manager, never the cluster-wide copy of the lock table.
+    assert not any("pg_locks" in sql.queries[name] for name in ("run_lock_held", "claim", "checkpoint", "start"))
+
+
+def test_the_lock_is_taken_with_both_counts_and_let_go_with_both():
+    take = sql.templates["take_run_lock"].format(hi="%(lock_hi)s", lo="%(lock_lo)s")
+    assert sql.queries["try_lock_run"] == f"SELECT {take}"
+    assert take in sql.queries["claim_take"]  # a job's first statement takes it as runs.ownership.hold does
+    assert sql.queries["unlock_run"].count("pg_advisory_unlock(%(lock_hi)s, %(lock_lo)s)") == 2
 
 
 def test_the_checkpoint_of_the_last_step_is_the_checkpoint_with_the_runs_end():
@@ -88,6 +101,15 @@ def test_the_checkpoint_of_the_last_step_is_the_checkpoint_with_the_runs_end():
     assert sql.templates["checkpoint_ends_run_lock"].strip() in finish
     # The pieces that only build checkpoint_finish are not statements of their own.
     assert "checkpoint_ends_run" not in sql.queries and "checkpoint_ends_run_lock" not in sql.queries
+
+
+def test_a_step_no_attempt_left_a_row_of_is_a_plain_insert_and_the_others_an_upsert():
+    upsert = sql.templates["checkpoint_upsert"].strip()
+    assert upsert.startswith("ON CONFLICT (run_id, seq) DO UPDATE")
+    for name in ("checkpoint", "checkpoint_finish"):
+        assert upsert in sql.queries[name] and upsert not in sql.queries[f"{name}_new"]
+        assert sql.queries[f"{name}_new"] == sql.queries[name].replace("\n    " + upsert, "")
+    assert "checkpoint_upsert" not in sql.queries
 
 
 def test_a_template_naming_an_unknown_transition_fails_at_import():

@@ -31,6 +31,7 @@ from jobs.models import DeadLetter
 from runs import ownership, recovery, submission
 from runs.errors import OwnershipLost, TransitionRefused
 from runs.models import Receipt, Run, Step
+from runs.sql import queries
 from runs.tasks import requeue_stalled_jobs
 from runs.workflow import Ambiguous, Retryable, Usage
 from tests.conftest import approves_every_channel
@@ -59,7 +60,8 @@ def _claim(run_id, owner: str):
 
 
 def _lock(cursor, run_id) -> None:
-    cursor.execute("SELECT pg_advisory_lock(%s, %s)", ownership.key(run_id))
+    """The run's lock, taken as a job takes it (runs.ownership: both counts), on a Django cursor or a connection."""
+    assert cursor.execute(queries["try_lock_run"], ownership.lock_params(run_id)).fetchone()[0]
 
 
 def _faults(faults: dict, base=SMALL_REFUND) -> dict:
@@ -231,14 +233,21 @@ def test_the_last_checkpoint_ends_the_run_in_its_own_statement_and_wakes_a_run_w
         stale.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"late": True})
     assert Run.objects.values_list("status", "owner").get(pk=run.pk) == (Run.Status.RUNNING, "job-a")
     assert not Step.objects.filter(run=run).exists()
-    # The checkpoint with the finish and the tenant's lock, then the wake-up's count, in one query string (in this
-    # test's transaction a savepoint where a worker has BEGIN), then the woken run's job: nothing else writes the run.
-    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+    # The checkpoint with the finish and the tenant's lock, then the wake-up's count, two prepared statements sent
+    # together (runs.sql.pipelined; in this test's transaction after a savepoint where a worker has BEGIN), then the
+    # woken run's job: nothing else writes the run.
+    with CaptureQueriesContext(connection) as captured, transaction.atomic():
         stored = claimed.checkpoint(0, Usage(), **_step_fields(), finish=True, result={"done": 1})
-    statements = [q["sql"].strip() for q in queries.captured_queries if "SAVEPOINT" not in q["sql"]]
-    assert statements[0].startswith("WITH moved AS") and "pg_advisory_xact_lock" in statements[0]
-    assert "SELECT id, priority FROM runs_run" in statements[0]
-    assert not any("UPDATE" in sql and "runs_run" in sql for sql in statements[1:])
+    statements = [q["sql"].strip() for q in captured.captured_queries if "SAVEPOINT" not in q["sql"]]
+    assert "WITH moved AS" in statements[0] and "pg_advisory_xact_lock" in statements[0]
+    assert "SELECT id, priority FROM runs_run" in statements[1]
+    assert not any("UPDATE" in sql and "runs_run" in sql for sql in statements[2:])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH moved AS%%'"
+            " OR statement LIKE 'SELECT id, priority FROM runs_run%%'"
+        )
+        assert cursor.fetchone()[0] == 2
     assert stored == {"ok": True}
     row = Run.objects.get(pk=run.pk)
     assert (row.status, row.owner, row.result, row.cursor, row.finished_at) == (
@@ -620,7 +629,51 @@ def test_two_runs_never_share_a_lock_unless_their_ids_share_64_bits():
     c = uuid.UUID("12345678-9abc-def1-0000-000000000001")
     assert ownership.key(a) == ownership.key(b) != ownership.key(c)
     assert ownership.key("ffffffff-ffff-ffff-0000-000000000000") == (-1, -1)  # signed, as pg_advisory_lock takes
-    assert ownership.lock_params("ffffffff-ffff-ffff-0000-000000000000") == {"lock_hi": 2**32 - 1, "lock_lo": 2**32 - 1}
+    assert ownership.lock_params("ffffffff-ffff-ffff-0000-000000000000") == {"lock_hi": -1, "lock_lo": -1}
+
+
+def _advisory_locks(cursor) -> list[tuple[int, bool]]:
+    """The run locks (two-key advisory locks) of the test database, as pg_locks shows them: (pid, granted)."""
+    cursor.execute(
+        "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    )
+    return cursor.fetchall()
+
+
+def test_the_lock_check_is_true_only_in_the_session_holding_the_lock_and_leaves_it_as_it_was(demo):
+    """HELD_SQL asks the lock manager: it gives back one of the holder's two counts and takes it again. Checked any
+    number of times it leaves the lock held as it was (two unlocks let it go); in a session that does not hold it,
+    whether another holds it or nobody does, it is false and takes nothing."""
+    run_id = uuid.uuid4()
+    params = ownership.lock_params(run_id)
+    check = "SELECT " + ownership.HELD_SQL
+    with (
+        psycopg.connect(database_url(connection.settings_dict), autocommit=True) as holder,
+        psycopg.connect(database_url(connection.settings_dict), autocommit=True) as other,
+    ):
+        holder_pid = holder.info.backend_pid
+        # Nobody holds it: false, and nothing is taken.
+        assert other.execute(check, params).fetchone()[0] is False
+        assert _advisory_locks(other.cursor()) == []
+        _lock(holder, run_id)
+        for _ in range(3):
+            assert holder.execute(check, params).fetchone()[0] is True
+        assert _advisory_locks(other.cursor()) == [(holder_pid, True)]
+        # Another session holds it: false, and the holder keeps it.
+        assert other.execute(check, params).fetchone()[0] is False
+        assert other.execute(queries["try_lock_run"], params).fetchone()[0] is False
+        assert _advisory_locks(other.cursor()) == [(holder_pid, True)]
+        # Both counts are there after the checks: the first unlock leaves it held, the second lets it go.
+        assert holder.execute("SELECT pg_advisory_unlock(%(lock_hi)s, %(lock_lo)s)", params).fetchone()[0]
+        assert _advisory_locks(other.cursor()) == [(holder_pid, True)]
+        assert holder.execute(queries["unlock_run"], params).fetchone()[0] is False  # the job's unlock: one left
+        assert _advisory_locks(other.cursor()) == []
+        assert holder.execute(check, params).fetchone()[0] is False
+        # Its job's own unlock lets both counts go at once.
+        _lock(other, run_id)
+        assert other.execute(queries["unlock_run"], params).fetchone()[0] is True
+        assert _advisory_locks(holder.cursor()) == []
 
 
 def test_a_step_checkpoint_is_prepared_in_the_jobs_session_and_still_refuses_a_session_without_the_lock(demo):
@@ -633,8 +686,7 @@ def test_a_step_checkpoint_is_prepared_in_the_jobs_session_and_still_refuses_a_s
         assert cursor.fetchone()[0] == 1
     assert Run.objects.values_list("cursor", flat=True).get(pk=run.pk) == 1
     # The prepared statement checks the session's lock as the unprepared one did: let it go, and nothing is written.
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s, %s)", ownership.key(run.pk))
+    ownership.unlock(run.pk)
     with pytest.raises(OwnershipLost):
         claimed.checkpoint(1, Usage(), **_step_fields(name="lookup"))
     assert Run.objects.values_list("cursor", flat=True).get(pk=run.pk) == 1

@@ -34,7 +34,6 @@ idempotency key). Grouped or not, each kind keeps its own queue: a batch is all 
 from __future__ import annotations
 
 import contextvars
-import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,7 +75,7 @@ class _Run(_Entry):
     run: Any
     sql: str
     params: list
-    job: list
+    job: list  # runs.submission.first_job_row
     job_id: int | None = field(default=None, init=False)
 
 
@@ -189,11 +188,6 @@ def _write_work(batch: list[_Work]) -> None:
         return
     for entry in batch:
         entry.batch = len(batch)
-
-
-def job_row(job) -> list:
-    """The columns of `insert_runs_with_first_jobs`'s job arrays for procrastinate's job `job`, run id aside."""
-    return [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
 
 
 RUNS = GroupCommit(_write_runs, settings.GROUP_COMMIT_MAX_RUNS)

@@ -184,7 +184,7 @@ def _group_insert(run) -> bool:
     sql, params, plain = _run_insert(run)
     if not plain:
         return False
-    job = group_commit.job_row(run.advance_job().job)
+    job = first_job_row(run)
     try:
         job_id, batch = group_commit.insert(run, sql, params, job)
     except group_commit.Alone:
@@ -195,6 +195,13 @@ def _group_insert(run) -> bool:
     return True
 
 
+def first_job_row(run) -> list:
+    """The row of `run`'s first job as both statements take it (queue, task, priority, lock, queueing lock,
+    arguments): the job Run.enqueue would defer, its task, queue, locks, priority and arguments."""
+    job = run.advance_job().job
+    return [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
+
+
 def insert_with_first_job(run) -> int:
     """INSERT the unsaved `run` and defer its `advance_run` job in one statement; the job's id."""
     model = type(run)
@@ -202,8 +209,7 @@ def insert_with_first_job(run) -> int:
     assert run._state.adding and run.pk is not None, "a new run, its primary key set (uuid4 default)"
     insert_sql, insert_params = run_insert(run)
     pk = connection.ops.quote_name(meta.pk.column)
-    job = run.advance_job().job  # the job Run.enqueue would defer: its task, queue, locks, priority, arguments
-    row = [job.queue, job.task_name, job.priority, job.lock, job.queueing_lock, json.dumps(job.task_kwargs)]
+    row = first_job_row(run)
     with connection.cursor() as cursor:
         cursor.execute(queries["insert_run_with_first_job"].format(insert=insert_sql, pk=pk), [*insert_params, *row])
         (job_id,) = cursor.fetchone()

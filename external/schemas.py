@@ -14,6 +14,9 @@ turn into a 500:
   so a schema whose work grows exponentially (`anyOf` of two `$ref`s to the next level, 30 levels deep) or that
   refers to itself without end is refused rather than run; `uniqueItems` compares in one pass (jsonschema's is
   quadratic on items it cannot sort);
+- the check of the schema itself counts steps alone (MAX_CHECK_STEPS, patterns charged by their RE2 program's
+  size), so that a schema gets the same answer on a busy machine as on a quiet one, in every process;
+- a subschema's own `$schema` picks its draft, whose keywords are counted and on RE2 as well;
 - `unevaluatedProperties` is refused in a schema that also has `patternProperties`: jsonschema decides which
   properties were evaluated with Python's backtracking `re`, outside the keywords this module replaces.
 
@@ -31,6 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import jsonschema
 import re2
 import referencing
@@ -49,10 +53,16 @@ MAX_STEPS = 20_000
 # The same validation's CPU time, for steps that are costly one by one: 20,000 failures of `type` on a 60 KB
 # object took 2.7 s (each error's message holds the object's repr). The 750 line items above take 0.06 s.
 MAX_CPU = 0.5
-# Checking the schema itself (when asked; then once per process, by its text): the metaschema's pass over 32 KiB
-# takes 0.15-0.45 s of CPU; compiling a counted repetition of a Unicode class (`[\p{L}]{1,60}`) 25 ms, so 600 of
-# them, 15 KB, would take 15 s.
-MAX_CHECK_CPU = 1.0
+# Checking the schema itself (when asked; then once per process, by its text) counts steps, never the CPU time,
+# so that the same schema gets the same answer on a busy machine as on a quiet one, when asked and at each edit
+# after. A step of the metaschema's pass takes 15-25 us of CPU, about 30 of them per subschema: 30,000 are 0.5-0.75
+# s (450 `$ref`s to 450 `$anchor`s, 29 KB, take 26,578). 32 KiB of empty subschemas would take 270,000 (5 s).
+MAX_CHECK_STEPS = 30_000
+# A pattern is charged one step per PROGRAM_PER_STEP instructions of its RE2 program (0.5-0.7 us each to compile):
+# a counted repetition of a Unicode class (`[\p{L}\p{N}]{1,60}`, 80,000 instructions) takes 35-60 ms, so 600 of
+# them, 27 KB, would take 15 s and are charged 1.5 million steps. (Charged whether this process compiled it
+# before or not: the answer is the same in every process.)
+PROGRAM_PER_STEP = 32
 # RE2's memory for one compiled pattern (its default is 8 MiB): what a pattern kept in _compiled may hold, and a
 # bound on its compile time. `[\p{L}\p{N}]{1,64}` fits; `[\p{L}\p{N}]{1,200}` does not (`+` with maxLength does).
 RE2_MAX_MEM = 2 << 20
@@ -84,13 +94,14 @@ _NOTHING = referencing.Registry()
 
 class _Budget:
     """What the check under way may still spend: errors() sets one for each validation (MAX_STEPS, MAX_CPU),
-    problems() one for each schema it checks (MAX_CHECK_CPU)."""
+    problems() one for each schema it checks (MAX_CHECK_STEPS and no CPU time: its answer is kept, see there)."""
 
     __slots__ = ("steps", "max_steps", "cpu_until", "max_cpu")
 
-    def __init__(self, max_steps: int | None, max_cpu: float):
+    def __init__(self, max_steps: int, max_cpu: float | None):
         self.steps, self.max_steps = 0, max_steps
-        self.cpu_until, self.max_cpu = time.thread_time() + max_cpu, max_cpu
+        self.max_cpu = max_cpu
+        self.cpu_until = time.thread_time() + max_cpu if max_cpu is not None else None
 
 
 _budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("schema_budget", default=None)
@@ -242,14 +253,14 @@ def _counted(keyword):
     return evaluate
 
 
-def _spend() -> None:
-    """One step of the check under way (see _Budget)."""
+def _spend(steps: int = 1) -> None:
+    """`steps` steps of the check under way (see _Budget)."""
     budget = _budget.get()
     if budget is not None:
-        budget.steps += 1
-        if budget.max_steps is not None and budget.steps > budget.max_steps:
+        budget.steps += steps
+        if budget.steps > budget.max_steps:
             raise _TooMuchWork(f"more than {budget.max_steps} steps")
-        if time.thread_time() > budget.cpu_until:
+        if budget.cpu_until is not None and time.thread_time() > budget.cpu_until:
             raise _TooMuchWork(f"more than {budget.max_cpu} s of CPU")
 
 
@@ -258,7 +269,21 @@ def _validator_class(base: type) -> type:
     """`base` (a draft's validator) with RE2 patterns and every keyword counted. jsonschema.validators.extend
     creates a class without registering it as its draft's validator: jsonschema's own stay as they are."""
     keywords = {name: _REPLACED.get(name, keyword) for name, keyword in base.VALIDATORS.items()}
-    return jsonschema.validators.extend(base, {name: _counted(keyword) for name, keyword in keywords.items()})
+    cls = jsonschema.validators.extend(base, {name: _counted(keyword) for name, keyword in keywords.items()})
+    cls.evolve = functools.partialmethod(_evolve, base)
+    return cls
+
+
+def _evolve(validator, base: type, **changes):
+    """A validator for a subschema: jsonschema's evolve takes the class its `$schema` names, which is jsonschema's
+    own (Python's `re`, nothing counted), so a subschema saying `"$schema"` would escape RE2 and the budget: here
+    it gets that draft's class from _validator_class instead (the metaschemas' own resources say `$schema` too)."""
+    schema = changes.setdefault("schema", validator.schema)
+    cls = _validator_class(jsonschema.validators.validator_for(schema, default=base))
+    for field in attrs.fields(type(validator)):
+        if field.init and field.alias not in changes:
+            changes[field.alias] = getattr(validator, field.name)
+    return cls(**changes)
 
 
 def _draft(schema: dict) -> type:
@@ -271,12 +296,12 @@ def _draft(schema: dict) -> type:
 
 def problems(schema: Any) -> list[dict]:
     """Why the agent's `schema` cannot be used, as [{loc, msg}] (loc "schema", or a dotted path into it); []
-    when it can. The size is checked first; the rest stops after MAX_CHECK_CPU seconds of CPU."""
+    when it can. The size is checked first; the rest stops after MAX_CHECK_STEPS steps."""
     if not isinstance(schema, dict):
         return [{"loc": "schema", "msg": "must be a JSON object"}]
     if _depth(schema) > MAX_DEPTH:
         return [{"loc": "schema", "msg": f"nests objects and arrays too deep: at most {MAX_DEPTH} levels are allowed"}]
-    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
     if (size := len(text.encode())) > MAX_BYTES:
         return [{"loc": "schema", "msg": f"is {size} bytes as compact JSON; at most {MAX_BYTES} are allowed"}]
     return [dict(problem) for problem in _checked(text)]
@@ -284,14 +309,15 @@ def problems(schema: Any) -> list[dict]:
 
 @functools.lru_cache(maxsize=256)
 def _checked(text: str) -> tuple[dict, ...]:
-    """The checks of a schema within the limits, by its text: a card's schema is checked again at each edit,
-    which need not take the metaschema's 0.1-0.4 s (32 KiB) each time. (A schema refused for the CPU time it
-    took is refused again from here: the time is CPU, not the wall's, and the same again would take as long.)"""
+    """The checks of a schema within the limits, by its text with sorted keys (PostgreSQL's jsonb stores the
+    keys of the card's schema in an order of its own): a card's schema is checked again at each edit, which
+    need not take the metaschema's 0.5 s (29 KB) each time. The answer is the same in every process: the limit
+    counts steps, not CPU time."""
     schema = json.loads(text)
     draft = _draft(schema)
     if draft is jsonschema.Draft3Validator:
         return ({"loc": "schema", "msg": "draft-03 is not supported: use draft-04 or later"},)
-    token = _budget.set(_Budget(None, MAX_CHECK_CPU))
+    token = _budget.set(_Budget(MAX_CHECK_STEPS, None))
     try:
         # The draft's metaschema, evaluated by the same RE2 validator and without format checks: jsonschema's own
         # check_schema would compile every pattern with Python's `re` (the metaschema's `format: regex`).
@@ -396,9 +422,8 @@ def _subschemas(node: dict, resolver, path: tuple) -> Iterator[tuple]:
 
 
 def _pattern_problem(pattern: str, loc: str) -> Iterator[dict]:
-    _spend()  # a compile may take milliseconds (see MAX_CHECK_CPU)
     try:
-        _compiled(pattern)
+        _spend(1 + _compiled(pattern).programsize // PROGRAM_PER_STEP)  # overrun by one compile at most
     except re2.error as exc:
         why = _why(exc)
         hint = (

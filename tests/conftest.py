@@ -181,9 +181,12 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Debian's Chromium driven by Playwright (Playwright's own browser download cannot work here)."""
+    """Debian's Chromium driven by Playwright (Playwright's own browser download cannot work here). One per module:
+    Playwright's sync API keeps an event loop running in the thread while it is open, so a later test of the
+    same process that calls asyncio.run (the MCP adapter's, when CI spreads the files over two processes) would
+    find it running."""
     from playwright.sync_api import sync_playwright  # noqa: PLC0415 - only browser tests pay for it
 
     # Django keeps a connection per context, and Playwright's sync API switches contexts (greenlets) on

@@ -94,7 +94,8 @@ _NOTHING = referencing.Registry()
 
 class _Budget:
     """What the check under way may still spend: errors() sets one for each validation (MAX_STEPS, MAX_CPU),
-    problems() one for each schema it checks (MAX_CHECK_STEPS and no CPU time: its answer is kept, see there)."""
+    problems() one for each schema it checks (MAX_CHECK_STEPS and no CPU time, so that its answer does not depend
+    on the machine's load)."""
 
     __slots__ = ("steps", "max_steps", "cpu_until", "max_cpu")
 
